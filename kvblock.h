@@ -501,3 +501,1671 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
 }
 #endif
 #endif /* KVBLOCK_H */
+
+/* ================================================================================================ */
+/*                                        IMPLEMENTATION                                            */
+/* ================================================================================================ */
+#if defined(KVBLOCK_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#ifndef KVBLOCK_IMPL_INCLUDED
+#define KVBLOCK_IMPL_INCLUDED
+
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(KVB_MALLOC) || defined(KVB_REALLOC) || defined(KVB_FREE)
+#if !defined(KVB_MALLOC) || !defined(KVB_REALLOC) || !defined(KVB_FREE)
+#error "kvblock.h: define all of KVB_MALLOC, KVB_REALLOC and KVB_FREE, or none"
+#endif
+#else
+#define KVB_MALLOC(sz) malloc(sz)
+#define KVB_REALLOC(p, sz) realloc(p, sz)
+#define KVB_FREE(p) free(p)
+#endif
+
+/* stb_ds, private to this translation unit: its functions are renamed and declared static before the
+ * include (a later `extern` keeps the internal linkage), so it never clashes with a user's own copy. */
+#ifndef INCLUDE_STB_DS_H
+#ifdef __cplusplus
+extern "C" {
+#endif
+struct stbds_string_arena;
+static void *kvb__stbds_arrgrowf(void *a, size_t elemsize, size_t addlen, size_t min_cap);
+static void kvb__stbds_arrfreef(void *a);
+static void kvb__stbds_hmfree_func(void *p, size_t elemsize);
+static void *kvb__stbds_hmget_key(void *a, size_t elemsize, void *key, size_t keysize, int mode);
+static void *kvb__stbds_hmget_key_ts(void *a, size_t elemsize, void *key, size_t keysize, ptrdiff_t *temp,
+                                     int mode);
+static void *kvb__stbds_hmput_default(void *a, size_t elemsize);
+static void *kvb__stbds_hmput_key(void *a, size_t elemsize, void *key, size_t keysize, int mode);
+static void *kvb__stbds_hmdel_key(void *a, size_t elemsize, void *key, size_t keysize, size_t keyoffset,
+                                  int mode);
+static void *kvb__stbds_shmode_func(size_t elemsize, int mode);
+static void kvb__stbds_rand_seed(size_t seed);
+static size_t kvb__stbds_hash_bytes(void *p, size_t len, size_t seed);
+static size_t kvb__stbds_hash_string(char *str, size_t seed);
+static char *kvb__stbds_stralloc(struct stbds_string_arena *a, char *str);
+static void kvb__stbds_strreset(struct stbds_string_arena *a);
+#ifdef __cplusplus
+}
+#endif
+#define stbds_arrgrowf kvb__stbds_arrgrowf
+#define stbds_arrfreef kvb__stbds_arrfreef
+#define stbds_hmfree_func kvb__stbds_hmfree_func
+#define stbds_hmget_key kvb__stbds_hmget_key
+#define stbds_hmget_key_ts kvb__stbds_hmget_key_ts
+#define stbds_hmput_default kvb__stbds_hmput_default
+#define stbds_hmput_key kvb__stbds_hmput_key
+#define stbds_hmdel_key kvb__stbds_hmdel_key
+#define stbds_shmode_func kvb__stbds_shmode_func
+#define stbds_rand_seed kvb__stbds_rand_seed
+#define stbds_hash_bytes kvb__stbds_hash_bytes
+#define stbds_hash_string kvb__stbds_hash_string
+#define stbds_stralloc kvb__stbds_stralloc
+#define stbds_strreset kvb__stbds_strreset
+#define stbds_unit_tests kvb__stbds_unit_tests
+#define STBDS_NO_SHORT_NAMES
+#define STBDS_REALLOC(c, p, s) KVB_REALLOC(p, s)
+#define STBDS_FREE(c, p) KVB_FREE(p)
+#define STB_DS_IMPLEMENTATION
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function"
+#pragma GCC diagnostic ignored "-Wsign-conversion"
+#pragma GCC diagnostic ignored "-Wconversion"
+#pragma GCC diagnostic ignored "-Wmissing-field-initializers"
+#pragma GCC diagnostic ignored "-Wshadow"
+#endif
+#include <stb_ds.h>
+#if defined(__GNUC__) || defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#undef STB_DS_IMPLEMENTATION
+#endif /* INCLUDE_STB_DS_H */
+
+/* stb_ds's hmput/hmget use `typeof` under gcc, which strict -std=c11 does not have. */
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
+    !defined(typeof)
+#define typeof __typeof__
+#define KVB__DEFINED_TYPEOF
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define KVB__PREFETCH(p) __builtin_prefetch(p)
+#define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
+#else
+#define KVB__PREFETCH(p) ((void)(p))
+#define KVB__LIKELY(x) (x)
+#endif
+
+#define KVB__NIL UINT32_MAX
+/* Shrink an stb_ds array (stbds_arrsetlen also grows, and warns under -Wtype-limits for 0). */
+#define KVB__ARR_SHRINK(a, n) ((a) ? (void)(stbds_header(a)->length = (size_t)(n)) : (void)0)
+#define KVB__GEN_MASK UINT32_C(0x7fffffff)
+#define KVB__MAX_LEVELS 16
+#define KVB__MAX_BLOCK_TOKENS 32768
+#define KVB__STORAGE_ALIGN 4096
+#define KVB__LEAF_SCAN_LIMIT 1024
+
+/* meta flags */
+#define KVB__F_INDEXED 1u  /* the block the index points to for its hash */
+#define KVB__F_DUP 2u      /* registered, same hash as an indexed block, chained from it */
+#define KVB__F_INACTIVE 4u /* on an eviction list (refs == 0, registered) */
+#define KVB__F_MARK 8u     /* scratch for argument validation */
+#define KVB__S_FREE 0      /* state of a block in the free set */
+
+typedef struct kvb__meta { /* one cache line per block */
+    kvb_hash hash;
+    kvb_hash parent;
+    uint32_t prev, next; /* eviction list */
+    uint32_t refs;
+    uint32_t gen;
+    uint32_t dup_next;   /* next block with the same hash */
+    uint16_t ntok;
+    uint8_t state;
+    uint8_t prio;
+    uint8_t flags;
+    uint8_t pad_[7];
+} kvb__meta;
+
+typedef struct kvb__slot { uint64_t lo; uint32_t hi32; uint32_t ref; } kvb__slot; /* ref = index + 1 */
+
+typedef struct kvb__mut { /* what a mutable block needs until it is registered */
+    uint64_t salt;
+    uint32_t n_extra;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS];
+    uint32_t tokens[1];
+} kvb__mut;
+
+typedef struct kvb__mut_entry { uint32_t key; kvb__mut *value; } kvb__mut_entry;
+typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
+
+struct kvb_pool {
+    kvb_pool_config cfg;
+    pthread_mutex_t lock;
+    kvb__meta *meta;
+    uint32_t *free_stack;
+    uint32_t n_free, n_active, n_inactive, n_cached;
+    kvb__slot *slots;
+    uint64_t slot_mask;
+    uint32_t head[KVB__MAX_LEVELS], tail[KVB__MAX_LEVELS];
+    kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
+    kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
+    kvb_event *events;      /* pending batch (stb_ds array) */
+    kvb_pool_stats stats;
+    unsigned char *storage;
+    uint64_t storage_bytes, block_bytes;
+    size_t meta_bytes, slot_bytes;
+};
+
+static const uint64_t kvb__hk[16] = {
+    UINT64_C(0x91d93080f9b439fd), UINT64_C(0x3ceaaf308142c8eb), UINT64_C(0x627655daa05f1119),
+    UINT64_C(0x9dfb369bab13dfaf), UINT64_C(0x0ff9bb510944fe0d), UINT64_C(0x6301bbfca0c5154f),
+    UINT64_C(0x047a8387cdde8d51), UINT64_C(0x6fced11d2bd8a1e7), UINT64_C(0xb7c1dce27f7695f5),
+    UINT64_C(0x3a124c647e02ff05), UINT64_C(0x5cbd0ba3a1a6bcdf), UINT64_C(0x66080f174c96d8e3),
+    UINT64_C(0x42f2dc05873f9bd1), UINT64_C(0xb120a366f0bbe9cf), UINT64_C(0xce4cda11b43c589b),
+    UINT64_C(0x78b7d0ac84773ce1)};
+
+/* ---- results and hashing ------------------------------------------------------------------------ */
+
+KVB_API const char *kvb_result_string(int result)
+{
+    switch (result) {
+#define KVB__STRING_CASE(name, value, text) case value: return text;
+        KVB__RESULTS(KVB__STRING_CASE)
+#undef KVB__STRING_CASE
+    default: return "unknown result";
+    }
+}
+
+static uint64_t kvb__rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+
+static uint64_t kvb__mum(uint64_t x, uint64_t y)
+{
+#if defined(__SIZEOF_INT128__)
+    __extension__ typedef unsigned __int128 kvb__u128;
+    kvb__u128 p = (kvb__u128)x * y;
+    return (uint64_t)p ^ (uint64_t)(p >> 64);
+#else
+    uint64_t xl = x & 0xffffffffu, xh = x >> 32, yl = y & 0xffffffffu, yh = y >> 32;
+    uint64_t ll = xl * yl, lh = xl * yh, hl = xh * yl, hh = xh * yh;
+    uint64_t mid = (ll >> 32) + (lh & 0xffffffffu) + (hl & 0xffffffffu);
+    uint64_t lo = (ll & 0xffffffffu) | (mid << 32);
+    uint64_t hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+    return lo ^ hi;
+#endif
+}
+
+static uint64_t kvb__fin(uint64_t v)
+{
+    v ^= v >> 32;
+    v *= kvb__hk[2];
+    v ^= v >> 29;
+    v *= kvb__hk[4];
+    v ^= v >> 32;
+    return v;
+}
+
+typedef struct kvb__hstate { uint64_t a, b; size_t j; } kvb__hstate;
+
+static void kvb__hstep(kvb__hstate *s, uint64_t x, uint64_t y)
+{
+    size_t k = s->j++ & 15;
+    s->a = kvb__rotl(s->a, 29) + kvb__mum(x ^ kvb__hk[k], y ^ kvb__hk[(k + 5) & 15]);
+    s->b = kvb__rotl(s->b, 37) ^ kvb__mum(y ^ kvb__hk[(k + 9) & 15], x ^ kvb__hk[(k + 3) & 15]);
+}
+
+static uint64_t kvb__tok2(const uint32_t *t) { return (uint64_t)t[0] | ((uint64_t)t[1] << 32); }
+
+/* Word i of the message after the bulk of whole token pairs: remaining tokens, extra keys, length. */
+static uint64_t kvb__tail_word(const uint32_t *tokens, size_t n, const uint64_t *extra, size_t n_extra,
+                               size_t i)
+{
+    size_t ntw = (n + 1) / 2;
+    if (i < ntw) return (2 * i + 1 < n) ? kvb__tok2(tokens + 2 * i) : (uint64_t)tokens[2 * i];
+    if (i < ntw + n_extra) return extra[i - ntw];
+    if (i == ntw + n_extra) return (uint64_t)n | ((uint64_t)n_extra << 32);
+    return 0;
+}
+
+KVB_API kvb_hash kvb_hash_block(const kvb_hash *parent, const uint32_t *tokens, size_t n_tokens,
+                                const uint64_t *extra, size_t n_extra, uint64_t salt)
+{
+    kvb__hstate s;
+    kvb_hash h;
+    size_t bulk = n_tokens / 4, nwords, i;
+    s.a = (parent ? parent->lo : 0) ^ salt ^ kvb__hk[0];
+    s.b = (parent ? parent->hi : 0) ^ kvb__rotl(salt, 32) ^ kvb__hk[1];
+    s.j = 0;
+    for (i = 0; i < bulk; i++) kvb__hstep(&s, kvb__tok2(tokens + 4 * i), kvb__tok2(tokens + 4 * i + 2));
+    nwords = (n_tokens + 1) / 2 + n_extra + 1;
+    for (i = 2 * bulk; i < nwords; i += 2)
+        kvb__hstep(&s, kvb__tail_word(tokens, n_tokens, extra, n_extra, i),
+                   kvb__tail_word(tokens, n_tokens, extra, n_extra, i + 1));
+    h.lo = s.a ^ kvb__fin(s.b + kvb__hk[6]);
+    h.hi = s.b ^ kvb__fin(h.lo + kvb__hk[7]);
+    h.lo ^= kvb__fin(h.hi + kvb__hk[8]);
+    return h;
+}
+
+KVB_API kvb_result kvb_hash_prompt(const uint32_t *tokens, size_t n_tokens, uint32_t block_tokens,
+                                   const uint64_t *extra, size_t n_extra, uint64_t salt,
+                                   kvb_hash *out, size_t max_out, size_t *out_n)
+{
+    size_t nb, i;
+    const kvb_hash *parent = NULL;
+    if ((!tokens && n_tokens) || (!extra && n_extra) || !out_n || block_tokens == 0 || (!out && max_out))
+        return KVB_EINVAL;
+    nb = n_tokens / block_tokens;
+    if (nb > max_out) nb = max_out;
+    for (i = 0; i < nb; i++) {
+        out[i] = kvb_hash_block(parent, tokens + i * block_tokens, block_tokens, extra, n_extra, salt);
+        parent = &out[i];
+    }
+    *out_n = nb;
+    return KVB_OK;
+}
+
+static int kvb__hash_is_root(const kvb_hash *h) { return h->lo == 0 && h->hi == 0; }
+
+/* ---- layout ------------------------------------------------------------------------------------- */
+
+static kvb_layout kvb__layout_resolved(const kvb_layout *l)
+{
+    kvb_layout r = *l;
+    if (!r.num_layers) r.num_layers = 1;
+    if (!r.num_parts) r.num_parts = 2;
+    return r;
+}
+
+KVB_API kvb_result kvb_layout_for_model(kvb_layout_kind kind, uint32_t block_tokens, uint32_t num_layers,
+                                        uint32_t kv_heads, uint32_t head_dim, uint32_t dtype_bytes,
+                                        kvb_layout *out)
+{
+    uint64_t page;
+    if (!out) return KVB_EINVAL;
+    if ((unsigned)kind >= KVB_LAYOUT__COUNT || !block_tokens || !num_layers || !kv_heads || !head_dim ||
+        !dtype_bytes)
+        return KVB_ECONFIG;
+    page = (uint64_t)block_tokens * kv_heads; /* each factor < 2^32: check the products step by step */
+    if (page > UINT64_MAX / head_dim) return KVB_EOVERFLOW;
+    page *= head_dim;
+    if (page > UINT64_MAX / dtype_bytes) return KVB_EOVERFLOW;
+    page *= dtype_bytes;
+    out->kind = kind;
+    out->num_layers = num_layers;
+    out->num_parts = 2;
+    out->page_bytes = page;
+    return KVB_OK;
+}
+
+KVB_API uint64_t kvb_layout_offset(const kvb_layout *layout, uint32_t num_blocks, uint32_t block,
+                                   uint32_t layer, uint32_t part)
+{
+    kvb_layout l = kvb__layout_resolved(layout);
+    if (l.kind == KVB_LAYOUT_LAYER_SEPARATE)
+        return (((uint64_t)layer * l.num_parts + part) * num_blocks + block) * l.page_bytes;
+    return (((uint64_t)block * l.num_layers + layer) * l.num_parts + part) * l.page_bytes;
+}
+
+/* ---- memory ------------------------------------------------------------------------------------- */
+
+static void *kvb__mem_alloc(const kvb_allocator *a, size_t size, size_t align)
+{
+    unsigned char *raw, *p;
+    if (a->alloc) return a->alloc(size, align, a->user);
+    if (size > SIZE_MAX - align - sizeof(void *)) return NULL;
+    raw = (unsigned char *)KVB_MALLOC(size + align + sizeof(void *));
+    if (!raw) return NULL;
+    p = (unsigned char *)(((uintptr_t)raw + sizeof(void *) + align - 1) & ~(uintptr_t)(align - 1));
+    memcpy(p - sizeof(void *), &raw, sizeof raw);
+    return p;
+}
+
+static void kvb__mem_free(const kvb_allocator *a, void *p, size_t size)
+{
+    void *raw;
+    if (!p) return;
+    if (a->free) {
+        a->free(p, size, a->user);
+        return;
+    }
+    memcpy(&raw, (unsigned char *)p - sizeof(void *), sizeof raw);
+    KVB_FREE(raw);
+}
+
+/* ---- handles ------------------------------------------------------------------------------------ */
+
+static uint64_t kvb__handle(uint32_t idx, uint32_t gen) { return ((uint64_t)gen << 32) | ((uint64_t)idx + 1); }
+
+KVB_API uint32_t kvb_block_index(uint64_t handle_id)
+{
+    uint32_t low = (uint32_t)handle_id;
+    return low ? low - 1 : UINT32_MAX;
+}
+
+KVB_API kvb_weak kvb_weak_of(kvb_block block)
+{
+    kvb_weak w;
+    w.id = block.id ? (block.id | KVB_WEAK_BIT) : 0;
+    return w;
+}
+
+/* Find the block of a handle: index valid and generation current (a free block is never current). */
+static kvb_result kvb__lookup_handle(const kvb_pool *p, uint64_t id, uint32_t *out_idx)
+{
+    uint32_t low = (uint32_t)id, idx;
+    if (!id) return KVB_EINVAL;
+    if (!low || low > p->cfg.num_blocks) return KVB_ERANGE;
+    idx = low - 1;
+    if (p->meta[idx].state == KVB__S_FREE || p->meta[idx].gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK))
+        return (id & KVB_WEAK_BIT) ? KVB_EGONE : KVB_ESTALE;
+    *out_idx = idx;
+    return KVB_OK;
+}
+
+/* A strong handle the caller holds a reference through. */
+static kvb_result kvb__strong(const kvb_pool *p, kvb_block b, uint32_t *out_idx)
+{
+    kvb_result r;
+    if (b.id & KVB_WEAK_BIT) return KVB_EWEAK;
+    r = kvb__lookup_handle(p, b.id, out_idx);
+    if (r != KVB_OK) return r;
+    return p->meta[*out_idx].refs ? KVB_OK : KVB_ESTALE;
+}
+
+static kvb_block kvb__block_of(const kvb_pool *p, uint32_t idx)
+{
+    kvb_block b;
+    b.id = kvb__handle(idx, p->meta[idx].gen);
+    return b;
+}
+
+/* ---- events ------------------------------------------------------------------------------------- */
+
+static void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
+{
+    kvb_event e;
+    if (!p->cfg.on_events) return;
+    memset(&e, 0, sizeof e);
+    e.kind = kind;
+    e.tier = p->cfg.tier;
+    if (m) {
+        e.num_tokens = m->ntok;
+        e.hash = m->hash;
+        e.parent = m->parent;
+    }
+    stbds_arrput(p->events, e);
+}
+
+static void kvb__flush_events(kvb_pool *p)
+{
+    if (stbds_arrlen(p->events) == 0) return;
+    p->cfg.on_events(p->events, stbds_arrlenu(p->events), p->cfg.event_user);
+    KVB__ARR_SHRINK(p->events, 0);
+}
+
+static void kvb__unlock(kvb_pool *p)
+{
+    kvb__flush_events(p);
+    pthread_mutex_unlock(&p->lock);
+}
+
+/* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
+
+static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h)
+{
+    uint64_t pos = h->lo & p->slot_mask;
+    for (;;) {
+        const kvb__slot *s = &p->slots[pos];
+        if (!s->ref) return KVB__NIL;
+        if (s->lo == h->lo && s->hi32 == (uint32_t)h->hi && p->meta[s->ref - 1].hash.hi == h->hi)
+            return s->ref - 1;
+        pos = (pos + 1) & p->slot_mask;
+    }
+}
+
+static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
+{
+    uint64_t pos = p->meta[idx].hash.lo & p->slot_mask;
+    while (p->slots[pos].ref != idx + 1) pos = (pos + 1) & p->slot_mask;
+    return &p->slots[pos];
+}
+
+static void kvb__index_insert(kvb_pool *p, uint32_t idx)
+{
+    const kvb_hash *h = &p->meta[idx].hash;
+    uint64_t pos = h->lo & p->slot_mask;
+    while (p->slots[pos].ref) pos = (pos + 1) & p->slot_mask;
+    p->slots[pos].lo = h->lo;
+    p->slots[pos].hi32 = (uint32_t)h->hi;
+    p->slots[pos].ref = idx + 1;
+    p->n_cached++;
+}
+
+static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
+{
+    uint64_t i = (uint64_t)(slot - p->slots), j = i, k, m = p->slot_mask;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!p->slots[j].ref) break;
+        k = p->slots[j].lo & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue; /* home lies between: stays */
+        p->slots[i] = p->slots[j];
+        i = j;
+    }
+    p->slots[i].ref = 0;
+    p->n_cached--;
+}
+
+/* ---- lineage counts: how many registered blocks name a hash as parent ---------------------------- */
+
+/* The map key of a parent hash. stb_ds's byte hash shifts each 4th byte into the sign bit of an int
+ * (undefined behaviour for bytes >= 0x80), so bits 31 and 63 of each half are cleared: 124 bits left. */
+static kvb_hash kvb__kid_key(const kvb_hash *h)
+{
+    const uint64_t keep = ~((UINT64_C(1) << 31) | (UINT64_C(1) << 63));
+    kvb_hash k;
+    k.lo = h->lo & keep;
+    k.hi = h->hi & keep;
+    return k;
+}
+
+static uint32_t kvb__kids(kvb_pool *p, const kvb_hash *h)
+{
+    kvb_hash key = kvb__kid_key(h);
+    ptrdiff_t i = stbds_hmgeti(p->kids, key);
+    return i < 0 ? 0 : p->kids[i].value;
+}
+
+static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
+{
+    kvb_hash key = kvb__kid_key(parent);
+    ptrdiff_t i;
+    if (kvb__hash_is_root(parent)) return;
+    i = stbds_hmgeti(p->kids, key);
+    if (i < 0) {
+        stbds_hmput(p->kids, key, 1u);
+    } else if (delta > 0) {
+        p->kids[i].value++;
+    } else if (--p->kids[i].value == 0) {
+        (void)stbds_hmdel(p->kids, key);
+    }
+}
+
+/* ---- eviction lists ----------------------------------------------------------------------------- */
+
+static void kvb__list_push(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    m->flags |= KVB__F_INACTIVE;
+    p->n_inactive++;
+    if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
+        p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
+        return;
+    }
+    m->next = KVB__NIL;
+    m->prev = p->tail[m->prio];
+    if (m->prev != KVB__NIL) p->meta[m->prev].next = idx;
+    else p->head[m->prio] = idx;
+    p->tail[m->prio] = idx;
+}
+
+static void kvb__list_remove(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    m->flags &= (uint8_t)~KVB__F_INACTIVE;
+    p->n_inactive--;
+    if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
+        p->cfg.custom_eviction.on_removed(p->cfg.custom_eviction.user, idx);
+        return;
+    }
+    if (m->prev != KVB__NIL) p->meta[m->prev].next = m->next;
+    else p->head[m->prio] = m->next;
+    if (m->next != KVB__NIL) p->meta[m->next].prev = m->prev;
+    else p->tail[m->prio] = m->prev;
+    m->prev = m->next = KVB__NIL;
+}
+
+static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
+{
+    const kvb__meta *m = &p->meta[idx];
+    return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || kvb__kids(p, &m->hash) == 0;
+}
+
+static uint32_t kvb__choose_victim(kvb_pool *p)
+{
+    uint32_t lvl, i, scanned;
+    if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
+        i = p->cfg.custom_eviction.choose_victim(p->cfg.custom_eviction.user);
+        return (i < p->cfg.num_blocks && (p->meta[i].flags & KVB__F_INACTIVE)) ? i : KVB__NIL;
+    }
+    for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
+        if (p->cfg.eviction == KVB_EVICT_LRU) {
+            if (p->head[lvl] != KVB__NIL) return p->head[lvl];
+            continue;
+        }
+        /* Leaves come first; releases run deepest first, so the head is nearly always one. */
+        for (i = p->head[lvl], scanned = 0; i != KVB__NIL && scanned < KVB__LEAF_SCAN_LIMIT;
+             i = p->meta[i].next, scanned++)
+            if (kvb__is_leaf(p, i)) return i;
+    }
+    for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
+        if (p->head[lvl] != KVB__NIL) return p->head[lvl];
+    return KVB__NIL;
+}
+
+/* ---- block state changes (pool locked) ----------------------------------------------------------- */
+
+static kvb__mut *kvb__mut_of(kvb_pool *p, uint32_t idx)
+{
+    ptrdiff_t i = stbds_hmgeti(p->muts, idx);
+    return i < 0 ? NULL : p->muts[i].value;
+}
+
+static void kvb__mut_drop(kvb_pool *p, uint32_t idx)
+{
+    kvb__mut *mu = kvb__mut_of(p, idx);
+    if (!mu) return;
+    KVB_FREE(mu);
+    (void)stbds_hmdel(p->muts, idx);
+}
+
+/* Take a registered block out of the index (promoting a duplicate) or out of its duplicate chain. */
+static void kvb__unindex(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (m->flags & KVB__F_INDEXED) {
+        kvb__slot *s = kvb__slot_of(p, idx);
+        if (m->dup_next != KVB__NIL) {
+            s->ref = m->dup_next + 1;
+            p->meta[m->dup_next].flags = (uint8_t)((p->meta[m->dup_next].flags & ~KVB__F_DUP) | KVB__F_INDEXED);
+        } else {
+            kvb__emit(p, KVB_EVENT_REMOVED, m);
+            kvb__index_delete(p, s);
+        }
+    } else if (m->flags & KVB__F_DUP) {
+        uint32_t c = kvb__find(p, &m->hash);
+        while (p->meta[c].dup_next != idx) c = p->meta[c].dup_next;
+        p->meta[c].dup_next = m->dup_next;
+    }
+    m->flags &= (uint8_t)~(KVB__F_INDEXED | KVB__F_DUP);
+    m->dup_next = KVB__NIL;
+    kvb__kids_add(p, &m->parent, -1);
+}
+
+/* Any block back to the free set: a new generation invalidates every handle to it. */
+static void kvb__make_free(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (m->state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
+    else kvb__mut_drop(p, idx);
+    m->gen = (m->gen + 1) & KVB__GEN_MASK;
+    m->state = KVB__S_FREE;
+    m->refs = 0;
+    m->ntok = 0;
+    m->prio = 0;
+    memset(&m->hash, 0, sizeof m->hash);
+    memset(&m->parent, 0, sizeof m->parent);
+    p->free_stack[p->n_free++] = idx;
+}
+
+static uint32_t kvb__alloc_one(kvb_pool *p)
+{
+    uint32_t idx;
+    kvb__meta *m;
+    if (p->n_free) {
+        idx = p->free_stack[--p->n_free];
+    } else {
+        idx = kvb__choose_victim(p);
+        kvb__list_remove(p, idx);
+        kvb__make_free(p, idx);
+        p->n_free--;
+        p->stats.evictions++;
+    }
+    m = &p->meta[idx];
+    m->state = KVB_STATE_EMPTY;
+    m->refs = 1;
+    m->prev = m->next = m->dup_next = KVB__NIL;
+    p->n_active++;
+    p->stats.allocations++;
+    return idx;
+}
+
+static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
+
+static void kvb__take_ref(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (m->refs++ == 0) {
+        kvb__list_remove(p, idx);
+        p->n_active++;
+    }
+}
+
+/* Drop one reference; the last one makes the block inactive or free. */
+static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (--m->refs) return;
+    p->n_active--;
+    if (m->state == KVB_STATE_REGISTERED) {
+        m->prio = (uint8_t)prio;
+        kvb__list_push(p, idx);
+    } else {
+        kvb__make_free(p, idx);
+    }
+}
+
+/* Register a block under `hash`: returns the block that now carries the caller's reference (the
+ * existing one when the pool rejects duplicates). */
+static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
+                                  uint32_t ntok)
+{
+    kvb__meta *m = &p->meta[idx];
+    uint32_t old = kvb__find(p, hash);
+    p->stats.registrations++;
+    if (old != KVB__NIL) {
+        p->stats.dedups++;
+        if (p->cfg.duplicates == KVB_DUP_REJECT && m->refs == 1) {
+            kvb__take_ref(p, old);
+            kvb__drop_ref(p, idx, 0); /* not registered: back to free */
+            return old;
+        }
+    }
+    kvb__mut_drop(p, idx);
+    m->hash = *hash;
+    m->parent = parent ? *parent : m->parent;
+    m->ntok = (uint16_t)ntok;
+    m->state = KVB_STATE_REGISTERED;
+    kvb__kids_add(p, &m->parent, +1);
+    if (old == KVB__NIL) {
+        m->flags |= KVB__F_INDEXED;
+        kvb__index_insert(p, idx);
+        kvb__emit(p, KVB_EVENT_STORED, m);
+    } else { /* keep the first block matchable; chain this one behind it */
+        m->flags |= KVB__F_DUP;
+        m->dup_next = p->meta[old].dup_next;
+        p->meta[old].dup_next = idx;
+    }
+    return idx;
+}
+
+static kvb_hash kvb__hash(const kvb_pool *p, const kvb_hash *parent, const uint32_t *tokens, size_t n,
+                          const uint64_t *extra, size_t n_extra, uint64_t salt)
+{
+    kvb_hash h;
+    if (!p->cfg.hash_fn) return kvb_hash_block(parent, tokens, n, extra, n_extra, salt);
+    p->cfg.hash_fn(parent, tokens, n, extra, n_extra, salt, &h, p->cfg.hash_user);
+    return h;
+}
+
+/* ---- pool --------------------------------------------------------------------------------------- */
+
+static kvb_result kvb__resolve_config(const kvb_pool_config *in, kvb_pool_config *c, uint64_t *block_bytes)
+{
+    *c = *in;
+    if (!c->block_tokens) c->block_tokens = 16;
+    if (c->eviction == KVB_EVICT_DEFAULT) c->eviction = KVB_EVICT_LINEAGE;
+    if (c->duplicates == KVB_DUP_DEFAULT) c->duplicates = KVB_DUP_ALLOW;
+    if (!c->priority_levels) c->priority_levels = 1;
+    c->layout = kvb__layout_resolved(&c->layout);
+    if (!c->num_blocks || c->num_blocks > INT32_MAX || c->block_tokens > KVB__MAX_BLOCK_TOKENS ||
+        c->priority_levels > KVB__MAX_LEVELS || (unsigned)c->eviction >= KVB_EVICT__COUNT ||
+        (unsigned)c->duplicates >= KVB_DUP__COUNT || (unsigned)c->storage >= KVB_STORAGE__COUNT ||
+        (unsigned)c->layout.kind >= KVB_LAYOUT__COUNT || (!c->allocator.alloc != !c->allocator.free))
+        return KVB_ECONFIG;
+    if (c->eviction == KVB_EVICT_CUSTOM && (!c->custom_eviction.on_inactive || !c->custom_eviction.on_removed ||
+                                            !c->custom_eviction.choose_victim))
+        return KVB_ECONFIG;
+    *block_bytes = 0;
+    if (c->storage == KVB_STORAGE_NONE) return KVB_OK;
+    if (!c->layout.page_bytes) return KVB_ECONFIG;
+    if (c->layout.page_bytes > UINT64_MAX / c->layout.num_layers / c->layout.num_parts) return KVB_EOVERFLOW;
+    *block_bytes = c->layout.page_bytes * c->layout.num_layers * c->layout.num_parts;
+    if (*block_bytes > (uint64_t)SIZE_MAX / c->num_blocks) return KVB_EOVERFLOW;
+    if (c->storage == KVB_STORAGE_EXTERNAL &&
+        (!c->external_base || c->external_bytes < *block_bytes * c->num_blocks))
+        return KVB_ECONFIG;
+    return KVB_OK;
+}
+
+static void kvb__pool_free_parts(kvb_pool *p)
+{
+    const kvb_allocator *a = &p->cfg.allocator;
+    ptrdiff_t i;
+    for (i = 0; i < stbds_hmlen(p->muts); i++) KVB_FREE(p->muts[i].value);
+    stbds_hmfree(p->muts);
+    stbds_hmfree(p->kids);
+    stbds_arrfree(p->events);
+    kvb__mem_free(a, p->meta, p->meta_bytes);
+    kvb__mem_free(a, p->slots, p->slot_bytes);
+    kvb__mem_free(a, p->free_stack, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
+    if (p->cfg.storage == KVB_STORAGE_HOST) kvb__mem_free(a, p->storage, (size_t)p->storage_bytes);
+}
+
+KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out_pool)
+{
+    kvb_pool_config c;
+    kvb_pool *p;
+    uint64_t block_bytes, slots = 1;
+    uint32_t i;
+    kvb_result r;
+    if (!config || !out_pool) return KVB_EINVAL;
+    r = kvb__resolve_config(config, &c, &block_bytes);
+    if (r != KVB_OK) return r;
+    p = (kvb_pool *)kvb__mem_alloc(&c.allocator, sizeof *p, 64);
+    if (!p) return KVB_ENOMEM;
+    memset(p, 0, sizeof *p);
+    p->cfg = c;
+    p->block_bytes = block_bytes;
+    p->storage_bytes = block_bytes * c.num_blocks;
+    while (slots < (uint64_t)c.num_blocks + c.num_blocks / 2) slots <<= 1; /* load <= 2/3 */
+    p->slot_mask = slots - 1;
+    p->meta_bytes = (size_t)c.num_blocks * sizeof(kvb__meta);
+    p->slot_bytes = (size_t)slots * sizeof(kvb__slot);
+    p->meta = (kvb__meta *)kvb__mem_alloc(&c.allocator, p->meta_bytes, 64);
+    p->slots = (kvb__slot *)kvb__mem_alloc(&c.allocator, p->slot_bytes, 64);
+    p->free_stack = (uint32_t *)kvb__mem_alloc(&c.allocator, (size_t)c.num_blocks * sizeof(uint32_t), 64);
+    if (c.storage == KVB_STORAGE_HOST)
+        p->storage = (unsigned char *)kvb__mem_alloc(&c.allocator, (size_t)p->storage_bytes, KVB__STORAGE_ALIGN);
+    else if (c.storage == KVB_STORAGE_EXTERNAL)
+        p->storage = (unsigned char *)c.external_base;
+    if (!p->meta || !p->slots || !p->free_stack || (c.storage == KVB_STORAGE_HOST && !p->storage) ||
+        pthread_mutex_init(&p->lock, NULL) != 0) {
+        kvb__pool_free_parts(p);
+        kvb__mem_free(&c.allocator, p, sizeof *p);
+        return KVB_ENOMEM;
+    }
+    memset(p->meta, 0, p->meta_bytes);
+    memset(p->slots, 0, p->slot_bytes);
+    for (i = 0; i < c.num_blocks; i++) { /* lowest index allocated first */
+        p->meta[i].prev = p->meta[i].next = p->meta[i].dup_next = KVB__NIL;
+        p->meta[i].gen = 1;
+        p->free_stack[i] = c.num_blocks - 1 - i;
+    }
+    p->n_free = c.num_blocks;
+    for (i = 0; i < KVB__MAX_LEVELS; i++) p->head[i] = p->tail[i] = KVB__NIL;
+    *out_pool = p;
+    return KVB_OK;
+}
+
+KVB_API void kvb_pool_destroy(kvb_pool *pool)
+{
+    kvb_allocator a;
+    if (!pool) return;
+    a = pool->cfg.allocator;
+    pthread_mutex_destroy(&pool->lock);
+    kvb__pool_free_parts(pool);
+    kvb__mem_free(&a, pool, sizeof *pool);
+}
+
+KVB_API kvb_result kvb_pool_get_config(const kvb_pool *pool, kvb_pool_config *out)
+{
+    if (!pool || !out) return KVB_EINVAL;
+    *out = pool->cfg;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
+{
+    if (!pool || !out) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    *out = pool->stats;
+    out->num_blocks = pool->cfg.num_blocks;
+    out->free_blocks = pool->n_free;
+    out->active_blocks = pool->n_active;
+    out->inactive_blocks = pool->n_inactive;
+    out->cached_hashes = pool->n_cached;
+    pthread_mutex_unlock(&pool->lock);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_pool_storage(const kvb_pool *pool, void **out_base, uint64_t *out_bytes,
+                                    uint64_t *out_block_bytes, kvb_layout *out_layout)
+{
+    if (!pool) return KVB_EINVAL;
+    if (out_base) *out_base = pool->storage;
+    if (out_bytes) *out_bytes = pool->storage_bytes;
+    if (out_block_bytes) *out_block_bytes = pool->block_bytes;
+    if (out_layout) *out_layout = pool->cfg.layout;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
+{
+    uint32_t i;
+    kvb_pool_config *c;
+    if (!pool) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (pool->n_active) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_EBUSY;
+    }
+    c = &pool->cfg;
+    for (i = 0; i < c->num_blocks; i++) {
+        kvb__meta *m = &pool->meta[i];
+        if (!(m->flags & KVB__F_INACTIVE)) continue;
+        if (c->eviction == KVB_EVICT_CUSTOM) c->custom_eviction.on_removed(c->custom_eviction.user, i);
+        m->flags = 0;
+        m->dup_next = m->prev = m->next = KVB__NIL;
+        m->gen = (m->gen + 1) & KVB__GEN_MASK;
+        m->state = KVB__S_FREE;
+        m->ntok = 0;
+        pool->free_stack[pool->n_free++] = i;
+    }
+    pool->n_inactive = 0;
+    pool->n_cached = 0;
+    memset(pool->slots, 0, pool->slot_bytes);
+    stbds_hmfree(pool->kids);
+    for (i = 0; i < KVB__MAX_LEVELS; i++) pool->head[i] = pool->tail[i] = KVB__NIL;
+    kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
+    kvb__unlock(pool);
+    return KVB_OK;
+}
+
+/* ---- blocks ------------------------------------------------------------------------------------- */
+
+KVB_API kvb_result kvb_alloc(kvb_pool *pool, size_t n, kvb_block *out)
+{
+    size_t i;
+    if (!pool || (!out && n)) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (!kvb__available(pool, n)) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOSPACE;
+    }
+    for (i = 0; i < n; i++) out[i] = kvb__block_of(pool, kvb__alloc_one(pool));
+    kvb__unlock(pool);
+    return KVB_OK;
+}
+
+/* Resolve n strong handles into idx (caller-provided), all or nothing. */
+static kvb_result kvb__strong_all(const kvb_pool *p, const kvb_block *blocks, size_t n, uint32_t *idx)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        kvb_result r = kvb__strong(p, blocks[i], &idx[i]);
+        if (r != KVB_OK) return r;
+    }
+    return KVB_OK;
+}
+
+/* Small arrays stay on the stack; larger ones use the allocator macros. */
+#define KVB__SCRATCH 64
+static uint32_t *kvb__scratch(uint32_t *stack, size_t n)
+{
+    return n <= KVB__SCRATCH ? stack : (uint32_t *)KVB_MALLOC(n * sizeof(uint32_t));
+}
+static void kvb__scratch_free(uint32_t *stack, uint32_t *p)
+{
+    if (p != stack) KVB_FREE(p);
+}
+
+KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t i;
+    kvb_result r;
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__strong_all(pool, blocks, n, idx);
+    if (r == KVB_OK)
+        for (i = 0; i < n; i++) pool->meta[idx[i]].refs++;
+    kvb__unlock(pool);
+    kvb__scratch_free(stack, idx);
+    return r;
+}
+
+/* Drop one reference from each of idx[0..n), deepest (last) first. Validates first: on a double
+ * release (more drops of a block than it has references) nothing changes. */
+static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+{
+    size_t i, bad = n;
+    for (i = 0; i < n; i++) {
+        if (p->meta[idx[i]].refs == 0) {
+            bad = i;
+            break;
+        }
+        p->meta[idx[i]].refs--; /* tentative */
+    }
+    if (bad < n) {
+        while (i-- > 0) p->meta[idx[i]].refs++;
+        return KVB_EDOUBLE;
+    }
+    for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
+    for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
+{
+    uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0;
+    size_t i;
+    kvb_result r = KVB_OK;
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    for (i = 0; i < n && r == KVB_OK; i++) {
+        if (blocks[i].id & KVB_WEAK_BIT) r = KVB_EWEAK;
+        else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
+            r = KVB_EDOUBLE;
+    }
+    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio);
+    kvb__unlock(pool);
+    kvb__scratch_free(stack, idx);
+    return r;
+}
+
+KVB_API kvb_result kvb_block_get_info(kvb_pool *pool, uint64_t handle_id, kvb_block_info *out)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!pool || !out) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__lookup_handle(pool, handle_id, &idx);
+    if (r == KVB_OK) {
+        const kvb__meta *m = &pool->meta[idx];
+        memset(out, 0, sizeof *out);
+        out->state = (kvb_block_state)m->state;
+        out->index = idx;
+        out->refs = m->refs;
+        out->num_tokens = m->ntok;
+        out->priority = m->prio;
+        out->hash = m->hash;
+        out->parent = m->parent;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return r;
+}
+
+/* Lock the pool and resolve a strong handle in the expected state; on failure the pool is unlocked. */
+static kvb_result kvb__lock_block(kvb_pool *p, kvb_block b, int state, uint32_t *idx)
+{
+    kvb_result r;
+    pthread_mutex_lock(&p->lock);
+    r = kvb__strong(p, b, idx);
+    if (r == KVB_OK && p->meta[*idx].state != state) r = KVB_ESTATE;
+    if (r != KVB_OK) pthread_mutex_unlock(&p->lock);
+    return r;
+}
+
+static kvb_result kvb__init_block(kvb_pool *p, uint32_t idx, const kvb_hash *parent, uint64_t salt,
+                                  const uint64_t *extra, size_t n_extra)
+{
+    kvb__mut *mu = (kvb__mut *)KVB_MALLOC(sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens);
+    kvb__meta *m = &p->meta[idx];
+    if (!mu) return KVB_ENOMEM;
+    memset(mu, 0, sizeof *mu);
+    mu->salt = salt;
+    mu->n_extra = (uint32_t)n_extra;
+    if (n_extra) memcpy(mu->extra, extra, n_extra * sizeof *extra);
+    stbds_hmput(p->muts, idx, mu);
+    if (parent) m->parent = *parent;
+    else memset(&m->parent, 0, sizeof m->parent);
+    m->ntok = 0;
+    m->state = KVB_STATE_PARTIAL;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_block_init(kvb_pool *pool, kvb_block block, const kvb_hash *parent, uint64_t salt,
+                                  const uint64_t *extra, size_t n_extra)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!pool || (!extra && n_extra)) return KVB_EINVAL;
+    if (n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    if ((r = kvb__lock_block(pool, block, KVB_STATE_EMPTY, &idx)) != KVB_OK) return r;
+    r = kvb__init_block(pool, idx, parent, salt, extra, n_extra);
+    kvb__unlock(pool);
+    return r;
+}
+
+static void kvb__add_tokens(kvb_pool *p, uint32_t idx, const uint32_t *tokens, size_t n, int ready)
+{
+    kvb__meta *m = &p->meta[idx];
+    kvb__mut *mu = kvb__mut_of(p, idx);
+    if (n) memcpy(mu->tokens + m->ntok, tokens, n * sizeof *tokens);
+    m->ntok = (uint16_t)(m->ntok + n);
+    m->state = (m->ntok == p->cfg.block_tokens || ready) ? KVB_STATE_READY : KVB_STATE_PARTIAL;
+}
+
+KVB_API kvb_result kvb_block_add_tokens(kvb_pool *pool, kvb_block block, const uint32_t *tokens, size_t n,
+                                        int ready)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!pool || (!tokens && n)) return KVB_EINVAL;
+    if ((r = kvb__lock_block(pool, block, KVB_STATE_PARTIAL, &idx)) != KVB_OK) return r;
+    if (n > (size_t)pool->cfg.block_tokens - pool->meta[idx].ntok) r = KVB_ERANGE;
+    else kvb__add_tokens(pool, idx, tokens, n, ready);
+    kvb__unlock(pool);
+    return r;
+}
+
+/* One step of the lifecycle table for a locked, resolved block. */
+static void kvb__advance(kvb_pool *p, uint32_t idx, int to)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (to == KVB_STATE_COMPLETE && m->ntok < p->cfg.block_tokens) to = KVB_STATE_PARTIAL;
+    m->state = (uint8_t)to;
+}
+
+static kvb_result kvb__transition(kvb_pool *p, kvb_block b, int from, int to)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!p) return KVB_EINVAL;
+    if ((r = kvb__lock_block(p, b, from, &idx)) != KVB_OK) return r;
+    kvb__advance(p, idx, to);
+    kvb__unlock(p);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_block_schedule(kvb_pool *pool, kvb_block block)
+{
+    return kvb__transition(pool, block, KVB_STATE_READY, KVB_STATE_INFLIGHT);
+}
+
+KVB_API kvb_result kvb_block_cancel_schedule(kvb_pool *pool, kvb_block block)
+{
+    return kvb__transition(pool, block, KVB_STATE_READY, KVB_STATE_PARTIAL);
+}
+
+KVB_API kvb_result kvb_block_compute_done(kvb_pool *pool, kvb_block block)
+{
+    return kvb__transition(pool, block, KVB_STATE_INFLIGHT, KVB_STATE_COMPLETE);
+}
+
+/* Validate handles for registration: strong, in `state`, each block once. */
+static kvb_result kvb__check_for_register(kvb_pool *p, const kvb_block *blocks, size_t n, int state,
+                                          uint32_t *idx)
+{
+    size_t i;
+    kvb_result r = kvb__strong_all(p, blocks, n, idx);
+    for (i = 0; r == KVB_OK && i < n; i++) {
+        if (p->meta[idx[i]].state != state) r = KVB_ESTATE;
+        else if (p->meta[idx[i]].flags & KVB__F_MARK) r = KVB_EINVAL; /* same block twice */
+        else p->meta[idx[i]].flags |= KVB__F_MARK;
+    }
+    while (i-- > 0) p->meta[idx[i]].flags &= (uint8_t)~KVB__F_MARK;
+    return r;
+}
+
+KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t n, kvb_block *out)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t i;
+    kvb_result r;
+    if (!pool || (n && (!blocks || !out))) return KVB_EINVAL;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_COMPLETE, idx);
+    for (i = 0; r == KVB_OK && i < n; i++) {
+        kvb__meta *m = &pool->meta[idx[i]];
+        kvb__mut *mu = kvb__mut_of(pool, idx[i]);
+        kvb_hash parent = m->parent;
+        kvb_hash h = kvb__hash(pool, &parent, mu->tokens, m->ntok, mu->extra, mu->n_extra, mu->salt);
+        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok));
+    }
+    kvb__unlock(pool);
+    kvb__scratch_free(stack, idx);
+    return r;
+}
+
+KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, size_t n,
+                                       const kvb_hash *hashes, const kvb_hash *parents, kvb_block *out)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t i;
+    kvb_result r;
+    kvb_hash root = {0, 0};
+    if (!pool || (n && (!blocks || !out || !hashes))) return KVB_EINVAL;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
+    for (i = 0; r == KVB_OK && i < n; i++)
+        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
+                                                       pool->cfg.block_tokens));
+    kvb__unlock(pool);
+    kvb__scratch_free(stack, idx);
+    return r;
+}
+
+/* Index of the longest cached prefix, in chunks: prefetch the slots of a chunk, probe them and
+ * prefetch the blocks they name, then confirm; the cache misses of a chunk overlap. */
+#define KVB__MATCH_CHUNK 16
+static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
+{
+    size_t base, j, m;
+    for (base = 0; base < n; base += m) {
+        m = n - base < KVB__MATCH_CHUNK ? n - base : KVB__MATCH_CHUNK;
+        for (j = 0; j < m; j++) KVB__PREFETCH(&p->slots[hashes[base + j].lo & p->slot_mask]);
+        for (j = 0; j < m; j++) {
+            const kvb_hash *h = &hashes[base + j];
+            uint64_t pos = h->lo & p->slot_mask;
+            uint32_t cand = KVB__NIL;
+            for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
+                if (p->slots[pos].lo == h->lo && p->slots[pos].hi32 == (uint32_t)h->hi) {
+                    cand = p->slots[pos].ref - 1;
+                    break;
+                }
+            if (cand == KVB__NIL) break;
+            idx[base + j] = cand;
+            KVB__PREFETCH(&p->meta[cand]);
+        }
+        for (m = j, j = 0; j < m; j++) {
+            uint32_t *c = &idx[base + j];
+            if (p->meta[*c].hash.hi != hashes[base + j].hi && (*c = kvb__find(p, &hashes[base + j])) == KVB__NIL)
+                return base + j;
+        }
+        if (m < KVB__MATCH_CHUNK && base + m < n) return base + m;
+    }
+    return n;
+}
+
+/* Take references on the k matched blocks of a lookup of n hashes, and count it. */
+static void kvb__take_matched(kvb_pool *p, const uint32_t *idx, size_t k, size_t n, kvb_block *out)
+{
+    size_t i;
+    for (i = 0; i < k; i++) {
+        kvb__take_ref(p, idx[i]);
+        if (out) out[i] = kvb__block_of(p, idx[i]);
+        p->stats.hit_tokens += p->meta[idx[i]].ntok;
+    }
+    p->stats.lookups++;
+    p->stats.lookup_blocks += n;
+    p->stats.hit_blocks += k;
+}
+
+KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                             size_t *out_n)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t k;
+    if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    k = kvb__prefix(pool, hashes, n, idx);
+    kvb__take_matched(pool, idx, k, n, out_blocks);
+    *out_n = k;
+    kvb__unlock(pool);
+    kvb__scratch_free(stack, idx);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_n)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    if (!pool || !out_n || (n && !hashes)) return KVB_EINVAL;
+    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
+    pthread_mutex_lock(&pool->lock);
+    *out_n = kvb__prefix(pool, hashes, n, idx);
+    pthread_mutex_unlock(&pool->lock);
+    kvb__scratch_free(stack, idx);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_upgrade(kvb_pool *pool, kvb_weak weak, kvb_block *out)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!pool || !out || !(weak.id & KVB_WEAK_BIT)) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__lookup_handle(pool, weak.id, &idx);
+    if (r == KVB_OK && pool->meta[idx].refs == 0 && pool->meta[idx].state != KVB_STATE_REGISTERED)
+        r = KVB_EGONE;
+    if (r == KVB_OK) {
+        kvb__take_ref(pool, idx);
+        out->id = weak.id & ~KVB_WEAK_BIT;
+    }
+    pthread_mutex_unlock(&pool->lock);
+    return r;
+}
+
+static unsigned char *kvb__page(const kvb_pool *p, uint32_t idx, uint32_t layer, uint32_t part)
+{
+    return p->storage + kvb_layout_offset(&p->cfg.layout, p->cfg.num_blocks, idx, layer, part);
+}
+
+KVB_API kvb_result kvb_block_data(kvb_pool *pool, kvb_block block, uint32_t layer, uint32_t part,
+                                  void **out_ptr)
+{
+    uint32_t idx;
+    kvb_result r;
+    if (!pool || !out_ptr) return KVB_EINVAL;
+    if (pool->cfg.storage == KVB_STORAGE_NONE) return KVB_ENODATA;
+    if (layer >= pool->cfg.layout.num_layers || part >= pool->cfg.layout.num_parts) return KVB_ERANGE;
+    pthread_mutex_lock(&pool->lock);
+    r = kvb__strong(pool, block, &idx);
+    if (r == KVB_OK) *out_ptr = kvb__page(pool, idx, layer, part);
+    pthread_mutex_unlock(&pool->lock);
+    return r;
+}
+
+static void kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
+{
+    uint32_t l, q;
+    if (!p->storage) return;
+    if (p->cfg.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
+        memcpy(kvb__page(p, dst, 0, 0), kvb__page(p, src, 0, 0), (size_t)p->block_bytes);
+        return;
+    }
+    for (l = 0; l < p->cfg.layout.num_layers; l++)
+        for (q = 0; q < p->cfg.layout.num_parts; q++)
+            memcpy(kvb__page(p, dst, l, q), kvb__page(p, src, l, q), (size_t)p->cfg.layout.page_bytes);
+}
+
+/* ---- check -------------------------------------------------------------------------------------- */
+
+#define KVB__FAIL(...)                                           \
+    do {                                                         \
+        if (why && why_size) snprintf(why, why_size, __VA_ARGS__); \
+        r = KVB_ECORRUPT;                                        \
+        goto done;                                               \
+    } while (0)
+
+static int kvb__findable(const kvb_pool *p, uint64_t slot)
+{
+    uint64_t pos = p->slots[slot].lo & p->slot_mask;
+    for (; pos != slot; pos = (pos + 1) & p->slot_mask)
+        if (!p->slots[pos].ref) return 0;
+    return 1;
+}
+
+KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
+{
+    kvb_result r = KVB_OK;
+    uint32_t i, n, lvl, cnt, n_free = 0, n_active = 0, n_inactive = 0, n_cached = 0;
+    uint64_t s;
+    unsigned char *seen = NULL;
+    kvb__kid_entry *kids = NULL;
+    ptrdiff_t k;
+    if (!pool) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    n = pool->cfg.num_blocks;
+    seen = (unsigned char *)KVB_MALLOC(n);
+    if (!seen) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
+    memset(seen, 0, n);
+    if (pool->n_free > n) KVB__FAIL("free count %u > blocks", pool->n_free);
+    for (i = 0; i < pool->n_free; i++) {
+        uint32_t f = pool->free_stack[i];
+        if (f >= n || seen[f]++) KVB__FAIL("free stack entry %u repeated or out of range", f);
+        if (pool->meta[f].state != KVB__S_FREE) KVB__FAIL("block %u on the free stack is not free", f);
+    }
+    for (i = 0; i < n; i++) {
+        const kvb__meta *m = &pool->meta[i];
+        int mutable_state = m->state >= KVB_STATE_PARTIAL && m->state <= KVB_STATE_COMPLETE;
+        if (m->state == KVB__S_FREE) {
+            n_free++;
+            if (!seen[i] || m->refs || m->flags) KVB__FAIL("free block %u: stacked %d refs %u flags %u", i, seen[i], m->refs, m->flags);
+        } else if (m->refs) {
+            n_active++;
+            if (m->flags & KVB__F_INACTIVE) KVB__FAIL("active block %u on an eviction list", i);
+        } else {
+            n_inactive++;
+            if (m->state != KVB_STATE_REGISTERED || !(m->flags & KVB__F_INACTIVE))
+                KVB__FAIL("unreferenced block %u neither free nor inactive (state %u)", i, m->state);
+        }
+        if (mutable_state != (kvb__mut_of(pool, i) != NULL)) KVB__FAIL("block %u: mutable state mismatch", i);
+        if (m->ntok > pool->cfg.block_tokens) KVB__FAIL("block %u holds %u tokens", i, m->ntok);
+        if ((m->state == KVB_STATE_REGISTERED) != !!(m->flags & (KVB__F_INDEXED | KVB__F_DUP)))
+            KVB__FAIL("block %u: registered but neither indexed nor duplicate", i);
+        if (m->state == KVB_STATE_REGISTERED) {
+            uint32_t c = kvb__find(pool, &m->hash);
+            while (c != KVB__NIL && c != i) c = pool->meta[c].dup_next;
+            if (c != i) KVB__FAIL("registered block %u not reachable from the index", i);
+            if (!kvb__hash_is_root(&m->parent)) {
+                kvb_hash key = kvb__kid_key(&m->parent);
+                k = stbds_hmgeti(kids, key);
+                if (k < 0) stbds_hmput(kids, key, 1u);
+                else kids[k].value++;
+            }
+        }
+    }
+    if (n_free != pool->n_free || n_active != pool->n_active || n_inactive != pool->n_inactive)
+        KVB__FAIL("set sizes free %u/%u active %u/%u inactive %u/%u", n_free, pool->n_free, n_active,
+                  pool->n_active, n_inactive, pool->n_inactive);
+    if (pool->cfg.eviction != KVB_EVICT_CUSTOM) {
+        for (lvl = 0, cnt = 0; lvl < KVB__MAX_LEVELS; lvl++) {
+            uint32_t prev = KVB__NIL;
+            for (i = pool->head[lvl]; i != KVB__NIL; prev = i, i = pool->meta[i].next) {
+                if (i >= n || ++cnt > n_inactive) KVB__FAIL("eviction list %u broken", lvl);
+                if (pool->meta[i].prev != prev || pool->meta[i].prio != lvl || !(pool->meta[i].flags & KVB__F_INACTIVE))
+                    KVB__FAIL("eviction list %u: bad links or level at block %u", lvl, i);
+            }
+            if (pool->tail[lvl] != prev) KVB__FAIL("eviction list %u: tail mismatch", lvl);
+        }
+        if (cnt != n_inactive) KVB__FAIL("eviction lists hold %u of %u inactive blocks", cnt, n_inactive);
+    }
+    for (s = 0; s <= pool->slot_mask; s++) {
+        uint32_t ref = pool->slots[s].ref;
+        if (!ref) continue;
+        n_cached++;
+        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) || pool->meta[ref - 1].hash.lo != pool->slots[s].lo)
+            KVB__FAIL("index slot %llu names block %u wrongly", (unsigned long long)s, ref - 1);
+        if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
+    }
+    if (n_cached != pool->n_cached) KVB__FAIL("index holds %u hashes, counted %u", n_cached, pool->n_cached);
+    if (stbds_hmlen(kids) != stbds_hmlen(pool->kids)) KVB__FAIL("parent counts: %d parents, expected %d",
+                                                               (int)stbds_hmlen(pool->kids), (int)stbds_hmlen(kids));
+    for (k = 0; k < stbds_hmlen(kids); k++) {
+        kvb_hash key = kids[k].key;
+        ptrdiff_t at = stbds_hmgeti(pool->kids, key);
+        if (at < 0 || pool->kids[at].value != kids[k].value) KVB__FAIL("parent count mismatch");
+    }
+done:
+    stbds_hmfree(kids);
+    KVB_FREE(seen);
+    pthread_mutex_unlock(&pool->lock);
+    return r;
+}
+#undef KVB__FAIL
+
+/* ---- sequences ---------------------------------------------------------------------------------- */
+
+struct kvb_seq {
+    kvb_pool *pool;
+    uint64_t salt;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS];
+    size_t n_extra;
+    uint32_t *tokens;  /* stb_ds arrays */
+    kvb_block *table;
+    kvb_hash *hashes;  /* one per full block */
+    size_t computed, cached;
+};
+
+KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
+{
+    kvb_seq *s;
+    if (!pool || !out || (config && !config->extra && config->n_extra)) return KVB_EINVAL;
+    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    s = (kvb_seq *)KVB_MALLOC(sizeof *s);
+    if (!s) return KVB_ENOMEM;
+    memset(s, 0, sizeof *s);
+    s->pool = pool;
+    if (config) {
+        s->salt = config->salt;
+        s->n_extra = config->n_extra;
+        if (config->n_extra) memcpy(s->extra, config->extra, config->n_extra * sizeof *s->extra);
+    }
+    *out = s;
+    return KVB_OK;
+}
+
+/* Drop the sequence's references on table[from..), deepest first. Pool locked. */
+static void kvb__seq_drop_tail(kvb_seq *s, size_t from)
+{
+    size_t i;
+    for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
+    KVB__ARR_SHRINK(s->table, from);
+}
+
+KVB_API void kvb_seq_destroy(kvb_seq *seq)
+{
+    if (!seq) return;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_drop_tail(seq, 0);
+    kvb__unlock(seq->pool);
+    stbds_arrfree(seq->tokens);
+    stbds_arrfree(seq->table);
+    stbds_arrfree(seq->hashes);
+    KVB_FREE(seq);
+}
+
+static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)
+{
+    if (block == 0) return NULL;
+    return block - 1 < n_old ? &s->hashes[block - 1] : &fresh[block - 1 - n_old];
+}
+
+/* A private copy of block `old` holding its first ntok tokens (copy-on-write); the old reference is
+ * dropped. Pool locked, one block available. */
+static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok)
+{
+    kvb_pool *p = s->pool;
+    uint32_t old = kvb_block_index(s->table[b].id), idx = kvb__alloc_one(p);
+    kvb_result r = kvb__init_block(p, idx, &p->meta[old].parent, s->salt, s->extra, s->n_extra);
+    if (r != KVB_OK) {
+        kvb__drop_ref(p, idx, 0);
+        return r;
+    }
+    kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
+    p->meta[idx].state = KVB_STATE_PARTIAL;
+    kvb__copy_bytes(p, idx, old);
+    kvb__drop_ref(p, old, 0);
+    s->table[b] = kvb__block_of(p, idx);
+    return KVB_OK;
+}
+
+/* Fill new blocks nb_from..nb_to with the tokens from the table's end on. Pool locked, space checked. */
+static kvb_result kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kvb_hash *fresh,
+                                    size_t n_old, size_t total)
+{
+    kvb_pool *p = s->pool;
+    size_t b, bt = p->cfg.block_tokens;
+    for (b = nb_from; b < nb_to; b++) {
+        uint32_t idx = kvb__alloc_one(p);
+        size_t end = (b + 1) * bt < total ? (b + 1) * bt : total;
+        kvb_result r = kvb__init_block(p, idx, kvb__seq_parent(s, b, fresh, n_old), s->salt, s->extra, s->n_extra);
+        if (r != KVB_OK) {
+            kvb__drop_ref(p, idx, 0);
+            return r;
+        }
+        kvb__add_tokens(p, idx, s->tokens + b * bt, end - b * bt, 0);
+        stbds_arrput(s->table, kvb__block_of(p, idx));
+    }
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+{
+    kvb_pool *p;
+    size_t bt, len, total, n_old, n_new, nb_old, nb_new, k = 0, need, i, inactive_hit = 0, room;
+    uint32_t stack[KVB__SCRATCH], *idx = stack, last = KVB__NIL;
+    kvb_hash *fresh = NULL;
+    kvb_result r = KVB_OK;
+    if (!seq || (!tokens && n)) return KVB_EINVAL;
+    p = seq->pool;
+    bt = p->cfg.block_tokens;
+    len = stbds_arrlenu(seq->tokens);
+    total = len + n;
+    if (out_cached_tokens) *out_cached_tokens = 0;
+    if (!n) return KVB_OK;
+    memcpy(stbds_arraddnptr(seq->tokens, n), tokens, n * sizeof *tokens); /* tentative */
+    n_old = stbds_arrlenu(seq->hashes);
+    n_new = total / bt - n_old;
+    nb_old = stbds_arrlenu(seq->table);
+    nb_new = (total + bt - 1) / bt;
+    if (n_new) fresh = (kvb_hash *)KVB_MALLOC(n_new * sizeof *fresh);
+    if (n_new > KVB__SCRATCH) idx = (uint32_t *)KVB_MALLOC(n_new * sizeof *idx);
+    if ((n_new && !fresh) || !idx) {
+        r = KVB_ENOMEM;
+        goto out;
+    }
+    for (i = 0; i < n_new; i++)
+        fresh[i] = kvb__hash(p, kvb__seq_parent(seq, n_old + i, fresh, n_old), seq->tokens + (n_old + i) * bt, bt,
+                             seq->extra, seq->n_extra, seq->salt);
+    pthread_mutex_lock(&p->lock);
+    if (len % bt) { /* the partial last block takes tokens first: it must be writable */
+        last = kvb_block_index(seq->table[nb_old - 1].id);
+        if (p->meta[last].state != KVB_STATE_PARTIAL) r = KVB_ESTATE;
+    }
+    if (r == KVB_OK && seq->cached == len && len % bt == 0) k = kvb__prefix(p, fresh, n_new, idx);
+    for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs == 0;
+    need = nb_new - nb_old - k + (last != KVB__NIL && p->meta[last].refs > 1);
+    room = (size_t)p->n_free + p->n_inactive - inactive_hit;
+    if (r == KVB_OK && need > room) r = KVB_ENOSPACE;
+    if (r != KVB_OK) {
+        pthread_mutex_unlock(&p->lock);
+        goto out;
+    }
+    if (n_new && seq->cached == len && len % bt == 0) {
+        kvb__take_matched(p, idx, k, n_new, NULL);
+        for (i = 0; i < k; i++) stbds_arrput(seq->table, kvb__block_of(p, idx[i]));
+    }
+    if (last != KVB__NIL) {
+        size_t fill = bt - len % bt < n ? bt - len % bt : n;
+        if (p->meta[last].refs > 1) r = kvb__seq_cow(seq, nb_old - 1, (uint32_t)(len % bt));
+        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(seq->table[nb_old - 1].id), tokens, fill, 0);
+    }
+    if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
+    kvb__unlock(p);
+    if (r != KVB_OK) goto out; /* only an out-of-memory gets here */
+    for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
+    seq->cached += k * bt;
+    if (k) seq->computed = seq->cached;
+    if (out_cached_tokens) *out_cached_tokens = k * bt;
+out:
+    if (r != KVB_OK) KVB__ARR_SHRINK(seq->tokens, len);
+    if (idx != stack) KVB_FREE(idx);
+    KVB_FREE(fresh);
+    return r;
+}
+
+KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
+{
+    kvb_pool *p;
+    size_t b, bt, len, nb;
+    if (!seq) return KVB_EINVAL;
+    p = seq->pool;
+    bt = p->cfg.block_tokens;
+    len = stbds_arrlenu(seq->tokens);
+    nb = stbds_arrlenu(seq->table);
+    if (num_tokens > len) return KVB_ERANGE;
+    pthread_mutex_lock(&p->lock);
+    for (b = seq->computed / bt; b < nb; b++) { /* every block that ends within the computed tokens */
+        size_t end = (b + 1) * bt < len ? (b + 1) * bt : len;
+        uint32_t idx = kvb_block_index(seq->table[b].id);
+        kvb__meta *m = &p->meta[idx];
+        if (end > num_tokens) break;
+        if (m->state == KVB_STATE_PARTIAL) m->state = KVB_STATE_READY;
+        if (m->state == KVB_STATE_READY) m->state = KVB_STATE_INFLIGHT;
+        if (m->state == KVB_STATE_INFLIGHT) kvb__advance(p, idx, KVB_STATE_COMPLETE);
+        if (m->state == KVB_STATE_COMPLETE) {
+            kvb_hash parent = m->parent;
+            seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok));
+        }
+    }
+    kvb__unlock(p);
+    if (num_tokens > seq->computed) seq->computed = num_tokens;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out)
+{
+    kvb_seq *c;
+    size_t i;
+    kvb_result r;
+    if (!seq || !out) return KVB_EINVAL;
+    if ((r = kvb_seq_create(seq->pool, NULL, &c)) != KVB_OK) return r;
+    c->salt = seq->salt;
+    c->n_extra = seq->n_extra;
+    memcpy(c->extra, seq->extra, sizeof c->extra);
+    c->computed = seq->computed;
+    c->cached = seq->cached;
+    if (stbds_arrlenu(seq->tokens))
+        memcpy(stbds_arraddnptr(c->tokens, stbds_arrlenu(seq->tokens)), seq->tokens, stbds_arrlenu(seq->tokens) * sizeof *c->tokens);
+    if (stbds_arrlenu(seq->hashes))
+        memcpy(stbds_arraddnptr(c->hashes, stbds_arrlenu(seq->hashes)), seq->hashes, stbds_arrlenu(seq->hashes) * sizeof *c->hashes);
+    pthread_mutex_lock(&seq->pool->lock);
+    for (i = 0; i < stbds_arrlenu(seq->table); i++) {
+        seq->pool->meta[kvb_block_index(seq->table[i].id)].refs++;
+        stbds_arrput(c->table, seq->table[i]);
+    }
+    pthread_mutex_unlock(&seq->pool->lock);
+    *out = c;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
+{
+    kvb_pool *p;
+    size_t bt, len, nb, keep, rem, i, freed = 0;
+    uint32_t last = KVB__NIL;
+    int cow = 0;
+    kvb_result r = KVB_OK;
+    if (!seq) return KVB_EINVAL;
+    p = seq->pool;
+    bt = p->cfg.block_tokens;
+    len = stbds_arrlenu(seq->tokens);
+    nb = stbds_arrlenu(seq->table);
+    if (num_tokens > len) return KVB_ERANGE;
+    if (num_tokens == len) return KVB_OK;
+    keep = (num_tokens + bt - 1) / bt;
+    rem = num_tokens % bt;
+    pthread_mutex_lock(&p->lock);
+    if (rem) {
+        last = kvb_block_index(seq->table[keep - 1].id);
+        cow = p->meta[last].state == KVB_STATE_REGISTERED || p->meta[last].refs > 1;
+        if (!cow && p->meta[last].state != KVB_STATE_PARTIAL && p->meta[last].state != KVB_STATE_READY)
+            r = KVB_ESTATE;
+    }
+    for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
+    if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
+    if (r == KVB_OK) {
+        kvb__seq_drop_tail(seq, keep);
+        if (cow) {
+            r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
+        } else if (last != KVB__NIL) {
+            p->meta[last].ntok = (uint16_t)rem;
+            p->meta[last].state = KVB_STATE_PARTIAL;
+        }
+    }
+    kvb__unlock(p);
+    if (r != KVB_OK) return r;
+    KVB__ARR_SHRINK(seq->tokens, num_tokens);
+    KVB__ARR_SHRINK(seq->hashes, num_tokens / bt);
+    if (seq->computed > num_tokens) seq->computed = num_tokens;
+    if (seq->cached > num_tokens) seq->cached = num_tokens;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_blocks(const kvb_seq *seq, const kvb_block **out_table, size_t *out_n)
+{
+    if (!seq || !out_table || !out_n) return KVB_EINVAL;
+    *out_table = seq->table;
+    *out_n = stbds_arrlenu(seq->table);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_get_info(const kvb_seq *seq, kvb_seq_info *out)
+{
+    if (!seq || !out) return KVB_EINVAL;
+    out->num_tokens = stbds_arrlenu(seq->tokens);
+    out->num_computed = seq->computed;
+    out->num_cached = seq->cached;
+    out->num_blocks = stbds_arrlenu(seq->table);
+    out->num_full = stbds_arrlenu(seq->hashes);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_tokens(const kvb_seq *seq, const uint32_t **out_tokens, size_t *out_n)
+{
+    if (!seq || !out_tokens || !out_n) return KVB_EINVAL;
+    *out_tokens = seq->tokens;
+    *out_n = stbds_arrlenu(seq->tokens);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashes, size_t *out_n)
+{
+    if (!seq || !out_hashes || !out_n) return KVB_EINVAL;
+    *out_hashes = seq->hashes;
+    *out_n = stbds_arrlenu(seq->hashes);
+    return KVB_OK;
+}
+
+#ifdef KVB__DEFINED_TYPEOF
+#undef typeof
+#undef KVB__DEFINED_TYPEOF
+#endif
+
+#endif /* KVBLOCK_IMPL_INCLUDED */
+#endif /* KVBLOCK_IMPLEMENTATION || KVCACHE_IMPLEMENTATION */
