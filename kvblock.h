@@ -95,9 +95,11 @@
  *     b = rotl(b, 37) ^ M(y ^ C[(k + 9) & 15], x ^ C[(k + 3) & 15])
  * then lo = a ^ F(b + C[6]), hi = b ^ F(lo + C[7]), lo = lo ^ F(hi + C[8]) with
  * F(v) = v ^= v >> 32, v *= C[2], v ^= v >> 29, v *= C[4], v ^= v >> 32.
- * Test vectors (parent = 0, salt = 0, no extra keys):
- *     tokens {}                 -> see kvb__vectors in tests/test_hash.c (kept in sync by the test)
- *     tokens {0..15}            -> lo = 0x(see tests)  hi = 0x(see tests)
+ * Test vectors (no extra keys; checked by tests/test_hash.c):
+ *     parent 0, salt 0, tokens {}          lo 0x5ed53f36b77dd8fb  hi 0x36f15e0212bfd3cc
+ *     parent 0, salt 0, tokens {0..15}     lo 0x85eed2fee4858a4c  hi 0x7de4593b80f59852   (= H1)
+ *     parent 0, salt 7, tokens {0..15}     lo 0xa2162a7d519c2643  hi 0x47ec946ad670ce66
+ *     parent H1, salt 0, tokens {0..15}    lo 0xa3fe00e17e8a2202  hi 0xe0b8b099f4579957
  * A different hash can be plugged in with kvb_pool_config.hash_fn.
  *
  * 4. CONFIGURATION MACROS (define before the implementation)
