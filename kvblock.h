@@ -431,6 +431,16 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
  * across tiers). Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_n);
 
+/* Which of `hashes` are cached, each on its own (not only the prefix): present[i] = 1 or 0; the count
+ * goes to *out_count (may be NULL). No references, no lookup counted. Thread safety: any thread. */
+KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n, uint8_t *present,
+                                size_t *out_count);
+
+/* Weak handles to the next (up to) max inactive blocks in eviction order, soonest first: what a lazy
+ * offloader should copy down before they go. For KVB_EVICT_CUSTOM: KVB_EINVAL.
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n);
+
 /* A weak handle to the same block. Thread safety: pure function. */
 KVB_API kvb_weak kvb_weak_of(kvb_block block);
 
@@ -1708,6 +1718,36 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
     *out_n = kvb__prefix(pool, hashes, n, idx);
     pthread_mutex_unlock(&pool->lock);
     kvb__scratch_free(stack, idx);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n, uint8_t *present,
+                                size_t *out_count)
+{
+    size_t i, count = 0;
+    if (!pool || (n && (!hashes || !present))) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    for (i = 0; i < n; i++) {
+        if (i + 8 < n) KVB__PREFETCH(&pool->slots[hashes[i + 8].lo & pool->slot_mask]);
+        present[i] = kvb__find(pool, &hashes[i]) != KVB__NIL;
+        count += present[i];
+    }
+    pthread_mutex_unlock(&pool->lock);
+    if (out_count) *out_count = count;
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
+{
+    size_t k = 0;
+    uint32_t lvl, i;
+    if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++)
+        for (i = pool->head[lvl]; i != KVB__NIL && k < max; i = pool->meta[i].next)
+            out[k++] = kvb_weak_of(kvb__block_of(pool, i));
+    pthread_mutex_unlock(&pool->lock);
+    *out_n = k;
     return KVB_OK;
 }
 

@@ -1,0 +1,2532 @@
+/* kvoffload.h — moving KV blocks between tiers: cancellable queues, the offload pipeline, copy backends,
+ * onboarding and the tier manager (part of kvcache)
+ *
+ * Do this in exactly one C or C++ file:    #define KVOFFLOAD_IMPLEMENTATION
+ *                                           #include "kvoffload.h"
+ * (it includes kvblock.h; define KVBLOCK_IMPLEMENTATION there too, or KVCACHE_IMPLEMENTATION for all).
+ * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread; the disk backend needs
+ * _GNU_SOURCE for O_DIRECT (define it before any include, or pass -D_GNU_SOURCE).
+ *
+ * Manual: 1. Quick start  2. Concepts  3. Pipeline rules  4. Backends  5. Tier manager
+ *         6. Thread safety  7. Errors
+ *
+ * 1. QUICK START — offload registered device blocks to a host pool, then load them back
+ *
+ *     kvo_backend *copy;  kvo_memcpy_backend_create(0, &copy);         // 0 threads: copies inline
+ *     kvo_pipeline_config pc = { .src = device, .dst = host, .backend = copy, .mode = KVO_MODE_POLL };
+ *     kvo_pipeline *down;  kvo_pipeline_create(&pc, &down);
+ *     kvo_transfer t;      kvo_enqueue(down, weak_blocks, n, NULL, &t);
+ *     kvo_pipeline_flush(down);                                          // or poll every step
+ *     kvo_transfer_info info; kvo_transfer_get_info(down, t, &info);     // info.status == COMPLETE
+ *     kvo_transfer_release(down, t);
+ *
+ * 2. CONCEPTS
+ * A *container* is one enqueue: the blocks (weak handles into the source pool), an optional precondition
+ * event (e.g. the forward pass that writes the blocks) and a cancel token. Its handle (kvo_transfer,
+ * index + generation, like kvb_block) reports
+ *     Evaluating -> Queued -> Transferring -> Complete | Cancelled | Failed
+ * with counts: blocks transferred, skipped by policy, skipped because the policy timed out, dropped
+ * because their weak handle could not be upgraded (evicted meanwhile), failed in the backend, and for
+ * onboarding, found already present in the destination.
+ * Stages: PolicyEvaluator -> PreconditionAwaiter -> Batcher -> in-queue (weak batches, higher priority
+ * first, FIFO within) -> on-deck (upgraded batches, bounded) -> TransferExecutor (backend), with a
+ * CancelSweeper every sweep interval. A block that passes lands in the destination pool Registered
+ * under the source block's hash (kvb_register_hashed), so a later lookup there finds it.
+ *
+ * 3. PIPELINE RULES (the seed's P1-P6)
+ * P1 the container is the unit of cancellation; P2 its token travels with it through every queue;
+ * P3 the upgrade weak -> strong is the point of no return: before it, cancel drops the container and
+ * copies nothing; after it, the transfer completes; P4 the queues are swept of cancelled containers right
+ * before each upgrade; P5 after the upgrade the blocks of all containers of a batch are flattened into
+ * one backend job; P6 the precondition wait is cancellable (it is a poll, never a blocking wait).
+ * kvo_transfer_cancel sweeps at once and returns only when nothing of the container is in flight.
+ * Defaults (zero in the config): max batch 64 blocks, min batch 8, flush 10 ms, policy timeout 100 ms,
+ * sweep 10 ms, 1 concurrent transfer, on-deck 2 batches, precondition timeout 10 s.
+ * Two ways to run: KVO_MODE_THREADS (one coordinator thread per pipeline; backends may have workers),
+ * or KVO_MODE_POLL (no threads: kvo_pipeline_poll runs each stage once; with a clock callback and an
+ * inline backend the results are fully deterministic). Both run the same stage code.
+ * Policies: presence (skip blocks already in the destination or in flight; on by default), frequency
+ * (offload only blocks offered at least N times), and a user callback that may answer "later"; the
+ * evaluator gives up on a block after the policy timeout and counts it.
+ *
+ * 4. BACKENDS — struct kvo_backend: submit a job of (src block, dst block) copies, get one completion
+ * call with a result per copy. Built in:
+ *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
+ *           kvblock.h; `threads` workers (0 = inline, for poll mode).
+ *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
+ *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
+ *           log callback). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
+ *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
+ *           never wrong data.
+ *
+ * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
+ * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
+ * eviction (the next `lazy_reserve` eviction candidates of each tier are kept backed below). A full
+ * destination fails the offload quietly (counted); the next offer tries again. kvo_manager_lookup finds
+ * the longest prefix across tiers and which tier holds each block; kvo_manager_onboard loads blocks from
+ * a lower tier into G1.
+ *
+ * 6. THREAD SAFETY — queues, tokens, events, pipelines and managers are safe from any thread. Completion
+ * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
+ * call back into the pipeline.
+ *
+ * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
+ * from the pools. kvo_result_string names both. A failed call changes nothing.
+ */
+#ifndef KVOFFLOAD_H
+#define KVOFFLOAD_H
+#define KVOFFLOAD_VERSION_MAJOR 0
+#define KVOFFLOAD_VERSION_MINOR 1
+#define KVOFFLOAD_VERSION_PATCH 0
+
+#include "kvblock.h"
+
+#ifndef KVO_API
+#ifdef KVO_STATIC
+#define KVO_API static
+#else
+#define KVO_API extern
+#endif
+#endif
+
+#define KVO_MAX_TIERS 4
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KVO__RESULTS(X)                                                            \
+    X(KVO_OK,         0,    "ok")                                                  \
+    X(KVO_EINVAL,    -101,  "invalid argument")                                    \
+    X(KVO_ECANCELLED,-102,  "cancelled")                                           \
+    X(KVO_ETIMEDOUT, -103,  "timed out")                                           \
+    X(KVO_ESTALE,    -104,  "transfer handle was released")                        \
+    X(KVO_ESTATE,    -105,  "not allowed in this state")                           \
+    X(KVO_EFULL,     -106,  "destination tier full")                               \
+    X(KVO_EIO,       -107,  "I/O error")                                           \
+    X(KVO_ENOSPC,    -108,  "no space left on the disk")                           \
+    X(KVO_ECHECKSUM, -109,  "stored block failed its header or checksum check")    \
+    X(KVO_EBACKEND,  -110,  "copy backend error")                                  \
+    X(KVO_ENOMEM,    -111,  "out of memory")                                       \
+    X(KVO_ELAYOUT,   -112,  "pools have different block sizes")                    \
+    X(KVO_ECLOSED,   -113,  "queue closed")                                        \
+    X(KVO_EPRECOND,  -114,  "precondition event failed")
+
+#define KVO__ENUM_ITEM(name, value, text) name = value,
+typedef enum kvo_result { KVO__RESULTS(KVO__ENUM_ITEM) KVO__RESULT_MIN = -115 } kvo_result;
+#undef KVO__ENUM_ITEM
+
+/* Name of a kvo_result or kvb_result code. Thread safety: pure function. */
+KVO_API const char *kvo_result_string(int result);
+
+/* ---- cancel tokens ------------------------------------------------------------------------------ */
+
+typedef struct kvo_token kvo_token;
+
+/* A token starts live; cancelling it is final. Containers hold a reference, so the creator may release
+ * its own at any time. Thread safety: all token calls are safe from any thread. */
+KVO_API kvo_result kvo_token_create(kvo_token **out);
+KVO_API void kvo_token_cancel(kvo_token *token);
+KVO_API int kvo_token_is_cancelled(const kvo_token *token);
+KVO_API void kvo_token_retain(kvo_token *token);
+KVO_API void kvo_token_release(kvo_token *token);
+
+/* ---- precondition events ------------------------------------------------------------------------ */
+
+typedef struct kvo_event kvo_event;
+
+/* query: 1 signalled, 0 not yet, negative = failed (the waiting transfers fail with KVO_EPRECOND). */
+typedef int (*kvo_event_query_fn)(void *user);
+
+/* A CPU event (signal / query / wait), or one answered by `query` (e.g. a CUDA event, see kvcuda.cu).
+ * Reference counted: transfers waiting on it hold a reference. Thread safety: any thread. */
+KVO_API kvo_result kvo_event_create(kvo_event **out);
+KVO_API kvo_result kvo_event_create_custom(kvo_event_query_fn query, void *user, kvo_event **out);
+KVO_API kvo_result kvo_event_signal(kvo_event *event);
+/* 1 signalled, 0 not yet, negative: failed or invalid. */
+KVO_API int kvo_event_query(kvo_event *event);
+/* Wait up to timeout_us (negative = forever): KVO_OK, KVO_ETIMEDOUT. Custom events are polled. */
+KVO_API kvo_result kvo_event_wait(kvo_event *event, int64_t timeout_us);
+KVO_API void kvo_event_retain(kvo_event *event);
+KVO_API void kvo_event_release(kvo_event *event);
+
+/* ---- cancellable queue -------------------------------------------------------------------------- */
+
+typedef struct kvo_queue kvo_queue;
+/* Called exactly once for each item the queue drops (cancelled, or left at destroy). */
+typedef void (*kvo_drop_fn)(void *item, void *user);
+
+typedef struct kvo_queue_config {
+    kvo_drop_fn on_drop; /* optional */
+    void *user;
+} kvo_queue_config;
+
+/* Multi-producer multi-consumer FIFO of (item, token). config may be NULL. Thread safety: any thread. */
+KVO_API kvo_result kvo_queue_create(const kvo_queue_config *config, kvo_queue **out);
+/* Drops what is left (on_drop) and frees the queue. No other call may run or follow. */
+KVO_API void kvo_queue_destroy(kvo_queue *queue);
+/* KVO_ECANCELLED (refused, nothing kept) when the token is already cancelled; KVO_ECLOSED after close.
+ * token may be NULL (never cancelled); the queue holds a reference to it. */
+KVO_API kvo_result kvo_queue_push(kvo_queue *queue, void *item, kvo_token *token);
+/* The oldest live item; cancelled items met on the way are dropped. Waits up to timeout_us (0 = do not
+ * wait, negative = forever): KVO_ETIMEDOUT when nothing came, KVO_ECLOSED when closed and empty. */
+KVO_API kvo_result kvo_queue_pop(kvo_queue *queue, void **out_item, int64_t timeout_us);
+/* Drop every cancelled item, keeping the others in order; *out_dropped may be NULL. */
+KVO_API kvo_result kvo_queue_sweep(kvo_queue *queue, size_t *out_dropped);
+/* Items held (cancelled ones not yet swept included). */
+KVO_API size_t kvo_queue_len(kvo_queue *queue);
+/* Refuse further pushes and wake every waiting pop. */
+KVO_API void kvo_queue_close(kvo_queue *queue);
+
+/* ---- copy backends ------------------------------------------------------------------------------ */
+
+/* One batch of block copies between two pools. results[i] is written by the backend (0 or a negative
+ * code for that copy); done is called exactly once, from any thread, after every copy finished. */
+typedef struct kvo_copy_job {
+    kvb_pool *src, *dst;
+    const uint32_t *src_idx, *dst_idx; /* block indices (kvb_block_index) */
+    const kvb_hash *hashes;            /* the hash of each block (disk headers, remote keys) */
+    size_t n;
+    int *results;
+    uint64_t bytes;                    /* filled by the backend: bytes moved */
+    void (*done)(struct kvo_copy_job *job, int result, const char *message);
+    void *user;
+} kvo_copy_job;
+
+typedef struct kvo_backend kvo_backend;
+struct kvo_backend {
+    /* Start the job: returns KVO_OK (done will be called, maybe before submit returns) or an error
+     * (done will not be called). */
+    int (*submit)(kvo_backend *self, kvo_copy_job *job);
+    void (*destroy)(kvo_backend *self);
+    const char *name;
+    void *impl;
+};
+
+/* Free a backend (its workers stop after the jobs in hand). NULL is a no-op. */
+KVO_API void kvo_backend_destroy(kvo_backend *backend);
+
+/* memcpy between pools with storage (any layouts; same block bytes). threads = 0: inline in submit.
+ * Thread safety: submit from any thread. */
+KVO_API kvo_result kvo_memcpy_backend_create(uint32_t threads, kvo_backend **out);
+
+typedef void (*kvo_log_fn)(void *user, const char *message);
+
+typedef struct kvo_disk_config {
+    const char *path;        /* the file (created or reused, preallocated to num_blocks slots) */
+    kvb_pool *disk_pool;     /* the disk tier: a metadata-only pool; block i lives in slot i */
+    uint64_t block_bytes;    /* bytes of one block in the memory pools it copies to and from */
+    int direct;              /* 0 = try O_DIRECT and fall back, -1 = never */
+    uint32_t threads;        /* 0 = inline in submit */
+    kvo_log_fn log;          /* one-line notes (the O_DIRECT fallback); default: stderr */
+    void *log_user;
+} kvo_disk_config;
+
+typedef struct kvo_disk_stats {
+    uint64_t writes, reads, bytes_written, bytes_read;
+    uint64_t checksum_errors, io_errors;
+    int direct_io;           /* 1 when O_DIRECT is in use */
+} kvo_disk_stats;
+
+/* The disk backend: copies memory pool -> disk pool (write) and disk pool -> memory pool (read).
+ * KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors.
+ * Thread safety: submit from any thread. */
+KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out);
+KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out);
+/* Byte offset of the slot of block `index` in the file (header first, then the data). */
+KVO_API uint64_t kvo_disk_slot_offset(kvo_backend *disk, uint32_t index);
+
+/* 64-bit checksum of bytes (disk and remote slots). Thread safety: pure function. */
+KVO_API uint64_t kvo_checksum(const void *data, size_t len);
+
+/* ---- pipeline ----------------------------------------------------------------------------------- */
+
+typedef enum kvo_mode { KVO_MODE_THREADS = 0, KVO_MODE_POLL } kvo_mode;
+
+typedef enum kvo_status {
+    KVO_STATUS_EVALUATING = 1,
+    KVO_STATUS_QUEUED,
+    KVO_STATUS_TRANSFERRING,
+    KVO_STATUS_COMPLETE,
+    KVO_STATUS_CANCELLED,
+    KVO_STATUS_FAILED
+} kvo_status;
+
+typedef enum kvo_verdict { KVO_SKIP = 0, KVO_OFFER = 1, KVO_LATER = 2 } kvo_verdict;
+
+/* User policy for one block: offer it, skip it, or ask again later (until the policy timeout). */
+typedef kvo_verdict (*kvo_policy_fn)(void *user, const kvb_hash *hash, uint32_t src_index);
+
+/* Microseconds of a monotonic clock; the default reads CLOCK_MONOTONIC. */
+typedef uint64_t (*kvo_clock_fn)(void *user);
+
+typedef struct kvo_transfer { uint64_t id; } kvo_transfer;
+
+typedef struct kvo_transfer_info {
+    kvo_status status;
+    int error;               /* why it failed (KVO_OK otherwise) */
+    uint32_t blocks;         /* in the container */
+    uint32_t transferred;    /* copied and registered in the destination */
+    uint32_t present;        /* already in the destination (onboarding: returned as they are) */
+    uint32_t skipped;        /* refused by a policy */
+    uint32_t timed_out;      /* policy gave no answer in time */
+    uint32_t dropped;        /* weak handle could not be upgraded */
+    uint32_t failed;         /* the backend could not copy them */
+    char message[128];       /* the backend's message for a failure */
+} kvo_transfer_info;
+
+/* Called once per transfer when it reaches a final state; dst holds a weak handle per block of the
+ * container that is now in the destination (0 where none), in container order. */
+typedef void (*kvo_done_fn)(void *user, kvo_transfer transfer, const kvo_transfer_info *info,
+                            const kvb_weak *dst, size_t n);
+
+typedef struct kvo_pipeline_config {
+    kvb_pool *src, *dst;          /* required */
+    kvo_backend *backend;         /* required */
+    kvo_mode mode;
+    uint32_t max_batch;           /* blocks, default 64 */
+    uint32_t min_batch;           /* default 8 */
+    uint32_t flush_interval_us;   /* default 10 ms */
+    uint32_t policy_timeout_us;   /* default 100 ms */
+    uint32_t sweep_interval_us;   /* default 10 ms */
+    uint32_t max_concurrent;      /* backend jobs in flight, default 1 */
+    uint32_t on_deck;             /* upgraded batches kept ready, default 2 */
+    uint64_t precondition_timeout_us; /* default 10 s */
+    int presence;                 /* 0 = on (default), -1 = off */
+    uint32_t min_frequency;       /* 0 = off: offload blocks offered at least this often */
+    kvo_policy_fn policy;         /* optional */
+    void *policy_user;
+    kvo_clock_fn clock;           /* optional, for deterministic runs */
+    void *clock_user;
+    kvo_done_fn on_done;          /* optional */
+    void *done_user;
+    uint32_t dst_priority;        /* eviction level of landed blocks in the destination */
+} kvo_pipeline_config;
+
+typedef struct kvo_enqueue_opts {
+    kvo_token *token;             /* optional; shared tokens cancel many containers at once */
+    kvo_event *precondition;      /* optional */
+    uint32_t priority;            /* higher goes first */
+} kvo_enqueue_opts;
+
+typedef struct kvo_pipeline_stats {
+    uint64_t enqueued, transferred, present, skipped, timed_out, dropped, failed, cancelled;
+    uint64_t dest_full;           /* offloads that found the destination full */
+    uint64_t batches, bytes;
+    uint32_t in_flight_blocks;
+} kvo_pipeline_stats;
+
+typedef struct kvo_pipeline kvo_pipeline;
+
+/* Create a pipeline from src to dst through backend. KVO_EINVAL for missing pools/backend, KVO_ELAYOUT
+ * when both pools have storage of different block sizes. Thread safety: any thread. */
+KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pipeline **out);
+/* Cancel what has not started, wait for what is in flight, release every handle, free. */
+KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
+
+/* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
+ * when the batch is upgraded. KVO_ECANCELLED when the token is already cancelled. opts may be NULL.
+ * Thread safety: any thread. */
+KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
+                               const kvo_enqueue_opts *opts, kvo_transfer *out);
+
+/* Onboard: load the blocks with these hashes from the source pool into the destination. Each hash is
+ * matched in the destination first (present: its block is returned as it is), then in the source
+ * (references taken at once); a hash in neither is a miss and ends the request there (longest prefix).
+ * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks.
+ * Thread safety: any thread. */
+KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
+                               const kvo_enqueue_opts *opts, kvo_transfer *out);
+
+/* Run every stage once (KVO_MODE_POLL; in thread mode it only wakes the coordinator). */
+KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
+/* Push everything pending through regardless of min batch and flush interval, and wait (poll mode:
+ * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT. */
+KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us);
+/* Frequency policy: count uses of blocks (e.g. prefix hits) without offering them. */
+KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n);
+KVO_API kvo_result kvo_pipeline_get_stats(kvo_pipeline *pipeline, kvo_pipeline_stats *out);
+KVO_API kvo_result kvo_pipeline_get_config(const kvo_pipeline *pipeline, kvo_pipeline_config *out);
+
+/* Status and counts. KVO_ESTALE for a released handle. */
+KVO_API kvo_result kvo_transfer_get_info(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_transfer_info *out);
+/* Wait for a final state up to timeout_us (negative = forever; poll mode pumps the pipeline meanwhile):
+ * KVO_OK, KVO_ETIMEDOUT, KVO_ESTALE. *out_status may be NULL. */
+KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transfer, int64_t timeout_us,
+                                     kvo_status *out_status);
+/* Cancel: sweeps the queues at once; returns when nothing of the container is in flight. The final
+ * status goes to *out_status (may be NULL): Cancelled, or Complete / Failed when it was already past the
+ * upgrade or finished. Cancelling twice is fine. KVO_ESTALE for a released handle. */
+KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status);
+/* Onboarding result: the destination blocks (strong references, now the caller's), in hash order; at
+ * most max, count in *out_n. Only once, after Complete: KVO_ESTATE otherwise. */
+KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer transfer, kvb_block *out,
+                                            size_t max, size_t *out_n);
+/* Forget the handle (cancelling it first if it is not final; untaken onboarded blocks are released). */
+KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer transfer);
+
+/* ---- tier manager ------------------------------------------------------------------------------- */
+
+typedef enum kvo_offload_mode { KVO_OFFLOAD_EAGER = 0, KVO_OFFLOAD_LAZY } kvo_offload_mode;
+
+typedef struct kvo_manager_config {
+    uint32_t num_tiers;                     /* 2 .. KVO_MAX_TIERS */
+    kvb_pool *pools[KVO_MAX_TIERS];         /* G1 (fastest) first */
+    kvo_backend *down[KVO_MAX_TIERS];       /* down[i] copies tier i -> i + 1 */
+    kvo_backend *up[KVO_MAX_TIERS];         /* up[i] copies tier i -> G1 (i >= 1) */
+    kvo_offload_mode offload;
+    uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 */
+    kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools ignored) */
+} kvo_manager_config;
+
+typedef struct kvo_manager_stats {
+    kvo_pipeline_stats down[KVO_MAX_TIERS]; /* tier i -> i + 1 */
+    kvo_pipeline_stats up[KVO_MAX_TIERS];   /* tier i -> G1 */
+} kvo_manager_stats;
+
+typedef struct kvo_manager kvo_manager;
+
+KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_manager **out);
+KVO_API void kvo_manager_destroy(kvo_manager *manager);
+/* Blocks just registered in `tier`: eager mode sends them down; lazy mode ignores them (poll finds
+ * them when they near eviction). Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n);
+/* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
+ * engine step in either mode. */
+KVO_API kvo_result kvo_manager_poll(kvo_manager *manager);
+/* Longest prefix of `hashes` held in any tier: tier_of[i] = the fastest tier holding block i, for
+ * i < *out_n. Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hashes, size_t n,
+                                      uint8_t *tier_of, size_t *out_n);
+/* Load `hashes` from `tier` (>= 1) into G1: a kvo_onboard on that tier's up pipeline. */
+KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
+                                       kvo_transfer *out);
+KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
+/* Finish everything in flight (drains each pipeline, eager chains included). */
+KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
+KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* KVOFFLOAD_H */
+
+/* ================================================================================================ */
+/*                                        IMPLEMENTATION                                            */
+/* ================================================================================================ */
+#if defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#ifndef KVOFFLOAD_IMPL_INCLUDED
+#define KVOFFLOAD_IMPL_INCLUDED
+
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
+    !defined(typeof)
+#define typeof __typeof__
+#define KVO__DEFINED_TYPEOF
+#endif
+
+/* gcc/clang atomics work the same in C and C++ (stdatomic.h is C only). */
+#define KVO__LOAD(p) __atomic_load_n((p), __ATOMIC_ACQUIRE)
+#define KVO__STORE(p, v) __atomic_store_n((p), (v), __ATOMIC_RELEASE)
+#define KVO__ADD(p, v) __atomic_add_fetch((p), (v), __ATOMIC_ACQ_REL)
+
+#define KVO__US_PER_S INT64_C(1000000)
+/* Insert v at i of an stb_ds array (stbds_arrins trips -Wsign-compare). */
+#define KVO__ARR_INSERT(a, i, v)                                                                      \
+    do {                                                                                              \
+        size_t kvo__at = (i);                                                                         \
+        stbds_arrput((a), (v));                                                                       \
+        memmove(&(a)[kvo__at + 1], &(a)[kvo__at], sizeof *(a) * (stbds_arrlenu(a) - 1 - kvo__at));    \
+        (a)[kvo__at] = (v);                                                                           \
+    } while (0)
+#define KVO__SLOT_ALIGN 4096u
+#define KVO__HEADER_BYTES 4096u
+#define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */
+#define KVO__DISK_VERSION 1u
+
+KVO_API const char *kvo_result_string(int result)
+{
+    switch (result) {
+#define KVO__STRING_CASE(name, value, text) case value: return text;
+        KVO__RESULTS(KVO__STRING_CASE)
+#undef KVO__STRING_CASE
+    default: return kvb_result_string(result);
+    }
+}
+
+/* ---- time --------------------------------------------------------------------------------------- */
+
+static uint64_t kvo__mono_us(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u;
+}
+
+static struct timespec kvo__deadline(int64_t timeout_us)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    ts.tv_sec += (time_t)(timeout_us / KVO__US_PER_S);
+    ts.tv_nsec += (long)(timeout_us % KVO__US_PER_S) * 1000;
+    if (ts.tv_nsec >= 1000000000L) {
+        ts.tv_sec++;
+        ts.tv_nsec -= 1000000000L;
+    }
+    return ts;
+}
+
+static int kvo__cond_init(pthread_cond_t *c)
+{
+    pthread_condattr_t a;
+    int r;
+    pthread_condattr_init(&a);
+    pthread_condattr_setclock(&a, CLOCK_MONOTONIC);
+    r = pthread_cond_init(c, &a);
+    pthread_condattr_destroy(&a);
+    return r;
+}
+
+/* Wait on c until woken or the deadline (NULL = forever); returns 0 on timeout. */
+static int kvo__cond_wait(pthread_cond_t *c, pthread_mutex_t *m, const struct timespec *deadline)
+{
+    if (!deadline) return pthread_cond_wait(c, m) == 0;
+    return pthread_cond_timedwait(c, m, deadline) != ETIMEDOUT;
+}
+
+static void kvo__sleep_us(uint64_t us)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)(us / 1000000u);
+    ts.tv_nsec = (long)(us % 1000000u) * 1000;
+    nanosleep(&ts, NULL);
+}
+
+/* ---- tokens ------------------------------------------------------------------------------------- */
+
+struct kvo_token {
+    int cancelled;
+    int refs;
+    kvo_token *parent; /* a container's own token is also cancelled by the caller's */
+};
+
+static kvo_result kvo__token_new(kvo_token *parent, kvo_token **out)
+{
+    kvo_token *t = (kvo_token *)KVB_MALLOC(sizeof *t);
+    if (!t) return KVO_ENOMEM;
+    t->cancelled = 0;
+    t->refs = 1;
+    t->parent = parent;
+    if (parent) kvo_token_retain(parent);
+    *out = t;
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_token_create(kvo_token **out)
+{
+    if (!out) return KVO_EINVAL;
+    return kvo__token_new(NULL, out);
+}
+
+KVO_API void kvo_token_cancel(kvo_token *token)
+{
+    if (token) KVO__STORE(&token->cancelled, 1);
+}
+
+KVO_API int kvo_token_is_cancelled(const kvo_token *token)
+{
+    for (; token; token = token->parent)
+        if (KVO__LOAD(&token->cancelled)) return 1;
+    return 0;
+}
+
+KVO_API void kvo_token_retain(kvo_token *token)
+{
+    if (token) KVO__ADD(&token->refs, 1);
+}
+
+KVO_API void kvo_token_release(kvo_token *token)
+{
+    if (!token || KVO__ADD(&token->refs, -1) != 0) return;
+    kvo_token_release(token->parent);
+    KVB_FREE(token);
+}
+
+/* ---- events ------------------------------------------------------------------------------------- */
+
+struct kvo_event {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    int signalled;
+    int refs;
+    kvo_event_query_fn query;
+    void *user;
+};
+
+KVO_API kvo_result kvo_event_create_custom(kvo_event_query_fn query, void *user, kvo_event **out)
+{
+    kvo_event *e;
+    if (!out) return KVO_EINVAL;
+    e = (kvo_event *)KVB_MALLOC(sizeof *e);
+    if (!e) return KVO_ENOMEM;
+    memset(e, 0, sizeof *e);
+    if (pthread_mutex_init(&e->lock, NULL) != 0 || kvo__cond_init(&e->cond) != 0) {
+        KVB_FREE(e);
+        return KVO_ENOMEM;
+    }
+    e->refs = 1;
+    e->query = query;
+    e->user = user;
+    *out = e;
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_event_create(kvo_event **out) { return kvo_event_create_custom(NULL, NULL, out); }
+
+KVO_API kvo_result kvo_event_signal(kvo_event *event)
+{
+    if (!event || event->query) return KVO_EINVAL;
+    pthread_mutex_lock(&event->lock);
+    event->signalled = 1;
+    pthread_cond_broadcast(&event->cond);
+    pthread_mutex_unlock(&event->lock);
+    return KVO_OK;
+}
+
+KVO_API int kvo_event_query(kvo_event *event)
+{
+    int s;
+    if (!event) return KVO_EINVAL;
+    if (event->query) return event->query(event->user);
+    pthread_mutex_lock(&event->lock);
+    s = event->signalled;
+    pthread_mutex_unlock(&event->lock);
+    return s;
+}
+
+KVO_API kvo_result kvo_event_wait(kvo_event *event, int64_t timeout_us)
+{
+    struct timespec dl;
+    int s = 0;
+    uint64_t start = kvo__mono_us();
+    if (!event) return KVO_EINVAL;
+    if (event->query) { /* custom events can only be polled */
+        while ((s = event->query(event->user)) == 0) {
+            if (timeout_us >= 0 && kvo__mono_us() - start >= (uint64_t)timeout_us) return KVO_ETIMEDOUT;
+            kvo__sleep_us(50);
+        }
+        return s > 0 ? KVO_OK : KVO_EPRECOND;
+    }
+    dl = kvo__deadline(timeout_us < 0 ? 0 : timeout_us);
+    pthread_mutex_lock(&event->lock);
+    while (!event->signalled && kvo__cond_wait(&event->cond, &event->lock, timeout_us < 0 ? NULL : &dl)) {
+    }
+    s = event->signalled;
+    pthread_mutex_unlock(&event->lock);
+    return s ? KVO_OK : KVO_ETIMEDOUT;
+}
+
+KVO_API void kvo_event_retain(kvo_event *event)
+{
+    if (event) KVO__ADD(&event->refs, 1);
+}
+
+KVO_API void kvo_event_release(kvo_event *event)
+{
+    if (!event || KVO__ADD(&event->refs, -1) != 0) return;
+    pthread_mutex_destroy(&event->lock);
+    pthread_cond_destroy(&event->cond);
+    KVB_FREE(event);
+}
+
+/* ---- cancellable queue -------------------------------------------------------------------------- */
+
+typedef struct kvo__qitem { void *item; kvo_token *token; } kvo__qitem;
+
+struct kvo_queue {
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+    kvo__qitem *items; /* stb_ds array; live part is [head, len) */
+    size_t head;
+    int closed;
+    kvo_queue_config cfg;
+};
+
+KVO_API kvo_result kvo_queue_create(const kvo_queue_config *config, kvo_queue **out)
+{
+    kvo_queue *q;
+    if (!out) return KVO_EINVAL;
+    q = (kvo_queue *)KVB_MALLOC(sizeof *q);
+    if (!q) return KVO_ENOMEM;
+    memset(q, 0, sizeof *q);
+    if (config) q->cfg = *config;
+    if (pthread_mutex_init(&q->lock, NULL) != 0 || kvo__cond_init(&q->cond) != 0) {
+        KVB_FREE(q);
+        return KVO_ENOMEM;
+    }
+    *out = q;
+    return KVO_OK;
+}
+
+static void kvo__qdrop(kvo_queue *q, kvo__qitem *it)
+{
+    if (q->cfg.on_drop) q->cfg.on_drop(it->item, q->cfg.user);
+    kvo_token_release(it->token);
+}
+
+KVO_API void kvo_queue_destroy(kvo_queue *queue)
+{
+    size_t i;
+    if (!queue) return;
+    for (i = queue->head; i < stbds_arrlenu(queue->items); i++) kvo__qdrop(queue, &queue->items[i]);
+    stbds_arrfree(queue->items);
+    pthread_mutex_destroy(&queue->lock);
+    pthread_cond_destroy(&queue->cond);
+    KVB_FREE(queue);
+}
+
+KVO_API kvo_result kvo_queue_push(kvo_queue *queue, void *item, kvo_token *token)
+{
+    kvo__qitem it;
+    if (!queue) return KVO_EINVAL;
+    if (kvo_token_is_cancelled(token)) return KVO_ECANCELLED;
+    pthread_mutex_lock(&queue->lock);
+    if (queue->closed) {
+        pthread_mutex_unlock(&queue->lock);
+        return KVO_ECLOSED;
+    }
+    it.item = item;
+    it.token = token;
+    kvo_token_retain(token);
+    stbds_arrput(queue->items, it);
+    pthread_cond_signal(&queue->cond);
+    pthread_mutex_unlock(&queue->lock);
+    return KVO_OK;
+}
+
+/* Keep the live part at the front once the consumed part dominates. Queue locked. */
+static void kvo__qcompact(kvo_queue *q)
+{
+    size_t len = stbds_arrlenu(q->items);
+    if (q->head < 64 || q->head * 2 < len) return;
+    memmove(q->items, q->items + q->head, (len - q->head) * sizeof *q->items);
+    KVB__ARR_SHRINK(q->items, len - q->head);
+    q->head = 0;
+}
+
+KVO_API kvo_result kvo_queue_pop(kvo_queue *queue, void **out_item, int64_t timeout_us)
+{
+    struct timespec dl;
+    kvo_result r = KVO_ETIMEDOUT;
+    if (!queue || !out_item) return KVO_EINVAL;
+    if (timeout_us > 0) dl = kvo__deadline(timeout_us);
+    pthread_mutex_lock(&queue->lock);
+    for (;;) {
+        while (queue->head < stbds_arrlenu(queue->items)) {
+            kvo__qitem it = queue->items[queue->head++];
+            if (kvo_token_is_cancelled(it.token)) {
+                kvo__qdrop(queue, &it);
+                continue;
+            }
+            kvo_token_release(it.token);
+            *out_item = it.item;
+            r = KVO_OK;
+            break;
+        }
+        if (r == KVO_OK || timeout_us == 0) break;
+        if (queue->closed) {
+            r = KVO_ECLOSED;
+            break;
+        }
+        if (!kvo__cond_wait(&queue->cond, &queue->lock, timeout_us < 0 ? NULL : &dl)) {
+            timeout_us = 0; /* one last look */
+        }
+    }
+    kvo__qcompact(queue);
+    pthread_mutex_unlock(&queue->lock);
+    return r;
+}
+
+KVO_API kvo_result kvo_queue_sweep(kvo_queue *queue, size_t *out_dropped)
+{
+    size_t i, w, dropped = 0;
+    if (!queue) return KVO_EINVAL;
+    pthread_mutex_lock(&queue->lock);
+    for (i = w = queue->head; i < stbds_arrlenu(queue->items); i++) {
+        if (kvo_token_is_cancelled(queue->items[i].token)) {
+            kvo__qdrop(queue, &queue->items[i]);
+            dropped++;
+        } else {
+            queue->items[w++] = queue->items[i];
+        }
+    }
+    KVB__ARR_SHRINK(queue->items, w);
+    pthread_mutex_unlock(&queue->lock);
+    if (out_dropped) *out_dropped = dropped;
+    return KVO_OK;
+}
+
+KVO_API size_t kvo_queue_len(kvo_queue *queue)
+{
+    size_t n;
+    if (!queue) return 0;
+    pthread_mutex_lock(&queue->lock);
+    n = stbds_arrlenu(queue->items) - queue->head;
+    pthread_mutex_unlock(&queue->lock);
+    return n;
+}
+
+KVO_API void kvo_queue_close(kvo_queue *queue)
+{
+    if (!queue) return;
+    pthread_mutex_lock(&queue->lock);
+    queue->closed = 1;
+    pthread_cond_broadcast(&queue->cond);
+    pthread_mutex_unlock(&queue->lock);
+}
+
+/* ---- checksum ----------------------------------------------------------------------------------- */
+
+static uint64_t kvo__mum(uint64_t x, uint64_t y)
+{
+#if defined(__SIZEOF_INT128__)
+    __extension__ typedef unsigned __int128 kvo__u128;
+    kvo__u128 p = (kvo__u128)x * y;
+    return (uint64_t)p ^ (uint64_t)(p >> 64);
+#else
+    kvb_hash h;
+    uint64_t w[2];
+    w[0] = x;
+    w[1] = y;
+    h = kvb_hash_block(NULL, (const uint32_t *)(const void *)w, 4, NULL, 0, 0);
+    return h.lo;
+#endif
+}
+
+static uint64_t kvo__le64(const unsigned char *p)
+{
+    uint64_t v;
+    memcpy(&v, p, 8); /* the checksum is defined on little-endian hosts' byte order */
+    return v;
+}
+
+/* Four independent lanes of multiply-fold over 32-byte stripes, then the tail and the length. */
+KVO_API uint64_t kvo_checksum(const void *data, size_t len)
+{
+    static const uint64_t k[4] = {UINT64_C(0x9e3779b97f4a7c15), UINT64_C(0xc2b2ae3d27d4eb4f),
+                                  UINT64_C(0x165667b19e3779f9), UINT64_C(0xd6e8feb86659fd93)};
+    const unsigned char *p = (const unsigned char *)data;
+    uint64_t a[4] = {k[0], k[1], k[2], k[3]}, h;
+    size_t i = 0, j;
+    for (; i + 32 <= len; i += 32)
+        for (j = 0; j < 4; j++) a[j] += kvo__mum(kvo__le64(p + i + 8 * j) ^ k[j], k[(j + 1) & 3] + (uint64_t)i);
+    h = a[0] ^ (a[1] << 1 | a[1] >> 63) ^ (a[2] << 2 | a[2] >> 62) ^ (a[3] << 3 | a[3] >> 61);
+    for (; i < len; i++) h = kvo__mum(h ^ p[i], k[i & 3]);
+    return kvo__mum(h ^ (uint64_t)len, k[0]);
+}
+
+/* ---- copying pages between pools ---------------------------------------------------------------- */
+
+typedef struct kvo__geom { unsigned char *base; uint64_t block_bytes; kvb_layout layout; uint32_t num_blocks; } kvo__geom;
+
+static int kvo__geom_of(kvb_pool *p, kvo__geom *g)
+{
+    void *base;
+    kvb_pool_config c;
+    kvb_pool_storage(p, &base, NULL, &g->block_bytes, &g->layout);
+    kvb_pool_get_config(p, &c);
+    g->base = (unsigned char *)base;
+    g->num_blocks = c.num_blocks;
+    return base != NULL;
+}
+
+static unsigned char *kvo__page(const kvo__geom *g, uint32_t block, uint32_t layer, uint32_t part)
+{
+    return g->base + kvb_layout_offset(&g->layout, g->num_blocks, block, layer, part);
+}
+
+static int kvo__same_pages(const kvo__geom *a, const kvo__geom *b)
+{
+    return a->layout.num_layers == b->layout.num_layers && a->layout.num_parts == b->layout.num_parts &&
+           a->layout.page_bytes == b->layout.page_bytes;
+}
+
+/* Block `bi` of g to/from a contiguous buffer in (layer, part) order: the canonical on-disk form. */
+static void kvo__gather(const kvo__geom *g, uint32_t bi, unsigned char *buf)
+{
+    uint32_t l, q;
+    size_t page = (size_t)g->layout.page_bytes;
+    if (g->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
+        memcpy(buf, kvo__page(g, bi, 0, 0), (size_t)g->block_bytes);
+        return;
+    }
+    for (l = 0; l < g->layout.num_layers; l++)
+        for (q = 0; q < g->layout.num_parts; q++, buf += page) memcpy(buf, kvo__page(g, bi, l, q), page);
+}
+
+static void kvo__scatter(const kvo__geom *g, uint32_t bi, const unsigned char *buf)
+{
+    uint32_t l, q;
+    size_t page = (size_t)g->layout.page_bytes;
+    if (g->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
+        memcpy(kvo__page(g, bi, 0, 0), buf, (size_t)g->block_bytes);
+        return;
+    }
+    for (l = 0; l < g->layout.num_layers; l++)
+        for (q = 0; q < g->layout.num_parts; q++, buf += page) memcpy(kvo__page(g, bi, l, q), buf, page);
+}
+
+static void kvo__copy_block(const kvo__geom *s, uint32_t si, const kvo__geom *d, uint32_t di)
+{
+    uint32_t l, q;
+    if (s->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS && d->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
+        memcpy(kvo__page(d, di, 0, 0), kvo__page(s, si, 0, 0), (size_t)s->block_bytes);
+        return;
+    }
+    for (l = 0; l < s->layout.num_layers; l++)
+        for (q = 0; q < s->layout.num_parts; q++)
+            memcpy(kvo__page(d, di, l, q), kvo__page(s, si, l, q), (size_t)s->layout.page_bytes);
+}
+
+/* ---- backends: a shared worker pool ------------------------------------------------------------- */
+
+KVO_API void kvo_backend_destroy(kvo_backend *backend)
+{
+    if (backend && backend->destroy) backend->destroy(backend);
+}
+
+typedef void (*kvo__run_fn)(kvo_backend *self, kvo_copy_job *job, uint32_t worker);
+
+typedef struct kvo__workers {
+    kvo_queue *jobs;
+    pthread_t *threads;
+    uint32_t n;
+    kvo_backend *owner;
+    kvo__run_fn run;
+} kvo__workers;
+
+typedef struct kvo__worker_arg { kvo__workers *w; uint32_t id; } kvo__worker_arg;
+
+static void *kvo__worker_main(void *arg)
+{
+    kvo__worker_arg a = *(kvo__worker_arg *)arg;
+    void *job;
+    KVB_FREE(arg);
+    while (kvo_queue_pop(a.w->jobs, &job, -1) == KVO_OK) a.w->run(a.w->owner, (kvo_copy_job *)job, a.id);
+    return NULL;
+}
+
+static kvo_result kvo__workers_start(kvo__workers *w, uint32_t n, kvo_backend *owner, kvo__run_fn run)
+{
+    uint32_t i;
+    memset(w, 0, sizeof *w);
+    w->owner = owner;
+    w->run = run;
+    if (!n) return KVO_OK;
+    if (kvo_queue_create(NULL, &w->jobs) != KVO_OK) return KVO_ENOMEM;
+    w->threads = (pthread_t *)KVB_MALLOC(n * sizeof *w->threads);
+    if (!w->threads) return KVO_ENOMEM;
+    for (i = 0; i < n; i++) {
+        kvo__worker_arg *a = (kvo__worker_arg *)KVB_MALLOC(sizeof *a);
+        if (!a) break;
+        a->w = w;
+        a->id = i;
+        if (pthread_create(&w->threads[i], NULL, kvo__worker_main, a) != 0) {
+            KVB_FREE(a);
+            break;
+        }
+        w->n++;
+    }
+    return w->n == n ? KVO_OK : KVO_ENOMEM;
+}
+
+static void kvo__workers_stop(kvo__workers *w)
+{
+    uint32_t i;
+    if (w->jobs) kvo_queue_close(w->jobs);
+    for (i = 0; i < w->n; i++) pthread_join(w->threads[i], NULL);
+    kvo_queue_destroy(w->jobs);
+    KVB_FREE(w->threads);
+}
+
+/* Run inline (no workers) or hand to a worker. */
+static int kvo__workers_submit(kvo__workers *w, kvo_copy_job *job)
+{
+    if (!w->n) {
+        w->run(w->owner, job, 0);
+        return KVO_OK;
+    }
+    return kvo_queue_push(w->jobs, job, NULL);
+}
+
+/* ---- memcpy backend ----------------------------------------------------------------------------- */
+
+typedef struct kvo__memcpy { kvo_backend base; kvo__workers workers; } kvo__memcpy;
+
+static void kvo__memcpy_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
+{
+    kvo__geom s, d;
+    size_t i;
+    (void)self;
+    (void)worker;
+    kvo__geom_of(job->src, &s);
+    kvo__geom_of(job->dst, &d);
+    job->bytes = 0;
+    for (i = 0; i < job->n; i++) {
+        kvo__copy_block(&s, job->src_idx[i], &d, job->dst_idx[i]);
+        job->results[i] = KVO_OK;
+        job->bytes += s.block_bytes;
+    }
+    job->done(job, KVO_OK, NULL);
+}
+
+static int kvo__memcpy_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    kvo__geom s, d;
+    if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
+        return KVO_EINVAL;
+    if (!kvo__geom_of(job->src, &s) || !kvo__geom_of(job->dst, &d)) return KVB_ENODATA;
+    if (!kvo__same_pages(&s, &d)) return KVO_ELAYOUT;
+    return kvo__workers_submit(&((kvo__memcpy *)self->impl)->workers, job);
+}
+
+static void kvo__memcpy_destroy(kvo_backend *self)
+{
+    kvo__memcpy *m = (kvo__memcpy *)self->impl;
+    kvo__workers_stop(&m->workers);
+    KVB_FREE(m);
+}
+
+KVO_API kvo_result kvo_memcpy_backend_create(uint32_t threads, kvo_backend **out)
+{
+    kvo__memcpy *m;
+    if (!out || threads > 256) return KVO_EINVAL;
+    m = (kvo__memcpy *)KVB_MALLOC(sizeof *m);
+    if (!m) return KVO_ENOMEM;
+    memset(m, 0, sizeof *m);
+    m->base.submit = kvo__memcpy_submit;
+    m->base.destroy = kvo__memcpy_destroy;
+    m->base.name = "memcpy";
+    m->base.impl = m;
+    if (kvo__workers_start(&m->workers, threads, &m->base, kvo__memcpy_run) != KVO_OK) {
+        kvo__memcpy_destroy(&m->base);
+        return KVO_ENOMEM;
+    }
+    *out = &m->base;
+    return KVO_OK;
+}
+
+/* ---- disk backend ------------------------------------------------------------------------------- */
+
+typedef struct kvo__disk {
+    kvo_backend base;
+    kvo__workers workers;
+    pthread_mutex_t lock; /* stats, the fd swap of the O_DIRECT fallback */
+    int fd, direct;
+    kvb_pool *pool;
+    uint32_t num_slots;
+    uint64_t block_bytes, data_bytes, slot_bytes;
+    kvo_disk_stats stats;
+    kvo_log_fn log;
+    void *log_user;
+    char *path;
+} kvo__disk;
+
+static void kvo__put64(unsigned char *p, uint64_t v) { memcpy(p, &v, 8); }
+
+static void kvo__disk_header(const kvo__disk *d, const kvb_hash *h, const unsigned char *data, unsigned char *hdr)
+{
+    uint32_t magic = KVO__DISK_MAGIC;
+    uint16_t version = KVO__DISK_VERSION, flags = 0;
+    memset(hdr, 0, KVO__HEADER_BYTES);
+    memcpy(hdr, &magic, 4);
+    memcpy(hdr + 4, &version, 2);
+    memcpy(hdr + 6, &flags, 2);
+    kvo__put64(hdr + 8, d->block_bytes);
+    kvo__put64(hdr + 16, h->lo);
+    kvo__put64(hdr + 24, h->hi);
+    kvo__put64(hdr + 32, kvo_checksum(data, (size_t)d->block_bytes));
+    kvo__put64(hdr + 40, kvo_checksum(hdr, 40));
+}
+
+/* A slot is good when its header is whole, names this hash and size, and the data matches. */
+static int kvo__disk_verify(const kvo__disk *d, const kvb_hash *h, const unsigned char *slot)
+{
+    uint32_t magic;
+    uint16_t version;
+    memcpy(&magic, slot, 4);
+    memcpy(&version, slot + 4, 2);
+    return magic == KVO__DISK_MAGIC && version == KVO__DISK_VERSION &&
+           kvo__le64(slot + 40) == kvo_checksum(slot, 40) && kvo__le64(slot + 8) == d->block_bytes &&
+           kvo__le64(slot + 16) == h->lo && kvo__le64(slot + 24) == h->hi &&
+           kvo__le64(slot + 32) == kvo_checksum(slot + KVO__HEADER_BYTES, (size_t)d->block_bytes);
+}
+
+static void kvo__disk_say(kvo__disk *d, const char *msg)
+{
+    if (d->log) d->log(d->log_user, msg);
+    else fprintf(stderr, "kvoffload: %s\n", msg);
+}
+
+static int kvo__errno_result(int e) { return e == ENOSPC || e == EDQUOT ? KVO_ENOSPC : KVO_EIO; }
+
+static int kvo__disk_open(kvo__disk *d, int direct)
+{
+    int flags = O_RDWR | O_CREAT | O_CLOEXEC;
+#ifdef O_DIRECT
+    if (direct) flags |= O_DIRECT;
+#else
+    (void)direct;
+#endif
+    return open(d->path, flags, 0600);
+}
+
+/* The file system refused O_DIRECT: go on buffered, and say so once. */
+static int kvo__disk_fallback(kvo__disk *d, int failed_fd)
+{
+    char msg[512];
+    pthread_mutex_lock(&d->lock);
+    if (d->direct && d->fd == failed_fd) {
+        int fd = kvo__disk_open(d, 0);
+        if (fd >= 0) {
+            close(d->fd);
+            d->fd = fd;
+            d->direct = 0;
+            d->stats.direct_io = 0;
+            snprintf(msg, sizeof msg, "%s: O_DIRECT refused by the file system, using buffered I/O", d->path);
+            kvo__disk_say(d, msg);
+        }
+    }
+    failed_fd = d->fd;
+    pthread_mutex_unlock(&d->lock);
+    return failed_fd;
+}
+
+/* Whole-slot pread/pwrite, retrying short transfers, EINTR and an O_DIRECT refusal. 0 or errno. */
+static int kvo__disk_io(kvo__disk *d, int write, unsigned char *buf, uint64_t off)
+{
+    size_t done = 0, len = (size_t)d->slot_bytes;
+    int fd, fell_back = 0;
+    pthread_mutex_lock(&d->lock);
+    fd = d->fd;
+    pthread_mutex_unlock(&d->lock);
+    while (done < len) {
+        ssize_t r = write ? pwrite(fd, buf + done, len - done, (off_t)(off + done))
+                          : pread(fd, buf + done, len - done, (off_t)(off + done));
+        if (r > 0) {
+            done += (size_t)r;
+        } else if (r == 0) {
+            return write ? EIO : 0; /* reading past the end: an empty (zero) slot */
+        } else if (errno == EINVAL && !fell_back) {
+            fd = kvo__disk_fallback(d, fd);
+            fell_back = 1;
+        } else if (errno != EINTR) {
+            return errno;
+        }
+    }
+    return 0;
+}
+
+static void kvo__disk_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
+{
+    kvo__disk *d = (kvo__disk *)self->impl;
+    int writing = job->dst == d->pool, result = KVO_OK;
+    kvo__geom mem;
+    unsigned char *buf = NULL;
+    char msg[256] = "";
+    size_t i;
+    uint64_t bytes = 0, checksum_errors = 0, io_errors = 0;
+    (void)worker;
+    kvo__geom_of(writing ? job->src : job->dst, &mem);
+    if (posix_memalign((void **)&buf, KVO__SLOT_ALIGN, (size_t)d->slot_bytes) != 0) buf = NULL;
+    for (i = 0; i < job->n; i++) {
+        uint32_t slot = writing ? job->dst_idx[i] : job->src_idx[i];
+        uint64_t off = (uint64_t)slot * d->slot_bytes;
+        int e;
+        if (!buf) {
+            job->results[i] = KVO_ENOMEM;
+            continue;
+        }
+        if (writing) {
+            memset(buf + KVO__HEADER_BYTES + d->block_bytes, 0, (size_t)(d->data_bytes - d->block_bytes));
+            kvo__gather(&mem, job->src_idx[i], buf + KVO__HEADER_BYTES);
+            kvo__disk_header(d, &job->hashes[i], buf + KVO__HEADER_BYTES, buf);
+        }
+        e = kvo__disk_io(d, writing, buf, off);
+        if (e) {
+            job->results[i] = kvo__errno_result(e);
+            io_errors++;
+            snprintf(msg, sizeof msg, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
+        } else if (!writing && !kvo__disk_verify(d, &job->hashes[i], buf)) {
+            job->results[i] = KVO_ECHECKSUM;
+            checksum_errors++;
+            snprintf(msg, sizeof msg, "%s: slot %u failed its header or checksum check", d->path, slot);
+        } else {
+            if (!writing) kvo__scatter(&mem, job->dst_idx[i], buf + KVO__HEADER_BYTES);
+            job->results[i] = KVO_OK;
+            bytes += d->block_bytes;
+            continue;
+        }
+        if (result == KVO_OK) result = job->results[i];
+    }
+    free(buf);
+    pthread_mutex_lock(&d->lock);
+    if (writing) {
+        d->stats.writes += job->n;
+        d->stats.bytes_written += bytes;
+    } else {
+        d->stats.reads += job->n;
+        d->stats.bytes_read += bytes;
+    }
+    d->stats.checksum_errors += checksum_errors;
+    d->stats.io_errors += io_errors;
+    pthread_mutex_unlock(&d->lock);
+    job->bytes = bytes;
+    job->done(job, result, msg[0] ? msg : NULL);
+}
+
+static int kvo__disk_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    kvo__disk *d = (kvo__disk *)self->impl;
+    kvo__geom mem;
+    if (!job || !job->done || !job->hashes || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
+        return KVO_EINVAL;
+    if ((job->dst == d->pool) == (job->src == d->pool)) return KVO_EINVAL;
+    if (!kvo__geom_of(job->dst == d->pool ? job->src : job->dst, &mem)) return KVB_ENODATA;
+    if (mem.block_bytes != d->block_bytes) return KVO_ELAYOUT;
+    return kvo__workers_submit(&d->workers, job);
+}
+
+static void kvo__disk_destroy(kvo_backend *self)
+{
+    kvo__disk *d = (kvo__disk *)self->impl;
+    kvo__workers_stop(&d->workers);
+    if (d->fd >= 0) close(d->fd);
+    pthread_mutex_destroy(&d->lock);
+    KVB_FREE(d->path);
+    KVB_FREE(d);
+}
+
+static kvo_result kvo__disk_prepare_file(kvo__disk *d, int direct)
+{
+    char msg[512];
+    uint64_t total = (uint64_t)d->num_slots * d->slot_bytes;
+    int e;
+    d->fd = kvo__disk_open(d, direct);
+    if (d->fd < 0 && direct && errno == EINVAL) {
+        d->fd = kvo__disk_open(d, 0);
+        if (d->fd >= 0) {
+            snprintf(msg, sizeof msg, "%s: O_DIRECT refused by the file system, using buffered I/O", d->path);
+            kvo__disk_say(d, msg);
+            direct = 0;
+        }
+    }
+    if (d->fd < 0) return (kvo_result)kvo__errno_result(errno);
+    d->direct = direct;
+    d->stats.direct_io = direct;
+    e = posix_fallocate(d->fd, 0, (off_t)total);
+    if (e == ENOSPC || e == EDQUOT) return KVO_ENOSPC;
+    if (e && ftruncate(d->fd, (off_t)total) != 0) return (kvo_result)kvo__errno_result(errno);
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out)
+{
+    kvo__disk *d;
+    kvb_pool_config pc;
+    kvo_result r;
+    if (!config || !out || !config->path || !config->disk_pool || !config->block_bytes || config->threads > 256)
+        return KVO_EINVAL;
+    d = (kvo__disk *)KVB_MALLOC(sizeof *d);
+    if (!d) return KVO_ENOMEM;
+    memset(d, 0, sizeof *d);
+    d->fd = -1;
+    d->path = (char *)KVB_MALLOC(strlen(config->path) + 1);
+    if (!d->path || pthread_mutex_init(&d->lock, NULL) != 0) {
+        KVB_FREE(d->path);
+        KVB_FREE(d);
+        return KVO_ENOMEM;
+    }
+    strcpy(d->path, config->path);
+    kvb_pool_get_config(config->disk_pool, &pc);
+    d->pool = config->disk_pool;
+    d->num_slots = pc.num_blocks;
+    d->block_bytes = config->block_bytes;
+    d->data_bytes = (config->block_bytes + KVO__SLOT_ALIGN - 1) / KVO__SLOT_ALIGN * KVO__SLOT_ALIGN;
+    d->slot_bytes = KVO__HEADER_BYTES + d->data_bytes;
+    d->log = config->log;
+    d->log_user = config->log_user;
+    d->base.submit = kvo__disk_submit;
+    d->base.destroy = kvo__disk_destroy;
+    d->base.name = "disk";
+    d->base.impl = d;
+    r = kvo__disk_prepare_file(d, config->direct >= 0);
+    if (r == KVO_OK) r = kvo__workers_start(&d->workers, config->threads, &d->base, kvo__disk_run);
+    if (r != KVO_OK) {
+        kvo__disk_destroy(&d->base);
+        return r;
+    }
+    *out = &d->base;
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out)
+{
+    kvo__disk *d;
+    if (!disk || !out || disk->submit != kvo__disk_submit) return KVO_EINVAL;
+    d = (kvo__disk *)disk->impl;
+    pthread_mutex_lock(&d->lock);
+    *out = d->stats;
+    pthread_mutex_unlock(&d->lock);
+    return KVO_OK;
+}
+
+KVO_API uint64_t kvo_disk_slot_offset(kvo_backend *disk, uint32_t index)
+{
+    if (!disk || disk->submit != kvo__disk_submit) return 0;
+    return (uint64_t)index * ((kvo__disk *)disk->impl)->slot_bytes;
+}
+
+/* ---- pipeline: containers, handles, stages ------------------------------------------------------ */
+
+enum { /* per-block progress inside a container */
+    KVO__B_NEW = 0, /* hash not read yet */
+    KVO__B_EVAL,    /* waiting for the policy */
+    KVO__B_OFFER,
+    KVO__B_SKIP,
+    KVO__B_TIMEOUT,
+    KVO__B_PRESENT,
+    KVO__B_DROPPED,
+    KVO__B_DONE,
+    KVO__B_FAILED
+};
+
+typedef struct kvo__container {
+    uint32_t slot;
+    kvo_token *token;       /* its own; the caller's token is its parent */
+    kvo_event *pre;
+    uint32_t priority;
+    int onboard, final, taken, inflight_marked;
+    uint64_t t_enqueue, t_eval;
+    size_t n;
+    kvb_weak *src;
+    kvb_block *src_strong;  /* held after the upgrade (onboarding: from the start) */
+    kvb_hash *hashes, *parents;
+    uint8_t *state;
+    kvb_weak *dst_weak;
+    kvb_block *dst_keep;    /* onboarding: the caller's references */
+    kvo_transfer_info info;
+} kvo__container;
+
+typedef struct kvo__hslot { uint32_t gen; kvo__container *c; } kvo__hslot;
+typedef struct kvo__count_entry { kvb_hash key; uint32_t value; } kvo__count_entry;
+
+typedef struct kvo__note {
+    kvo_transfer t;
+    kvo_transfer_info info;
+    kvb_weak *dst;
+    size_t n;
+} kvo__note;
+
+typedef struct kvo__batch {
+    kvo_pipeline *pl;
+    kvo__container **cs;    /* stb_ds array */
+    uint32_t priority, blocks;
+    kvo_copy_job job;
+    /* after the upgrade, one entry per copy: */
+    uint32_t *src_idx, *dst_idx;
+    kvb_hash *hashes, *parents;
+    int *results;
+    kvb_block *src_b, *dst_b;
+    kvo__container **owner;
+    uint32_t *owner_i;
+} kvo__batch;
+
+struct kvo_pipeline {
+    kvo_pipeline_config cfg;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;      /* progress: final states, finished jobs, work for the coordinator */
+    kvo_queue *q_eval, *q_pre, *q_batch;
+    uint64_t batch_since;     /* when q_batch last went from empty to non-empty */
+    kvo__batch **in_queue;    /* weak batches, higher priority first, FIFO within */
+    kvo__batch **on_deck;     /* upgraded batches */
+    uint32_t executing;       /* jobs handed to the backend and not done */
+    kvo__hslot *slots;
+    uint32_t *free_slots;
+    kvo__count_entry *inflight, *freq;
+    uint64_t last_sweep;
+    int draining, stopping, has_thread;
+    pthread_t thread;
+    kvo_pipeline_stats stats;
+    kvo__note *notes;
+};
+
+static uint64_t kvo__now(const kvo_pipeline *pl)
+{
+    return pl->cfg.clock ? pl->cfg.clock(pl->cfg.clock_user) : kvo__mono_us();
+}
+
+static kvb_hash kvo__count_key(const kvb_hash *h)
+{
+    const uint64_t keep = ~((UINT64_C(1) << 31) | (UINT64_C(1) << 63)); /* see kvb__kid_key */
+    kvb_hash k;
+    k.lo = h->lo & keep;
+    k.hi = h->hi & keep;
+    return k;
+}
+
+/* stb_ds creates the map on a first lookup, so the map is passed by address. */
+static uint32_t kvo__count_get(kvo__count_entry **m, const kvb_hash *h)
+{
+    kvb_hash k = kvo__count_key(h);
+    ptrdiff_t i = stbds_hmgeti(*m, k);
+    return i < 0 ? 0 : (*m)[i].value;
+}
+
+static void kvo__count_add(kvo__count_entry **m, const kvb_hash *h, int delta)
+{
+    kvb_hash k = kvo__count_key(h);
+    ptrdiff_t i = stbds_hmgeti(*m, k);
+    if (i < 0) {
+        if (delta > 0) stbds_hmput(*m, k, (uint32_t)delta);
+    } else if (delta > 0) {
+        (*m)[i].value += (uint32_t)delta;
+    } else if ((*m)[i].value <= (uint32_t)-delta) {
+        (void)stbds_hmdel(*m, k);
+    } else {
+        (*m)[i].value -= (uint32_t)-delta;
+    }
+}
+
+static kvo__container *kvo__container_new(size_t n)
+{
+    size_t bytes = sizeof(kvo__container) + n * (sizeof(kvb_weak) * 2 + sizeof(kvb_block) * 2 + sizeof(kvb_hash) * 2 + 1);
+    kvo__container *c = (kvo__container *)KVB_MALLOC(bytes);
+    unsigned char *p;
+    if (!c) return NULL;
+    memset(c, 0, bytes);
+    p = (unsigned char *)(c + 1);
+    c->n = n;
+    c->hashes = (kvb_hash *)(void *)p;
+    p += n * sizeof(kvb_hash);
+    c->parents = (kvb_hash *)(void *)p;
+    p += n * sizeof(kvb_hash);
+    c->src = (kvb_weak *)(void *)p;
+    p += n * sizeof(kvb_weak);
+    c->dst_weak = (kvb_weak *)(void *)p;
+    p += n * sizeof(kvb_weak);
+    c->src_strong = (kvb_block *)(void *)p;
+    p += n * sizeof(kvb_block);
+    c->dst_keep = (kvb_block *)(void *)p;
+    p += n * sizeof(kvb_block);
+    c->state = p;
+    c->info.blocks = (uint32_t)n;
+    c->info.status = KVO_STATUS_EVALUATING;
+    return c;
+}
+
+static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container *c)
+{
+    kvo_transfer t;
+    t.id = ((uint64_t)pl->slots[c->slot].gen << 32) | ((uint64_t)c->slot + 1);
+    return t;
+}
+
+static kvo__container *kvo__resolve(kvo_pipeline *pl, kvo_transfer t)
+{
+    uint32_t low = (uint32_t)t.id;
+    if (!low || low > stbds_arrlenu(pl->slots)) return NULL;
+    if (pl->slots[low - 1].gen != (uint32_t)(t.id >> 32) || !pl->slots[low - 1].c) return NULL;
+    return pl->slots[low - 1].c;
+}
+
+static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
+{
+    uint32_t s;
+    if (stbds_arrlen(pl->free_slots)) {
+        s = stbds_arrpop(pl->free_slots);
+    } else {
+        kvo__hslot h;
+        h.gen = 1;
+        h.c = NULL;
+        s = (uint32_t)stbds_arrlenu(pl->slots);
+        stbds_arrput(pl->slots, h);
+    }
+    pl->slots[s].c = c;
+    c->slot = s;
+    return s;
+}
+
+/* Release the non-zero handles among blocks[0..n) in one call, then clear them. */
+static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint32_t prio)
+{
+    kvb_block stack[64], *tmp = n <= 64 ? stack : (kvb_block *)KVB_MALLOC(n * sizeof *tmp);
+    kvb_release_opts o;
+    size_t i, k = 0;
+    if (!tmp) return;
+    for (i = 0; i < n; i++)
+        if (blocks[i].id) {
+            tmp[k++] = blocks[i];
+            blocks[i].id = 0;
+        }
+    o.priority = prio;
+    if (k) kvb_release(pool, tmp, k, &o);
+    if (tmp != stack) KVB_FREE(tmp);
+}
+
+static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)
+{
+    size_t i;
+    if (!c->inflight_marked) return;
+    for (i = 0; i < c->n; i++)
+        if (c->state[i] == KVO__B_OFFER || c->state[i] == KVO__B_DONE || c->state[i] == KVO__B_FAILED)
+            kvo__count_add(&pl->inflight, &c->hashes[i], -1);
+    c->inflight_marked = 0;
+}
+
+/* A container reaches its final state: give back what it holds, count it, queue its on_done. */
+static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, int err)
+{
+    kvo_pipeline_stats *s = &pl->stats;
+    if (c->final) return;
+    kvo__release_held(pl->cfg.src, c->src_strong, c->n, 0);
+    if (st != KVO_STATUS_COMPLETE) kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
+    kvo__unmark_inflight(pl, c);
+    kvo_event_release(c->pre);
+    c->pre = NULL;
+    c->final = 1;
+    c->info.status = st;
+    if (err && !c->info.error) c->info.error = err;
+    s->transferred += c->info.transferred;
+    s->present += c->info.present;
+    s->skipped += c->info.skipped;
+    s->timed_out += c->info.timed_out;
+    s->dropped += c->info.dropped;
+    s->failed += c->info.failed;
+    s->cancelled += st == KVO_STATUS_CANCELLED;
+    if (pl->cfg.on_done) {
+        kvo__note note;
+        note.t = kvo__handle_of(pl, c);
+        note.info = c->info;
+        note.n = c->n;
+        note.dst = (kvb_weak *)KVB_MALLOC((c->n ? c->n : 1) * sizeof *note.dst);
+        if (note.dst) {
+            memcpy(note.dst, c->dst_weak, c->n * sizeof *note.dst);
+            stbds_arrput(pl->notes, note);
+        }
+    }
+    pthread_cond_broadcast(&pl->cond);
+}
+
+static void kvo__on_drop(void *item, void *user)
+{
+    kvo__finalize((kvo_pipeline *)user, (kvo__container *)item, KVO_STATUS_CANCELLED, KVO_ECANCELLED);
+}
+
+/* Unlock, then deliver the completion callbacks gathered meanwhile. */
+static void kvo__unlock(kvo_pipeline *pl)
+{
+    kvo__note *notes = pl->notes;
+    size_t i;
+    pl->notes = NULL;
+    pthread_mutex_unlock(&pl->lock);
+    for (i = 0; i < stbds_arrlenu(notes); i++) {
+        pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
+        KVB_FREE(notes[i].dst);
+    }
+    stbds_arrfree(notes);
+}
+
+static void kvo__batch_free(kvo__batch *b)
+{
+    stbds_arrfree(b->cs);
+    KVB_FREE(b->src_idx);
+    KVB_FREE(b);
+}
+
+/* CancelSweeper: drop cancelled containers from every queue and every weak batch. */
+static void kvo__sweep_all(kvo_pipeline *pl)
+{
+    size_t i, j, w;
+    kvo_queue_sweep(pl->q_eval, NULL);
+    kvo_queue_sweep(pl->q_pre, NULL);
+    kvo_queue_sweep(pl->q_batch, NULL);
+    for (i = 0; i < stbds_arrlenu(pl->in_queue); i++) {
+        kvo__batch *b = pl->in_queue[i];
+        for (j = w = 0; j < stbds_arrlenu(b->cs); j++) {
+            if (kvo_token_is_cancelled(b->cs[j]->token)) kvo__on_drop(b->cs[j], pl);
+            else b->cs[w++] = b->cs[j];
+        }
+        KVB__ARR_SHRINK(b->cs, w);
+    }
+    for (i = w = 0; i < stbds_arrlenu(pl->in_queue); i++) {
+        if (stbds_arrlen(pl->in_queue[i]->cs)) pl->in_queue[w++] = pl->in_queue[i];
+        else kvo__batch_free(pl->in_queue[i]);
+    }
+    KVB__ARR_SHRINK(pl->in_queue, w);
+    pl->last_sweep = kvo__now(pl);
+}
+
+/* PolicyEvaluator, one block. Returns the block's new state. */
+static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now)
+{
+    const kvo_pipeline_config *cfg = &pl->cfg;
+    uint8_t present = 0;
+    if (c->state[i] == KVO__B_NEW) {
+        kvb_block_info info;
+        if (kvb_block_get_info(cfg->src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED)
+            return KVO__B_DROPPED;
+        c->hashes[i] = info.hash;
+        c->parents[i] = info.parent;
+        if (cfg->min_frequency) kvo__count_add(&pl->freq, &info.hash, 1);
+    }
+    if (cfg->presence >= 0) {
+        kvb_presence(cfg->dst, &c->hashes[i], 1, &present, NULL);
+        if (present || kvo__count_get(&pl->inflight, &c->hashes[i])) return KVO__B_SKIP;
+    }
+    if (cfg->min_frequency && kvo__count_get(&pl->freq, &c->hashes[i]) < cfg->min_frequency) return KVO__B_SKIP;
+    if (cfg->policy) {
+        kvo_verdict v = cfg->policy(cfg->policy_user, &c->hashes[i], kvb_block_index(c->src[i].id));
+        if (v == KVO_LATER) return now - c->t_eval >= cfg->policy_timeout_us ? KVO__B_TIMEOUT : KVO__B_EVAL;
+        if (v != KVO_OFFER) return KVO__B_SKIP;
+    }
+    return KVO__B_OFFER;
+}
+
+/* Count a block's final verdict into the container's info. */
+static void kvo__count_verdict(kvo_pipeline *pl, kvo__container *c, size_t i)
+{
+    switch (c->state[i]) {
+    case KVO__B_OFFER: kvo__count_add(&pl->inflight, &c->hashes[i], 1); break;
+    case KVO__B_SKIP: c->info.skipped++; break;
+    case KVO__B_TIMEOUT: c->info.timed_out++; break;
+    case KVO__B_DROPPED: c->info.dropped++; break;
+    default: break;
+    }
+}
+
+/* Evaluate a container: 1 when every block has a verdict. */
+static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
+{
+    size_t i, offered = 0;
+    int pending = 0;
+    for (i = 0; i < c->n; i++) {
+        if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
+            c->state[i] = kvo__evaluate_block(pl, c, i, now);
+            if (c->state[i] == KVO__B_EVAL) pending = 1;
+        }
+    }
+    if (pending) return 0;
+    for (i = 0; i < c->n; i++) {
+        kvo__count_verdict(pl, c, i);
+        offered += c->state[i] == KVO__B_OFFER;
+    }
+    c->inflight_marked = 1;
+    return offered ? 1 : 2; /* 2: nothing to copy */
+}
+
+static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
+{
+    kvo__container **later = NULL;
+    void *item;
+    size_t i;
+    while (kvo_queue_pop(pl->q_eval, &item, 0) == KVO_OK) {
+        kvo__container *c = (kvo__container *)item;
+        int r = kvo__evaluate(pl, c, now);
+        if (r == 0) {
+            stbds_arrput(later, c);
+        } else if (r == 2) {
+            kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
+        } else {
+            c->info.status = KVO_STATUS_QUEUED;
+            if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
+        }
+    }
+    for (i = 0; i < stbds_arrlenu(later); i++)
+        if (kvo_queue_push(pl->q_eval, later[i], later[i]->token) != KVO_OK) kvo__on_drop(later[i], pl);
+    stbds_arrfree(later);
+}
+
+static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
+{
+    if (kvo_queue_len(pl->q_batch) == 0) pl->batch_since = now;
+    if (kvo_queue_push(pl->q_batch, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
+}
+
+/* PreconditionAwaiter: a poll of each event, so waiting never blocks and a sweep can cancel it. */
+static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
+{
+    kvo__container **waiting = NULL;
+    void *item;
+    size_t i;
+    while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
+        kvo__container *c = (kvo__container *)item;
+        int s = c->pre ? kvo_event_query(c->pre) : 1;
+        if (s > 0) kvo__to_batcher(pl, c, now);
+        else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
+        else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
+        else stbds_arrput(waiting, c);
+    }
+    for (i = 0; i < stbds_arrlenu(waiting); i++)
+        if (kvo_queue_push(pl->q_pre, waiting[i], waiting[i]->token) != KVO_OK) kvo__on_drop(waiting[i], pl);
+    stbds_arrfree(waiting);
+}
+
+static uint32_t kvo__offered(const kvo__container *c)
+{
+    size_t i;
+    uint32_t k = 0;
+    for (i = 0; i < c->n; i++) k += c->state[i] == KVO__B_OFFER;
+    return k;
+}
+
+static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
+{
+    size_t at = stbds_arrlenu(pl->in_queue);
+    while (at > 0 && pl->in_queue[at - 1]->priority < b->priority) at--;
+    KVO__ARR_INSERT(pl->in_queue, at, b);
+}
+
+/* Batcher: once min_batch blocks wait (or the flush interval passed, or a drain asks), group the waiting
+ * containers by priority into weak batches of at most max_batch blocks. */
+static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
+{
+    kvo__container **cs = NULL;
+    kvo__batch *b = NULL;
+    void *item;
+    size_t i, j;
+    uint32_t waiting = 0;
+    if (!kvo_queue_len(pl->q_batch)) return;
+    {   /* count the blocks waiting: the queue holds containers */
+        kvo_queue *q = pl->q_batch;
+        pthread_mutex_lock(&q->lock);
+        for (i = q->head; i < stbds_arrlenu(q->items); i++) waiting += kvo__offered((kvo__container *)q->items[i].item);
+        pthread_mutex_unlock(&q->lock);
+    }
+    if (!pl->draining && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us) return;
+    while (kvo_queue_pop(pl->q_batch, &item, 0) == KVO_OK) {
+        kvo__container *c = (kvo__container *)item;
+        for (j = stbds_arrlenu(cs); j > 0 && cs[j - 1]->priority < c->priority; j--) {
+        }
+        KVO__ARR_INSERT(cs, j, c); /* stable: FIFO within a priority */
+    }
+    for (i = 0; i < stbds_arrlenu(cs); i++) {
+        uint32_t k = kvo__offered(cs[i]);
+        if (b && (b->priority != cs[i]->priority || b->blocks + k > pl->cfg.max_batch)) {
+            kvo__in_queue_insert(pl, b);
+            b = NULL;
+        }
+        if (!b) {
+            b = (kvo__batch *)KVB_MALLOC(sizeof *b);
+            if (!b) {
+                kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
+                continue;
+            }
+            memset(b, 0, sizeof *b);
+            b->pl = pl;
+            b->priority = cs[i]->priority;
+        }
+        stbds_arrput(b->cs, cs[i]);
+        b->blocks += k;
+    }
+    if (b) kvo__in_queue_insert(pl, b);
+    stbds_arrfree(cs);
+}
+
+/* The upgrade (P3): weak -> strong for every offered block of the batch, just after a sweep (P4), then
+ * destination blocks, then one flat job for all containers (P5). 0 when nothing is left to copy. */
+static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
+{
+    size_t i, j, k = 0, n = 0;
+    unsigned char *mem;
+    kvb_result r;
+    for (i = 0; i < stbds_arrlenu(b->cs); i++) {
+        kvo__container *c = b->cs[i];
+        c->info.status = KVO_STATUS_TRANSFERRING;
+        for (j = 0; j < c->n; j++) {
+            if (c->state[j] != KVO__B_OFFER) continue;
+            if (!c->onboard && kvb_upgrade(pl->cfg.src, c->src[j], &c->src_strong[j]) != KVB_OK) {
+                c->state[j] = KVO__B_DROPPED; /* evicted since it was enqueued: discarded, not copied */
+                c->info.dropped++;
+                kvo__count_add(&pl->inflight, &c->hashes[j], -1);
+                continue;
+            }
+            n++;
+        }
+    }
+    if (!n) return 0;
+    mem = (unsigned char *)KVB_MALLOC(n * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
+                                           2 * sizeof(kvb_block) + sizeof(kvo__container *)));
+    if (!mem) return -KVO_ENOMEM;
+    b->src_idx = (uint32_t *)(void *)mem; /* one allocation, carved by alignment (largest first) */
+    b->hashes = (kvb_hash *)(void *)(mem + n * 4 * sizeof(uint32_t));
+    b->parents = b->hashes + n;
+    b->src_b = (kvb_block *)(void *)(b->parents + n);
+    b->dst_b = b->src_b + n;
+    b->owner = (kvo__container **)(void *)(b->dst_b + n);
+    b->dst_idx = b->src_idx + n;
+    b->owner_i = b->dst_idx + n;
+    b->results = (int *)(void *)(b->owner_i + n);
+    for (i = 0; i < stbds_arrlenu(b->cs); i++) {
+        kvo__container *c = b->cs[i];
+        for (j = 0; j < c->n; j++) {
+            if (c->state[j] != KVO__B_OFFER) continue;
+            b->src_b[k] = c->src_strong[j];
+            b->src_idx[k] = kvb_block_index(c->src_strong[j].id);
+            b->hashes[k] = c->hashes[j];
+            b->parents[k] = c->parents[j];
+            b->owner[k] = c;
+            b->owner_i[k] = (uint32_t)j;
+            b->results[k] = KVO_EBACKEND;
+            k++;
+        }
+    }
+    r = kvb_alloc(pl->cfg.dst, n, b->dst_b);
+    if (r != KVB_OK) return r == KVB_ENOSPACE ? -KVO_EFULL : -(int)r;
+    for (k = 0; k < n; k++) b->dst_idx[k] = kvb_block_index(b->dst_b[k].id);
+    b->job.src = pl->cfg.src;
+    b->job.dst = pl->cfg.dst;
+    b->job.src_idx = b->src_idx;
+    b->job.dst_idx = b->dst_idx;
+    b->job.hashes = b->hashes;
+    b->job.n = n;
+    b->job.results = b->results;
+    b->job.user = b;
+    return (int)n;
+}
+
+/* Finish every container of a batch that will not reach the backend. */
+static void kvo__batch_abort(kvo_pipeline *pl, kvo__batch *b, kvo_status st, int err)
+{
+    size_t i, j;
+    for (i = 0; i < stbds_arrlenu(b->cs); i++) {
+        kvo__container *c = b->cs[i];
+        for (j = 0; j < c->n && st == KVO_STATUS_FAILED; j++)
+            if (c->state[j] == KVO__B_OFFER) {
+                c->state[j] = KVO__B_FAILED;
+                c->info.failed++;
+            }
+        kvo__finalize(pl, c, st, err);
+    }
+    kvo__batch_free(b);
+}
+
+static void kvo__fill_on_deck(kvo_pipeline *pl)
+{
+    while (stbds_arrlenu(pl->on_deck) < pl->cfg.on_deck && stbds_arrlen(pl->in_queue)) {
+        kvo__batch *b;
+        int n;
+        kvo__sweep_all(pl);
+        if (!stbds_arrlen(pl->in_queue)) break;
+        b = pl->in_queue[0];
+        stbds_arrdel(pl->in_queue, 0);
+        n = kvo__upgrade(pl, b);
+        if (n > 0) {
+            stbds_arrput(pl->on_deck, b);
+        } else if (n == 0) {
+            kvo__batch_abort(pl, b, KVO_STATUS_COMPLETE, KVO_OK);
+        } else {
+            if (n == -KVO_EFULL) pl->stats.dest_full++;
+            kvo__batch_abort(pl, b, KVO_STATUS_FAILED, -n);
+        }
+    }
+}
+
+/* Register what arrived, give back every block the batch held, finish its containers. Locked. */
+static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message)
+{
+    size_t k, n = b->job.n, i;
+    kvb_block *keep = b->dst_b; /* reused in place: successes first */
+    size_t ok = 0;
+    for (k = 0; k < n; k++) {
+        if (b->results[k] == KVO_OK) {
+            b->dst_b[ok] = b->dst_b[k];
+            b->hashes[ok] = b->hashes[k];
+            b->parents[ok] = b->parents[k];
+            b->owner[ok] = b->owner[k];
+            b->owner_i[ok] = b->owner_i[k];
+            ok++;
+        } else {
+            kvo__container *c = b->owner[k];
+            kvb_release(pl->cfg.dst, &b->dst_b[k], 1, NULL); /* never registered: back to free */
+            c->state[b->owner_i[k]] = KVO__B_FAILED;
+            c->info.failed++;
+            if (!c->info.error) c->info.error = b->results[k] ? b->results[k] : result;
+            if (message && !c->info.message[0]) snprintf(c->info.message, sizeof c->info.message, "%s", message);
+        }
+    }
+    if (ok && kvb_register_hashed(pl->cfg.dst, keep, ok, b->hashes, b->parents, keep) != KVB_OK) ok = 0;
+    for (k = 0; k < ok; k++) {
+        kvo__container *c = b->owner[k];
+        uint32_t j = b->owner_i[k];
+        c->state[j] = KVO__B_DONE;
+        c->info.transferred++;
+        c->dst_weak[j] = kvb_weak_of(keep[k]);
+        if (c->onboard) {
+            c->dst_keep[j] = keep[k];
+            keep[k].id = 0;
+        }
+    }
+    kvo__release_held(pl->cfg.dst, keep, ok, pl->cfg.dst_priority);
+    for (i = 0; i < stbds_arrlenu(b->cs); i++)
+        kvo__finalize(pl, b->cs[i], b->cs[i]->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+    pl->stats.batches++;
+    pl->stats.bytes += b->job.bytes;
+    pl->executing--;
+    kvo__batch_free(b);
+    pthread_cond_broadcast(&pl->cond);
+}
+
+static void kvo__job_done(kvo_copy_job *job, int result, const char *message)
+{
+    kvo__batch *b = (kvo__batch *)job->user;
+    kvo_pipeline *pl = b->pl;
+    pthread_mutex_lock(&pl->lock);
+    kvo__batch_finish(pl, b, result, message);
+    kvo__unlock(pl);
+}
+
+/* TransferExecutor: hand on-deck batches to the backend, up to max_concurrent. The lock is dropped
+ * around submit, since a backend may finish (and call back) before submit returns. */
+static void kvo__stage_execute(kvo_pipeline *pl)
+{
+    while (pl->executing < pl->cfg.max_concurrent && stbds_arrlen(pl->on_deck)) {
+        kvo__batch *b = pl->on_deck[0];
+        int r;
+        stbds_arrdel(pl->on_deck, 0);
+        pl->executing++;
+        b->job.done = kvo__job_done;
+        pthread_mutex_unlock(&pl->lock);
+        r = pl->cfg.backend->submit(pl->cfg.backend, &b->job);
+        pthread_mutex_lock(&pl->lock);
+        if (r != KVO_OK) kvo__batch_finish(pl, b, r, "backend refused the job");
+    }
+}
+
+static void kvo__step(kvo_pipeline *pl)
+{
+    uint64_t now = kvo__now(pl);
+    if (now - pl->last_sweep >= pl->cfg.sweep_interval_us) kvo__sweep_all(pl);
+    kvo__stage_policy(pl, now);
+    kvo__stage_precondition(pl, now);
+    kvo__stage_batcher(pl, now);
+    kvo__fill_on_deck(pl);
+    kvo__stage_execute(pl);
+}
+
+static int kvo__idle(kvo_pipeline *pl)
+{
+    return !kvo_queue_len(pl->q_eval) && !kvo_queue_len(pl->q_pre) && !kvo_queue_len(pl->q_batch) &&
+           !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing;
+}
+
+/* How long the coordinator may sleep: short while anything is polled (policies, events, batches). */
+static int64_t kvo__coordinator_wait_us(kvo_pipeline *pl)
+{
+    if (kvo_queue_len(pl->q_eval) || kvo_queue_len(pl->q_pre)) return 1000;
+    if (kvo_queue_len(pl->q_batch) || stbds_arrlen(pl->in_queue) || stbds_arrlen(pl->on_deck))
+        return pl->cfg.flush_interval_us < 1000 ? pl->cfg.flush_interval_us : 1000;
+    return -1;
+}
+
+static void *kvo__coordinator(void *arg)
+{
+    kvo_pipeline *pl = (kvo_pipeline *)arg;
+    pthread_mutex_lock(&pl->lock);
+    while (!pl->stopping) {
+        int64_t wait_us;
+        kvo__step(pl);
+        if (stbds_arrlen(pl->notes)) { /* deliver callbacks, then look again */
+            kvo__unlock(pl);
+            pthread_mutex_lock(&pl->lock);
+            continue;
+        }
+        wait_us = kvo__coordinator_wait_us(pl);
+        if (wait_us < 0) {
+            pthread_cond_wait(&pl->cond, &pl->lock);
+        } else {
+            struct timespec dl = kvo__deadline(wait_us);
+            kvo__cond_wait(&pl->cond, &pl->lock, &dl);
+        }
+    }
+    kvo__unlock(pl);
+    return NULL;
+}
+
+/* Let the pipeline move on while the caller waits for `done(pl, arg)`: poll mode pumps the stages,
+ * thread mode sleeps on the condition. Locked on entry and exit. 0 on timeout. */
+static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg, int64_t timeout_us)
+{
+    uint64_t start = kvo__mono_us();
+    while (!done(pl, arg)) {
+        int64_t left = timeout_us < 0 ? 1000 : timeout_us - (int64_t)(kvo__mono_us() - start);
+        struct timespec dl;
+        if (left <= 0) return 0;
+        if (pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread) {
+            kvo__step(pl);
+            if (done(pl, arg)) break;
+        } else {
+            pthread_cond_broadcast(&pl->cond); /* wake the coordinator */
+        }
+        if (stbds_arrlen(pl->notes)) {
+            kvo__unlock(pl);
+            pthread_mutex_lock(&pl->lock);
+            continue;
+        }
+        dl = kvo__deadline(left < 1000 ? left : 1000);
+        kvo__cond_wait(&pl->cond, &pl->lock, &dl);
+    }
+    return 1;
+}
+
+static int kvo__is_final(kvo_pipeline *pl, void *c)
+{
+    (void)pl;
+    return ((kvo__container *)c)->final;
+}
+
+static int kvo__is_idle(kvo_pipeline *pl, void *unused)
+{
+    (void)unused;
+    return kvo__idle(pl);
+}
+
+/* ---- pipeline: public ------------------------------------------------------------------------- */
+
+static void kvo__pipeline_defaults(kvo_pipeline_config *c)
+{
+    if (!c->max_batch) c->max_batch = 64;
+    if (!c->min_batch) c->min_batch = 8;
+    if (!c->flush_interval_us) c->flush_interval_us = 10000;
+    if (!c->policy_timeout_us) c->policy_timeout_us = 100000;
+    if (!c->sweep_interval_us) c->sweep_interval_us = 10000;
+    if (!c->max_concurrent) c->max_concurrent = 1;
+    if (!c->on_deck) c->on_deck = 2;
+    if (!c->precondition_timeout_us) c->precondition_timeout_us = 10u * 1000000u;
+}
+
+KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pipeline **out)
+{
+    kvo_pipeline *pl;
+    kvo_queue_config qc;
+    uint64_t sb = 0, db = 0;
+    void *sbase, *dbase;
+    if (!config || !out || !config->src || !config->dst || !config->backend || !config->backend->submit ||
+        config->src == config->dst || (unsigned)config->mode > KVO_MODE_POLL)
+        return KVO_EINVAL;
+    kvb_pool_storage(config->src, &sbase, NULL, &sb, NULL);
+    kvb_pool_storage(config->dst, &dbase, NULL, &db, NULL);
+    if (sbase && dbase && sb != db) return KVO_ELAYOUT;
+    pl = (kvo_pipeline *)KVB_MALLOC(sizeof *pl);
+    if (!pl) return KVO_ENOMEM;
+    memset(pl, 0, sizeof *pl);
+    pl->cfg = *config;
+    kvo__pipeline_defaults(&pl->cfg);
+    if (pl->cfg.min_batch > pl->cfg.max_batch) pl->cfg.min_batch = pl->cfg.max_batch;
+    qc.on_drop = kvo__on_drop;
+    qc.user = pl;
+    if (pthread_mutex_init(&pl->lock, NULL) != 0 || kvo__cond_init(&pl->cond) != 0 ||
+        kvo_queue_create(&qc, &pl->q_eval) != KVO_OK || kvo_queue_create(&qc, &pl->q_pre) != KVO_OK ||
+        kvo_queue_create(&qc, &pl->q_batch) != KVO_OK) {
+        kvo_queue_destroy(pl->q_eval);
+        kvo_queue_destroy(pl->q_pre);
+        KVB_FREE(pl);
+        return KVO_ENOMEM;
+    }
+    pl->last_sweep = kvo__now(pl);
+    if (pl->cfg.mode == KVO_MODE_THREADS) {
+        if (pthread_create(&pl->thread, NULL, kvo__coordinator, pl) != 0) {
+            pl->stopping = 1;
+            kvo_pipeline_destroy(pl);
+            return KVO_ENOMEM;
+        }
+        pl->has_thread = 1;
+    }
+    *out = pl;
+    return KVO_OK;
+}
+
+KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
+{
+    size_t i;
+    if (!pipeline) return;
+    pthread_mutex_lock(&pipeline->lock);
+    for (i = 0; i < stbds_arrlenu(pipeline->slots); i++)
+        if (pipeline->slots[i].c) kvo_token_cancel(pipeline->slots[i].c->token);
+    kvo__sweep_all(pipeline);
+    pipeline->stopping = 1;
+    pthread_cond_broadcast(&pipeline->cond);
+    kvo__unlock(pipeline);
+    if (pipeline->has_thread) pthread_join(pipeline->thread, NULL);
+    pipeline->has_thread = 0;
+    pthread_mutex_lock(&pipeline->lock);
+    kvo__wait_until(pipeline, kvo__is_idle, NULL, -1); /* what was upgraded completes (P3) */
+    kvo__unlock(pipeline);
+    for (i = 0; i < stbds_arrlenu(pipeline->slots); i++) {
+        kvo__container *c = pipeline->slots[i].c;
+        if (!c) continue;
+        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
+        kvo_token_release(c->token);
+        KVB_FREE(c);
+    }
+    kvo_queue_destroy(pipeline->q_eval);
+    kvo_queue_destroy(pipeline->q_pre);
+    kvo_queue_destroy(pipeline->q_batch);
+    stbds_arrfree(pipeline->in_queue);
+    stbds_arrfree(pipeline->on_deck);
+    stbds_arrfree(pipeline->slots);
+    stbds_arrfree(pipeline->free_slots);
+    stbds_hmfree(pipeline->inflight);
+    stbds_hmfree(pipeline->freq);
+    stbds_arrfree(pipeline->notes);
+    pthread_mutex_destroy(&pipeline->lock);
+    pthread_cond_destroy(&pipeline->cond);
+    KVB_FREE(pipeline);
+}
+
+/* A new container holding a reference to the caller's token and event. */
+static kvo_result kvo__container_open(kvo_pipeline *pl, size_t n, const kvo_enqueue_opts *opts, kvo__container **out)
+{
+    kvo__container *c;
+    if (opts && kvo_token_is_cancelled(opts->token)) return KVO_ECANCELLED;
+    c = kvo__container_new(n);
+    if (!c) return KVO_ENOMEM;
+    if (kvo__token_new(opts ? opts->token : NULL, &c->token) != KVO_OK) {
+        KVB_FREE(c);
+        return KVO_ENOMEM;
+    }
+    if (opts) {
+        c->pre = opts->precondition;
+        kvo_event_retain(c->pre);
+        c->priority = opts->priority;
+    }
+    c->t_enqueue = c->t_eval = kvo__now(pl);
+    kvo__slot_alloc(pl, c);
+    *out = c;
+    pl->stats.enqueued++;
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
+                               const kvo_enqueue_opts *opts, kvo_transfer *out)
+{
+    kvo__container *c;
+    kvo_result r;
+    if (!pipeline || !out || (n && !blocks)) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    r = kvo__container_open(pipeline, n, opts, &c);
+    if (r == KVO_OK) {
+        memcpy(c->src, blocks, n * sizeof *blocks);
+        *out = kvo__handle_of(pipeline, c);
+        if (kvo_queue_push(pipeline->q_eval, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
+        pthread_cond_broadcast(&pipeline->cond);
+    }
+    kvo__unlock(pipeline);
+    return r;
+}
+
+/* Onboarding: present blocks are matched in the destination, the rest taken in the source at once. */
+static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
+{
+    size_t i, k;
+    for (i = 0; i < n; i++) {
+        kvb_block_info info;
+        c->hashes[i] = hashes[i];
+        if (kvb_match(pl->cfg.dst, &hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
+            c->state[i] = KVO__B_PRESENT;
+            c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
+            c->info.present++;
+            continue;
+        }
+        if (kvb_match(pl->cfg.src, &hashes[i], 1, &c->src_strong[i], &k) != KVB_OK || !k) break;
+        kvb_block_get_info(pl->cfg.src, c->src_strong[i].id, &info);
+        c->parents[i] = info.parent;
+        c->state[i] = KVO__B_OFFER;
+        kvo__count_add(&pl->inflight, &hashes[i], 1);
+    }
+    c->inflight_marked = 1;
+    return i;
+}
+
+KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
+                               const kvo_enqueue_opts *opts, kvo_transfer *out)
+{
+    kvo__container *c;
+    kvo_result r;
+    size_t found;
+    if (!pipeline || !out || (n && !hashes)) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    r = kvo__container_open(pipeline, n, opts, &c);
+    if (r == KVO_OK) {
+        c->onboard = 1;
+        found = kvo__onboard_match(pipeline, c, hashes, n);
+        c->n = found; /* the longest prefix found */
+        c->info.blocks = (uint32_t)found;
+        *out = kvo__handle_of(pipeline, c);
+        if (!kvo__offered(c)) {
+            kvo__finalize(pipeline, c, KVO_STATUS_COMPLETE, KVO_OK);
+        } else {
+            c->info.status = KVO_STATUS_QUEUED;
+            if (kvo_queue_push(pipeline->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
+        }
+        pthread_cond_broadcast(&pipeline->cond);
+    }
+    kvo__unlock(pipeline);
+    return r;
+}
+
+KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline)
+{
+    if (!pipeline) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    if (pipeline->cfg.mode == KVO_MODE_POLL) kvo__step(pipeline);
+    else pthread_cond_broadcast(&pipeline->cond);
+    kvo__unlock(pipeline);
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us)
+{
+    int ok;
+    if (!pipeline) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    pipeline->draining++;
+    ok = kvo__wait_until(pipeline, kvo__is_idle, NULL, timeout_us);
+    pipeline->draining--;
+    kvo__unlock(pipeline);
+    return ok ? KVO_OK : KVO_ETIMEDOUT;
+}
+
+KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n)
+{
+    size_t i;
+    if (!pipeline || (n && !hashes)) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    for (i = 0; i < n; i++) kvo__count_add(&pipeline->freq, &hashes[i], 1);
+    pthread_mutex_unlock(&pipeline->lock);
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_pipeline_get_stats(kvo_pipeline *pipeline, kvo_pipeline_stats *out)
+{
+    size_t i;
+    if (!pipeline || !out) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    *out = pipeline->stats;
+    out->in_flight_blocks = 0;
+    for (i = 0; i < stbds_arrlenu(pipeline->on_deck); i++) out->in_flight_blocks += (uint32_t)pipeline->on_deck[i]->job.n;
+    pthread_mutex_unlock(&pipeline->lock);
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_pipeline_get_config(const kvo_pipeline *pipeline, kvo_pipeline_config *out)
+{
+    if (!pipeline || !out) return KVO_EINVAL;
+    *out = pipeline->cfg;
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_transfer_get_info(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_transfer_info *out)
+{
+    kvo__container *c;
+    if (!pipeline || !out) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    c = kvo__resolve(pipeline, transfer);
+    if (c) *out = c->info;
+    pthread_mutex_unlock(&pipeline->lock);
+    return c ? KVO_OK : KVO_ESTALE;
+}
+
+KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transfer, int64_t timeout_us,
+                                     kvo_status *out_status)
+{
+    kvo__container *c;
+    kvo_result r = KVO_OK;
+    if (!pipeline) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    c = kvo__resolve(pipeline, transfer);
+    if (!c) r = KVO_ESTALE;
+    else if (!kvo__wait_until(pipeline, kvo__is_final, c, timeout_us)) r = KVO_ETIMEDOUT;
+    if (c && out_status) *out_status = c->info.status;
+    kvo__unlock(pipeline);
+    return r;
+}
+
+/* Cancel with the lock held: sweep now, then wait out a transfer already past its upgrade. */
+static void kvo__cancel_locked(kvo_pipeline *pl, kvo__container *c)
+{
+    if (c->final) return;
+    kvo_token_cancel(c->token);
+    kvo__sweep_all(pl);
+    kvo__wait_until(pl, kvo__is_final, c, -1);
+}
+
+KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status)
+{
+    kvo__container *c;
+    if (!pipeline) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    c = kvo__resolve(pipeline, transfer);
+    if (c) {
+        kvo__cancel_locked(pipeline, c);
+        if (out_status) *out_status = c->info.status;
+    }
+    kvo__unlock(pipeline);
+    return c ? KVO_OK : KVO_ESTALE;
+}
+
+KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer transfer, kvb_block *out,
+                                            size_t max, size_t *out_n)
+{
+    kvo__container *c;
+    kvo_result r = KVO_OK;
+    size_t i, k = 0;
+    if (!pipeline || !out_n || (max && !out)) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    c = kvo__resolve(pipeline, transfer);
+    if (!c) r = KVO_ESTALE;
+    else if (!c->onboard || c->info.status != KVO_STATUS_COMPLETE || c->taken) r = KVO_ESTATE;
+    else if (max < c->n) r = KVO_EINVAL;
+    if (r == KVO_OK) {
+        for (i = 0; i < c->n; i++) {
+            out[k++] = c->dst_keep[i];
+            c->dst_keep[i].id = 0;
+        }
+        c->taken = 1;
+        *out_n = k;
+    }
+    pthread_mutex_unlock(&pipeline->lock);
+    return r;
+}
+
+KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer transfer)
+{
+    kvo__container *c;
+    int found;
+    if (!pipeline) return KVO_EINVAL;
+    pthread_mutex_lock(&pipeline->lock);
+    c = kvo__resolve(pipeline, transfer);
+    found = c != NULL;
+    if (c) {
+        kvo__cancel_locked(pipeline, c);
+        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
+        pipeline->slots[c->slot].c = NULL;
+        pipeline->slots[c->slot].gen = (pipeline->slots[c->slot].gen + 1) & 0x7fffffffu;
+        stbds_arrput(pipeline->free_slots, c->slot);
+        kvo_token_release(c->token);
+        KVB_FREE(c);
+    }
+    kvo__unlock(pipeline);
+    return found ? KVO_OK : KVO_ESTALE;
+}
+
+/* ---- tier manager ------------------------------------------------------------------------------- */
+
+typedef struct kvo__edge { kvo_manager *m; uint32_t tier; } kvo__edge;
+
+struct kvo_manager {
+    kvo_manager_config cfg;
+    kvo_pipeline *down[KVO_MAX_TIERS], *up[KVO_MAX_TIERS];
+    kvo__edge edges[KVO_MAX_TIERS];
+};
+
+/* An offload tier -> tier + 1 finished: eager mode sends what landed on down the chain. */
+static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfer_info *info,
+                                   const kvb_weak *dst, size_t n)
+{
+    kvo__edge *e = (kvo__edge *)user;
+    kvo_manager *m = e->m;
+    uint32_t next = e->tier + 1;
+    (void)info;
+    if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers && m->down[next]) {
+        kvb_weak *landed = (kvb_weak *)KVB_MALLOC((n ? n : 1) * sizeof *landed);
+        size_t i, k = 0;
+        kvo_transfer t2;
+        for (i = 0; landed && i < n; i++)
+            if (dst[i].id) landed[k++] = dst[i];
+        if (k && kvo_enqueue(m->down[next], landed, k, NULL, &t2) == KVO_OK) {
+            /* the handle is released when that transfer is done, in this same callback */
+        }
+        KVB_FREE(landed);
+    }
+    kvo_transfer_release(m->down[e->tier], t);
+}
+
+KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_manager **out)
+{
+    kvo_manager *m;
+    uint32_t i;
+    kvo_result r = KVO_OK;
+    if (!config || !out || config->num_tiers < 2 || config->num_tiers > KVO_MAX_TIERS ||
+        (unsigned)config->offload > KVO_OFFLOAD_LAZY)
+        return KVO_EINVAL;
+    for (i = 0; i < config->num_tiers; i++)
+        if (!config->pools[i]) return KVO_EINVAL;
+    m = (kvo_manager *)KVB_MALLOC(sizeof *m);
+    if (!m) return KVO_ENOMEM;
+    memset(m, 0, sizeof *m);
+    m->cfg = *config;
+    if (!m->cfg.lazy_reserve) m->cfg.lazy_reserve = 64;
+    for (i = 0; i < config->num_tiers && r == KVO_OK; i++) {
+        kvo_pipeline_config pc = config->pipeline;
+        m->edges[i].m = m;
+        m->edges[i].tier = i;
+        if (i + 1 < config->num_tiers && config->down[i]) {
+            pc.src = config->pools[i];
+            pc.dst = config->pools[i + 1];
+            pc.backend = config->down[i];
+            pc.on_done = kvo__manager_down_done;
+            pc.done_user = &m->edges[i];
+            r = kvo_pipeline_create(&pc, &m->down[i]);
+        }
+        if (r == KVO_OK && i >= 1 && config->up[i]) {
+            pc = config->pipeline;
+            pc.src = config->pools[i];
+            pc.dst = config->pools[0];
+            pc.backend = config->up[i];
+            pc.on_done = NULL;
+            pc.presence = -1; /* onboarding matches the destination itself */
+            r = kvo_pipeline_create(&pc, &m->up[i]);
+        }
+    }
+    if (r != KVO_OK) {
+        kvo_manager_destroy(m);
+        return r;
+    }
+    *out = m;
+    return KVO_OK;
+}
+
+KVO_API void kvo_manager_destroy(kvo_manager *manager)
+{
+    uint32_t i;
+    if (!manager) return;
+    for (i = 0; i < KVO_MAX_TIERS; i++) { /* top down, so chained offloads find their next stage */
+        kvo_pipeline_destroy(manager->down[i]);
+        manager->down[i] = NULL;
+    }
+    for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
+    KVB_FREE(manager);
+}
+
+KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n)
+{
+    kvb_weak stack[64], *w;
+    kvo_transfer t;
+    kvo_result r;
+    size_t i;
+    if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
+    if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER || !manager->down[tier]) return KVO_OK;
+    w = n <= 64 ? stack : (kvb_weak *)KVB_MALLOC(n * sizeof *w);
+    if (!w) return KVO_ENOMEM;
+    for (i = 0; i < n; i++) w[i] = kvb_weak_of(blocks[i]);
+    r = kvo_enqueue(manager->down[tier], w, n, NULL, &t); /* released by kvo__manager_down_done */
+    if (w != stack) KVB_FREE(w);
+    return r;
+}
+
+/* Lazy mode: keep the next blocks to be evicted from each tier backed by the tier below. */
+static void kvo__manager_back_candidates(kvo_manager *m, uint32_t tier)
+{
+    kvb_weak *w = (kvb_weak *)KVB_MALLOC(m->cfg.lazy_reserve * sizeof *w);
+    size_t n = 0;
+    kvo_transfer t;
+    if (!w) return;
+    if (kvb_eviction_candidates(m->cfg.pools[tier], m->cfg.lazy_reserve, w, &n) == KVB_OK && n)
+        kvo_enqueue(m->down[tier], w, n, NULL, &t);
+    KVB_FREE(w);
+}
+
+KVO_API kvo_result kvo_manager_poll(kvo_manager *manager)
+{
+    uint32_t i;
+    if (!manager) return KVO_EINVAL;
+    for (i = 0; i < manager->cfg.num_tiers; i++) {
+        if (manager->cfg.offload == KVO_OFFLOAD_LAZY && manager->down[i]) kvo__manager_back_candidates(manager, i);
+        if (manager->down[i]) kvo_pipeline_poll(manager->down[i]);
+        if (manager->up[i]) kvo_pipeline_poll(manager->up[i]);
+    }
+    return KVO_OK;
+}
+
+KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hashes, size_t n,
+                                      uint8_t *tier_of, size_t *out_n)
+{
+    uint8_t *present;
+    size_t i, found = 0;
+    uint32_t t;
+    kvo_result r = KVO_OK;
+    if (!manager || !out_n || (n && (!hashes || !tier_of))) return KVO_EINVAL;
+    if (!n) {
+        *out_n = 0;
+        return KVO_OK;
+    }
+    present = (uint8_t *)KVB_MALLOC(n);
+    if (!present) return KVO_ENOMEM;
+    memset(tier_of, 0xff, n);
+    for (t = 0; t < manager->cfg.num_tiers; t++) { /* fastest tier first; each fills what is still open */
+        if (kvb_presence(manager->cfg.pools[t], hashes, n, present, NULL) != KVB_OK) {
+            r = KVO_EINVAL;
+            break;
+        }
+        for (i = 0; i < n; i++)
+            if (present[i] && tier_of[i] == 0xff) tier_of[i] = (uint8_t)t;
+    }
+    while (found < n && tier_of[found] != 0xff) found++;
+    KVB_FREE(present);
+    *out_n = found;
+    return r;
+}
+
+KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
+                                       kvo_transfer *out)
+{
+    if (!manager || tier == 0 || tier >= manager->cfg.num_tiers || !manager->up[tier]) return KVO_EINVAL;
+    return kvo_onboard(manager->up[tier], hashes, n, NULL, out);
+}
+
+KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up)
+{
+    if (!manager || from_tier >= KVO_MAX_TIERS) return NULL;
+    return up ? manager->up[from_tier] : manager->down[from_tier];
+}
+
+KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us)
+{
+    uint32_t i;
+    kvo_result r = KVO_OK;
+    if (!manager) return KVO_EINVAL;
+    for (i = 0; i < manager->cfg.num_tiers && r == KVO_OK; i++) { /* in chain order: eager work flows down */
+        if (manager->down[i]) r = kvo_pipeline_drain(manager->down[i], timeout_us);
+        if (r == KVO_OK && manager->up[i]) r = kvo_pipeline_drain(manager->up[i], timeout_us);
+    }
+    return r;
+}
+
+KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out)
+{
+    uint32_t i;
+    if (!manager || !out) return KVO_EINVAL;
+    memset(out, 0, sizeof *out);
+    for (i = 0; i < KVO_MAX_TIERS; i++) {
+        if (manager->down[i]) kvo_pipeline_get_stats(manager->down[i], &out->down[i]);
+        if (manager->up[i]) kvo_pipeline_get_stats(manager->up[i], &out->up[i]);
+    }
+    return KVO_OK;
+}
+
+#ifdef KVO__DEFINED_TYPEOF
+#undef typeof
+#undef KVO__DEFINED_TYPEOF
+#endif
+
+#endif /* KVOFFLOAD_IMPL_INCLUDED */
+#endif /* KVOFFLOAD_IMPLEMENTATION || KVCACHE_IMPLEMENTATION */
