@@ -8,7 +8,10 @@ SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-fram
 CFLAGS_TEST  := $(BASE) -g -O1 $(SAN)
 CFLAGS_TSAN  := $(BASE) -g -O1 -fsanitize=thread
 CFLAGS_OPT   := $(BASE) -O2 -g
-HEADERS := kvblock.h
+HEADERS := kvblock.h kvoffload.h
+TEST_HEADERS := $(wildcard tests/*.h)
+NPROC   := $(shell nproc 2>/dev/null || echo 2)
+MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
@@ -32,11 +35,11 @@ deps:
 	    fi; \
 	fi
 
-$(BUILD)/test/%: tests/%.c tests/kvtest.h $(HEADERS) | deps
+$(BUILD)/test/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TEST) -o $@ $< -lm
 
-$(BUILD)/tsan/%: tests/%.c tests/kvtest.h $(HEADERS) | deps
+$(BUILD)/tsan/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lm
 

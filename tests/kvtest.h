@@ -13,7 +13,7 @@
 #include <string.h>
 
 static int kvt__passed, kvt__failed, kvt__skipped, kvt__cur_failed, kvt__cur_skipped;
-static const char *kvt__skip_reason;
+static const char *kvt__skip_reason = "";
 
 #define KVT_CHECK(cond)                                                                       \
     do {                                                                                      \
