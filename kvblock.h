@@ -254,7 +254,9 @@ typedef void (*kvb_hash_fn)(const kvb_hash *parent, const uint32_t *tokens, size
                             const uint64_t *extra, size_t n_extra, uint64_t salt, kvb_hash *out, void *user);
 
 /* Custom eviction: the pool tells which blocks became evictable and which stopped being so, and asks
- * for a victim among the evictable ones (return its index, or UINT32_MAX for none). */
+ * for a victim among the evictable ones (return its index, or UINT32_MAX for none). A refusal makes
+ * kvb_alloc fail with KVB_ENOSPACE, giving back the blocks it took (blocks it evicted before the
+ * refusal stay evicted); sequences expect a victim whenever one is evictable. */
 typedef struct kvb_evict_ops {
     void (*on_inactive)(void *user, uint32_t index, uint32_t priority);
     void (*on_removed)(void *user, uint32_t index);
@@ -630,7 +632,8 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 typedef struct kvb__meta { /* one cache line per block */
     kvb_hash hash;
     kvb_hash parent;
-    uint32_t prev, next; /* eviction list */
+    uint32_t stamp;      /* which eviction-ring entry is current */
+    uint32_t spare_;
     uint32_t refs;
     uint32_t gen;
     uint32_t dup_next;   /* next block with the same hash */
@@ -651,6 +654,17 @@ typedef struct kvb__mut { /* what a mutable block needs until it is registered *
 } kvb__mut;
 
 typedef struct kvb__mut_entry { uint32_t key; kvb__mut *value; } kvb__mut_entry;
+
+/* Eviction order of one priority level: an array of (block, stamp) in release order, oldest at head.
+ * A block taken back or evicted leaves a stale entry behind (its stamp moved on, or it is no longer
+ * inactive), skipped when met and dropped by compaction. Unlike a linked list, the next victims sit
+ * next to each other, so their metadata can be prefetched. */
+typedef struct kvb__ring_entry { uint32_t idx, stamp; } kvb__ring_entry;
+typedef struct kvb__ring {
+    kvb__ring_entry *e; /* stb_ds array; live part [head, len) */
+    size_t head;
+    uint32_t live;      /* inactive blocks at this level */
+} kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 
 struct kvb_pool {
@@ -661,7 +675,7 @@ struct kvb_pool {
     uint32_t n_free, n_active, n_inactive, n_cached;
     kvb__slot *slots;
     uint64_t slot_mask;
-    uint32_t head[KVB__MAX_LEVELS], tail[KVB__MAX_LEVELS];
+    kvb__ring rings[KVB__MAX_LEVELS]; /* eviction order per priority level */
     kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
     kvb_event *events;      /* pending batch (stb_ds array) */
@@ -1008,6 +1022,35 @@ static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
+static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e, uint32_t lvl)
+{
+    const kvb__meta *m = &p->meta[e->idx];
+    return (m->flags & KVB__F_INACTIVE) && m->prio == lvl && m->stamp == e->stamp;
+}
+
+/* Drop stale entries once they outnumber the live ones. */
+static void kvb__ring_compact(kvb_pool *p, uint32_t lvl)
+{
+    kvb__ring *r = &p->rings[lvl];
+    size_t i, w = 0, len = stbds_arrlenu(r->e);
+    if (len - r->head < 2 * (size_t)r->live + 64) return;
+    for (i = r->head; i < len; i++)
+        if (kvb__ring_valid(p, &r->e[i], lvl)) r->e[w++] = r->e[i];
+    KVB__ARR_SHRINK(r->e, w);
+    r->head = 0;
+}
+
+static void kvb__ring_push(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    kvb__ring_entry e;
+    e.idx = idx;
+    e.stamp = ++m->stamp;
+    stbds_arrput(p->rings[m->prio].e, e);
+    p->rings[m->prio].live++;
+    kvb__ring_compact(p, m->prio);
+}
+
 static void kvb__list_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
@@ -1017,11 +1060,7 @@ static void kvb__list_push(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
         return;
     }
-    m->next = KVB__NIL;
-    m->prev = p->tail[m->prio];
-    if (m->prev != KVB__NIL) p->meta[m->prev].next = idx;
-    else p->head[m->prio] = idx;
-    p->tail[m->prio] = idx;
+    kvb__ring_push(p, idx);
 }
 
 static void kvb__list_remove(kvb_pool *p, uint32_t idx)
@@ -1033,38 +1072,57 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_removed(p->cfg.custom_eviction.user, idx);
         return;
     }
-    if (m->prev != KVB__NIL) p->meta[m->prev].next = m->next;
-    else p->head[m->prio] = m->next;
-    if (m->next != KVB__NIL) p->meta[m->next].prev = m->prev;
-    else p->tail[m->prio] = m->prev;
-    m->prev = m->next = KVB__NIL;
+    p->rings[m->prio].live--; /* its entry is stale from now on */
 }
 
 static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
+    if (stbds_hmlen(p->kids) == 0) return 1;
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || kvb__kids(p, &m->hash) == 0;
+}
+
+/* Prefetch the metadata of the next victims and the index slots of the ones after the first. */
+static void kvb__prefetch_victims(const kvb_pool *p, uint32_t lvl, size_t ahead)
+{
+    const kvb__ring *r = &p->rings[lvl];
+    size_t i, len = stbds_arrlenu(r->e);
+    for (i = r->head + 1; i < len && i <= r->head + ahead; i++) KVB__PREFETCH(&p->meta[r->e[i].idx]);
+    for (i = r->head + 1; i < len && i <= r->head + 2; i++)
+        KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
+}
+
+/* The oldest block of level lvl (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
+ * KVB__NIL. Stale entries at the head are dropped on the way. */
+static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t lvl, int want_leaf)
+{
+    kvb__ring *r = &p->rings[lvl];
+    size_t i, len = stbds_arrlenu(r->e);
+    uint32_t seen = 0;
+    while (r->head < len && !kvb__ring_valid(p, &r->e[r->head], lvl)) r->head++;
+    for (i = r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
+        if (!kvb__ring_valid(p, &r->e[i], lvl)) continue;
+        if (!want_leaf || kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
+        seen++;
+    }
+    return KVB__NIL;
 }
 
 static uint32_t kvb__choose_victim(kvb_pool *p)
 {
-    uint32_t lvl, i, scanned;
+    uint32_t lvl, i;
+    int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
     if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
         i = p->cfg.custom_eviction.choose_victim(p->cfg.custom_eviction.user);
         return (i < p->cfg.num_blocks && (p->meta[i].flags & KVB__F_INACTIVE)) ? i : KVB__NIL;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
-        if (p->cfg.eviction == KVB_EVICT_LRU) {
-            if (p->head[lvl] != KVB__NIL) return p->head[lvl];
-            continue;
-        }
-        /* Leaves come first; releases run deepest first, so the head is nearly always one. */
-        for (i = p->head[lvl], scanned = 0; i != KVB__NIL && scanned < KVB__LEAF_SCAN_LIMIT;
-             i = p->meta[i].next, scanned++)
-            if (kvb__is_leaf(p, i)) return i;
+        if (!p->rings[lvl].live) continue;
+        kvb__prefetch_victims(p, lvl, 8);
+        if ((i = kvb__ring_victim(p, lvl, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
-        if (p->head[lvl] != KVB__NIL) return p->head[lvl];
+        if ((i = kvb__ring_victim(p, lvl, 0)) != KVB__NIL) return i;
     return KVB__NIL;
 }
 
@@ -1131,6 +1189,7 @@ static uint32_t kvb__alloc_one(kvb_pool *p)
         idx = p->free_stack[--p->n_free];
     } else {
         idx = kvb__choose_victim(p);
+        if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
         kvb__list_remove(p, idx);
         kvb__make_free(p, idx);
         p->n_free--;
@@ -1139,10 +1198,20 @@ static uint32_t kvb__alloc_one(kvb_pool *p)
     m = &p->meta[idx];
     m->state = KVB_STATE_EMPTY;
     m->refs = 1;
-    m->prev = m->next = m->dup_next = KVB__NIL;
+    m->dup_next = KVB__NIL;
     p->n_active++;
     p->stats.allocations++;
     return idx;
+}
+
+/* Undo kvb__alloc_one for a block nobody saw: back on the free stack, generation unchanged. */
+static void kvb__unalloc(kvb_pool *p, uint32_t idx)
+{
+    p->meta[idx].state = KVB__S_FREE;
+    p->meta[idx].refs = 0;
+    p->free_stack[p->n_free++] = idx;
+    p->n_active--;
+    p->stats.allocations--;
 }
 
 static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
@@ -1251,6 +1320,7 @@ static void kvb__pool_free_parts(kvb_pool *p)
     stbds_hmfree(p->muts);
     stbds_hmfree(p->kids);
     stbds_arrfree(p->events);
+    for (i = 0; i < KVB__MAX_LEVELS; i++) stbds_arrfree(p->rings[i].e);
     kvb__mem_free(a, p->meta, p->meta_bytes);
     kvb__mem_free(a, p->slots, p->slot_bytes);
     kvb__mem_free(a, p->free_stack, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
@@ -1273,7 +1343,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->cfg = c;
     p->block_bytes = block_bytes;
     p->storage_bytes = block_bytes * c.num_blocks;
-    while (slots < (uint64_t)c.num_blocks + c.num_blocks / 2) slots <<= 1; /* load <= 2/3 */
+    while (slots < (uint64_t)c.num_blocks + c.num_blocks / 2 + 1) slots <<= 1; /* load <= 2/3, one slot empty */
     p->slot_mask = slots - 1;
     p->meta_bytes = (size_t)c.num_blocks * sizeof(kvb__meta);
     p->slot_bytes = (size_t)slots * sizeof(kvb__slot);
@@ -1293,12 +1363,11 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     memset(p->meta, 0, p->meta_bytes);
     memset(p->slots, 0, p->slot_bytes);
     for (i = 0; i < c.num_blocks; i++) { /* lowest index allocated first */
-        p->meta[i].prev = p->meta[i].next = p->meta[i].dup_next = KVB__NIL;
+        p->meta[i].dup_next = KVB__NIL;
         p->meta[i].gen = 1;
         p->free_stack[i] = c.num_blocks - 1 - i;
     }
     p->n_free = c.num_blocks;
-    for (i = 0; i < KVB__MAX_LEVELS; i++) p->head[i] = p->tail[i] = KVB__NIL;
     *out_pool = p;
     return KVB_OK;
 }
@@ -1361,17 +1430,24 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         if (!(m->flags & KVB__F_INACTIVE)) continue;
         if (c->eviction == KVB_EVICT_CUSTOM) c->custom_eviction.on_removed(c->custom_eviction.user, i);
         m->flags = 0;
-        m->dup_next = m->prev = m->next = KVB__NIL;
+        m->dup_next = KVB__NIL;
         m->gen = (m->gen + 1) & KVB__GEN_MASK;
         m->state = KVB__S_FREE;
         m->ntok = 0;
+        m->prio = 0;
+        memset(&m->hash, 0, sizeof m->hash);
+        memset(&m->parent, 0, sizeof m->parent);
         pool->free_stack[pool->n_free++] = i;
     }
     pool->n_inactive = 0;
     pool->n_cached = 0;
     memset(pool->slots, 0, pool->slot_bytes);
     stbds_hmfree(pool->kids);
-    for (i = 0; i < KVB__MAX_LEVELS; i++) pool->head[i] = pool->tail[i] = KVB__NIL;
+    for (i = 0; i < KVB__MAX_LEVELS; i++) {
+        KVB__ARR_SHRINK(pool->rings[i].e, 0);
+        pool->rings[i].head = 0;
+        pool->rings[i].live = 0;
+    }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
     return KVB_OK;
@@ -1388,7 +1464,15 @@ KVB_API kvb_result kvb_alloc(kvb_pool *pool, size_t n, kvb_block *out)
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOSPACE;
     }
-    for (i = 0; i < n; i++) out[i] = kvb__block_of(pool, kvb__alloc_one(pool));
+    for (i = 0; i < n; i++) {
+        uint32_t idx = kvb__alloc_one(pool);
+        if (idx == KVB__NIL) { /* a custom policy refused: give back what this call took */
+            while (i-- > 0) kvb__unalloc(pool, kvb_block_index(out[i].id));
+            kvb__unlock(pool);
+            return KVB_ENOSPACE;
+        }
+        out[i] = kvb__block_of(pool, idx);
+    }
     kvb__unlock(pool);
     return KVB_OK;
 }
@@ -1639,6 +1723,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
+    for (i = 0; r == KVB_OK && i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens));
@@ -1647,36 +1732,35 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     return r;
 }
 
-/* Index of the longest cached prefix, in chunks: prefetch the slots of a chunk, probe them and
- * prefetch the blocks they name, then confirm; the cache misses of a chunk overlap. */
-#define KVB__MATCH_CHUNK 16
+/* Probe the index slots for h without touching block metadata: the candidate block or KVB__NIL. */
+static uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
+{
+    uint64_t pos = h->lo & p->slot_mask;
+    for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
+        if (p->slots[pos].lo == h->lo && p->slots[pos].hi32 == (uint32_t)h->hi) return p->slots[pos].ref - 1;
+    return KVB__NIL;
+}
+
+/* Length of the longest cached prefix, block indices in idx. A rolling software pipeline keeps many
+ * cache misses in flight: the slot of hash i + 16 is prefetched, the slot of i + 8 is probed and its
+ * block prefetched, and block i is confirmed. */
+#define KVB__SLOT_AHEAD 16
+#define KVB__META_AHEAD 8
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
-    size_t base, j, m;
-    for (base = 0; base < n; base += m) {
-        m = n - base < KVB__MATCH_CHUNK ? n - base : KVB__MATCH_CHUNK;
-        for (j = 0; j < m; j++) KVB__PREFETCH(&p->slots[hashes[base + j].lo & p->slot_mask]);
-        for (j = 0; j < m; j++) {
-            const kvb_hash *h = &hashes[base + j];
-            uint64_t pos = h->lo & p->slot_mask;
-            uint32_t cand = KVB__NIL;
-            for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
-                if (p->slots[pos].lo == h->lo && p->slots[pos].hi32 == (uint32_t)h->hi) {
-                    cand = p->slots[pos].ref - 1;
-                    break;
-                }
-            if (cand == KVB__NIL) break;
-            idx[base + j] = cand;
-            KVB__PREFETCH(&p->meta[cand]);
+    size_t i, probed = 0, limit = n; /* idx[0, probed) hold candidates; limit = first probe miss */
+    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(&p->slots[hashes[i].lo & p->slot_mask]);
+    for (i = 0; i < limit; i++) {
+        if (i + KVB__SLOT_AHEAD < limit) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
+        for (; probed < limit && probed <= i + KVB__META_AHEAD; probed++) {
+            idx[probed] = kvb__probe(p, &hashes[probed]);
+            if (idx[probed] == KVB__NIL) limit = probed;
+            else KVB__PREFETCH(&p->meta[idx[probed]]);
         }
-        for (m = j, j = 0; j < m; j++) {
-            uint32_t *c = &idx[base + j];
-            if (p->meta[*c].hash.hi != hashes[base + j].hi && (*c = kvb__find(p, &hashes[base + j])) == KVB__NIL)
-                return base + j;
-        }
-        if (m < KVB__MATCH_CHUNK && base + m < n) return base + m;
+        if (i >= limit) break;
+        if (p->meta[idx[i]].hash.hi != hashes[i].hi && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL) return i;
     }
-    return n;
+    return limit;
 }
 
 /* Take references on the k matched blocks of a lookup of n hashes, and count it. */
@@ -1739,13 +1823,15 @@ KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n
 
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
 {
-    size_t k = 0;
-    uint32_t lvl, i;
+    size_t k = 0, i;
+    uint32_t lvl;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
-    for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++)
-        for (i = pool->head[lvl]; i != KVB__NIL && k < max; i = pool->meta[i].next)
-            out[k++] = kvb_weak_of(kvb__block_of(pool, i));
+    for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++) {
+        const kvb__ring *r = &pool->rings[lvl];
+        for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
+            if (kvb__ring_valid(pool, &r->e[i], lvl)) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
+    }
     pthread_mutex_unlock(&pool->lock);
     *out_n = k;
     return KVB_OK;
@@ -1876,15 +1962,17 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
                   pool->n_active, n_inactive, pool->n_inactive);
     if (pool->cfg.eviction != KVB_EVICT_CUSTOM) {
         for (lvl = 0, cnt = 0; lvl < KVB__MAX_LEVELS; lvl++) {
-            uint32_t prev = KVB__NIL;
-            for (i = pool->head[lvl]; i != KVB__NIL; prev = i, i = pool->meta[i].next) {
-                if (i >= n || ++cnt > n_inactive) KVB__FAIL("eviction list %u broken", lvl);
-                if (pool->meta[i].prev != prev || pool->meta[i].prio != lvl || !(pool->meta[i].flags & KVB__F_INACTIVE))
-                    KVB__FAIL("eviction list %u: bad links or level at block %u", lvl, i);
+            const kvb__ring *rg = &pool->rings[lvl];
+            uint32_t live = 0;
+            size_t e;
+            for (e = rg->head; e < stbds_arrlenu(rg->e); e++) {
+                if (rg->e[e].idx >= n) KVB__FAIL("eviction ring %u names block %u", lvl, rg->e[e].idx);
+                live += (uint32_t)kvb__ring_valid(pool, &rg->e[e], lvl);
             }
-            if (pool->tail[lvl] != prev) KVB__FAIL("eviction list %u: tail mismatch", lvl);
+            if (live != rg->live) KVB__FAIL("eviction ring %u: %u live entries, counted %u", lvl, live, rg->live);
+            cnt += live;
         }
-        if (cnt != n_inactive) KVB__FAIL("eviction lists hold %u of %u inactive blocks", cnt, n_inactive);
+        if (cnt != n_inactive) KVB__FAIL("eviction rings hold %u of %u inactive blocks", cnt, n_inactive);
     }
     for (s = 0; s <= pool->slot_mask; s++) {
         uint32_t ref = pool->slots[s].ref;

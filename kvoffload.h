@@ -35,10 +35,13 @@
  *
  * 3. PIPELINE RULES (the seed's P1-P6)
  * P1 the container is the unit of cancellation; P2 its token travels with it through every queue;
- * P3 the upgrade weak -> strong is the point of no return: before it, cancel drops the container and
- * copies nothing; after it, the transfer completes; P4 the queues are swept of cancelled containers right
- * before each upgrade; P5 after the upgrade the blocks of all containers of a batch are flattened into
- * one backend job; P6 the precondition wait is cancellable (it is a poll, never a blocking wait).
+ * P3 the upgrade weak -> strong is the point of no return for eviction: a block evicted before it is
+ * dropped (counted), never copied; P4 the queues are swept of cancelled containers right before each
+ * upgrade; P5 after the upgrade the blocks of all containers of a batch are flattened into one backend
+ * job; P6 the precondition wait is cancellable (it is a poll, never a blocking wait).
+ * Cancel takes a container out anywhere before the backend has its job, on-deck batches included (its
+ * copies leave the job, its references are given back, nothing of it is copied); once the backend has
+ * the job, the transfer completes and cancel waits for it.
  * kvo_transfer_cancel sweeps at once and returns only when nothing of the container is in flight.
  * Defaults (zero in the config): max batch 64 blocks, min batch 8, flush 10 ms, policy timeout 100 ms,
  * sweep 10 ms, 1 concurrent transfer, on-deck 2 batches, precondition timeout 10 s.
@@ -741,11 +744,12 @@ KVO_API kvo_result kvo_queue_pop(kvo_queue *queue, void **out_item, int64_t time
             r = KVO_OK;
             break;
         }
-        if (r == KVO_OK || timeout_us == 0) break;
+        if (r == KVO_OK) break;
         if (queue->closed) {
             r = KVO_ECLOSED;
             break;
         }
+        if (timeout_us == 0) break;
         if (!kvo__cond_wait(&queue->cond, &queue->lock, timeout_us < 0 ? NULL : &dl)) {
             timeout_us = 0; /* one last look */
         }
@@ -1552,10 +1556,44 @@ static void kvo__batch_free(kvo__batch *b)
     KVB_FREE(b);
 }
 
-/* CancelSweeper: drop cancelled containers from every queue and every weak batch. */
+/* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
+ * leave the job, their destination blocks go back to free (their sources in kvo__finalize). */
+static void kvo__sweep_on_deck(kvo_pipeline *pl, kvo__batch *b)
+{
+    size_t k, w, i;
+    for (k = w = 0; k < b->job.n; k++) {
+        if (kvo_token_is_cancelled(b->owner[k]->token)) {
+            kvb_release(pl->cfg.dst, &b->dst_b[k], 1, NULL);
+            continue;
+        }
+        b->src_idx[w] = b->src_idx[k];
+        b->dst_idx[w] = b->dst_idx[k];
+        b->hashes[w] = b->hashes[k];
+        b->parents[w] = b->parents[k];
+        b->src_b[w] = b->src_b[k];
+        b->dst_b[w] = b->dst_b[k];
+        b->owner[w] = b->owner[k];
+        b->owner_i[w] = b->owner_i[k];
+        w++;
+    }
+    b->job.n = w;
+    for (i = k = 0; i < stbds_arrlenu(b->cs); i++) {
+        if (kvo_token_is_cancelled(b->cs[i]->token)) kvo__on_drop(b->cs[i], pl);
+        else b->cs[k++] = b->cs[i];
+    }
+    KVB__ARR_SHRINK(b->cs, k);
+}
+
+/* CancelSweeper: drop cancelled containers from every queue and every batch not yet in the backend. */
 static void kvo__sweep_all(kvo_pipeline *pl)
 {
     size_t i, j, w;
+    for (i = w = 0; i < stbds_arrlenu(pl->on_deck); i++) {
+        kvo__sweep_on_deck(pl, pl->on_deck[i]);
+        if (stbds_arrlen(pl->on_deck[i]->cs)) pl->on_deck[w++] = pl->on_deck[i];
+        else kvo__batch_free(pl->on_deck[i]);
+    }
+    KVB__ARR_SHRINK(pl->on_deck, w);
     kvo_queue_sweep(pl->q_eval, NULL);
     kvo_queue_sweep(pl->q_pre, NULL);
     kvo_queue_sweep(pl->q_batch, NULL);
@@ -1742,7 +1780,8 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
 }
 
 /* The upgrade (P3): weak -> strong for every offered block of the batch, just after a sweep (P4), then
- * destination blocks, then one flat job for all containers (P5). 0 when nothing is left to copy. */
+ * destination blocks, then one flat job for all containers (P5). Returns the number of copies, 0 when
+ * nothing is left to copy, or a negative result. */
 static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
 {
     size_t i, j, k = 0, n = 0;
@@ -1765,7 +1804,7 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
     if (!n) return 0;
     mem = (unsigned char *)KVB_MALLOC(n * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
                                            2 * sizeof(kvb_block) + sizeof(kvo__container *)));
-    if (!mem) return -KVO_ENOMEM;
+    if (!mem) return KVO_ENOMEM;
     b->src_idx = (uint32_t *)(void *)mem; /* one allocation, carved by alignment (largest first) */
     b->hashes = (kvb_hash *)(void *)(mem + n * 4 * sizeof(uint32_t));
     b->parents = b->hashes + n;
@@ -1790,7 +1829,7 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
         }
     }
     r = kvb_alloc(pl->cfg.dst, n, b->dst_b);
-    if (r != KVB_OK) return r == KVB_ENOSPACE ? -KVO_EFULL : -(int)r;
+    if (r != KVB_OK) return r == KVB_ENOSPACE ? KVO_EFULL : (int)r;
     for (k = 0; k < n; k++) b->dst_idx[k] = kvb_block_index(b->dst_b[k].id);
     b->job.src = pl->cfg.src;
     b->job.dst = pl->cfg.dst;
@@ -1834,8 +1873,8 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
         } else if (n == 0) {
             kvo__batch_abort(pl, b, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
-            if (n == -KVO_EFULL) pl->stats.dest_full++;
-            kvo__batch_abort(pl, b, KVO_STATUS_FAILED, -n);
+            if (n == KVO_EFULL) pl->stats.dest_full++;
+            kvo__batch_abort(pl, b, KVO_STATUS_FAILED, n);
         }
     }
 }

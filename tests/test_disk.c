@@ -1,0 +1,559 @@
+/* The disk tier of kvoffload.h: a byte-for-byte round trip G1 -> G2 -> G3 (disk) -> G1 for both
+ * layouts with blocks at scattered indices; a corrupted slot (data or header) is a miss plus a checksum
+ * error, never wrong data; file errors (missing directory, preallocation refused, writes refused by
+ * the kernel) give clear errors and Failed transfers with nothing lost above; the O_DIRECT fallback
+ * is said once. File errors are provoked for real with RLIMIT_FSIZE (writes past it fail with EFBIG). */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#include "kvoffload.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+
+enum { NB = 32, MAXN = 16 };
+
+typedef struct log_count {
+    atomic_int calls;
+    char last[256];
+} log_count;
+
+static void count_log(void *user, const char *message)
+{
+    log_count *lc = (log_count *)user;
+    if (atomic_fetch_add(&lc->calls, 1) == 0 && message) snprintf(lc->last, sizeof lc->last, "%s", message);
+}
+
+/* A disk tier: a metadata-only pool and its file in a fresh temp directory. */
+typedef struct disk {
+    char dir[64];
+    char path[128];
+    kvb_pool *pool;
+    kvo_backend *backend;
+    log_count log;
+} disk;
+
+static kvo_disk_config disk_config(disk *d, int direct, uint32_t threads)
+{
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    dc.path = d->path;
+    dc.disk_pool = d->pool;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    dc.direct = direct;
+    dc.threads = threads;
+    dc.log = count_log;
+    dc.log_user = &d->log;
+    return dc;
+}
+
+static int disk_open_in(disk *d, const char *base, int direct, uint32_t threads)
+{
+    memset(d, 0, sizeof *d);
+    snprintf(d->dir, sizeof d->dir, "%s/kvtest-XXXXXX", base);
+    if (!mkdtemp(d->dir)) return 0;
+    snprintf(d->path, sizeof d->path, "%s/g3.kv", d->dir);
+    d->pool = of_meta_pool(NB);
+    kvo_disk_config dc = disk_config(d, direct, threads);
+    KVT_EQ(kvo_disk_backend_create(&dc, &d->backend), KVO_OK);
+    return d->backend != NULL;
+}
+
+static int disk_open(disk *d, uint32_t threads) { return disk_open_in(d, "/tmp", 0, threads); }
+
+static void disk_close(disk *d)
+{
+    kvo_backend_destroy(d->backend);
+    if (d->pool) {
+        KVT_EQ(of_active(d->pool), 0);
+        OF_CHECK_POOL(d->pool);
+        kvb_pool_destroy(d->pool);
+    }
+    unlink(d->path);
+    KVT_EQ(rmdir(d->dir), 0);
+}
+
+static kvo_disk_stats disk_stats(disk *d)
+{
+    kvo_disk_stats st;
+    memset(&st, 0, sizeof st);
+    KVT_EQ(kvo_disk_backend_stats(d->backend, &st), KVO_OK);
+    return st;
+}
+
+/* Offloads the blocks of `hashes` (registered in from) into `to` and pumps until final. */
+static kvo_transfer_info offload(kvb_pool *from, kvb_pool *to, kvo_backend *backend, const kvb_hash *hashes, size_t n)
+{
+    of_clock clock = {1000000};
+    kvb_block strong[MAXN];
+    kvb_weak weak[MAXN];
+    size_t found = 0;
+    kvo_transfer_info info;
+    memset(&info, 0, sizeof info);
+    kvo_pipeline_config pc = of_config(from, to, backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return info;
+    KVT_EQ(kvb_match(from, hashes, n, strong, &found), KVB_OK);
+    KVT_EQ(found, n);
+    for (size_t i = 0; i < found; i++) weak[i] = kvb_weak_of(strong[i]);
+    kvo_transfer t = of_enqueue(p, weak, found, NULL);
+    KVT_EQ(kvb_release(from, strong, found, NULL), KVB_OK);
+    of_pump(p, &clock, t, 1000, 500);
+    info = of_info(p, t);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    return info;
+}
+
+/* Onboards `hashes` from `from` into `to`; the taken blocks go to got (*n_got), released by the caller. */
+static kvo_transfer_info load(kvb_pool *from, kvb_pool *to, kvo_backend *backend, const kvb_hash *hashes, size_t n,
+                              kvb_block *got, size_t *n_got)
+{
+    of_clock clock = {1000000};
+    kvo_transfer t;
+    kvo_transfer_info info;
+    memset(&info, 0, sizeof info);
+    *n_got = 0;
+    kvo_pipeline_config pc = of_config(from, to, backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return info;
+    KVT_EQ(kvo_onboard(p, hashes, n, NULL, &t), KVO_OK);
+    of_pump(p, &clock, t, 1000, 500);
+    info = of_info(p, t);
+    if (info.status == KVO_STATUS_COMPLETE) {
+        KVT_EQ(kvo_transfer_take_blocks(p, t, got, MAXN, n_got), KVO_OK);
+    } else {
+        size_t none = 0;
+        KVT_EQ(kvo_transfer_take_blocks(p, t, got, MAXN, &none), KVO_ESTATE);
+    }
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    return info;
+}
+
+static void release_all(kvb_pool *pool, kvb_block *blocks, size_t n)
+{
+    if (n) KVT_EQ(kvb_release(pool, blocks, n, NULL), KVB_OK);
+}
+
+/* ---- round trip ---- */
+
+static void round_trip(kvb_layout_kind g1_kind, kvb_layout_kind g2_kind, uint32_t disk_threads, uint64_t seed)
+{
+    disk d;
+    kvb_hash h[12];
+    kvb_block held[NB], got[MAXN];
+    size_t nheld, ngot = 0;
+    if (!disk_open(&d, disk_threads)) return;
+    of_chain(seed, 12, h);
+
+    /* G1: twelve blocks at scattered indices */
+    kvb_pool *g1 = of_mem_pool(NB, g1_kind);
+    nheld = of_scatter(g1, NB, seed * 3 + 1, held);
+    of_register(g1, h, 12, NULL, NULL);
+    release_all(g1, held, nheld);
+
+    /* G1 -> G2 (memcpy, other layout, scattered destination) */
+    kvb_pool *g2 = of_mem_pool(NB, g2_kind);
+    kvo_backend *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    nheld = of_scatter(g2, NB, seed * 5 + 2, held);
+    kvo_transfer_info info = offload(g1, g2, mem, h, 12);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 12);
+    release_all(g2, held, nheld);
+    KVT_EQ(of_holds_all(g2, h, 12), 12);
+
+    /* G2 -> G3 (disk write) */
+    nheld = of_scatter(d.pool, NB, seed * 7 + 3, held);
+    info = offload(g2, d.pool, d.backend, h, 12);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 12);
+    release_all(d.pool, held, nheld);
+    KVT_EQ(of_present(d.pool, h, 12), 12);
+    kvo_disk_stats st = disk_stats(&d);
+    KVT_CHECK(st.writes >= 1);
+    KVT_CHECK(st.bytes_written >= 12 * OF_BLOCK_BYTES);
+
+    /* G3 -> a fresh G1 (disk read) */
+    kvb_pool *g1b = of_mem_pool(NB, g1_kind);
+    nheld = of_scatter(g1b, NB, seed * 11 + 4, held);
+    info = load(d.pool, g1b, d.backend, h, 12, got, &ngot);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 12);
+    KVT_EQ(ngot, 12);
+    size_t good = 0, in_order = 0;
+    for (size_t i = 0; i < ngot; i++) {
+        good += of_bytes_ok(g1b, got[i], h[i]);
+        in_order += kvb_block_index(got[i].id) == i;
+    }
+    KVT_EQ(good, 12);
+    KVT_CHECK(in_order < 12); /* the indices really were scattered */
+    st = disk_stats(&d);
+    KVT_CHECK(st.reads >= 1);
+    KVT_CHECK(st.bytes_read >= 12 * OF_BLOCK_BYTES);
+    KVT_EQ(st.checksum_errors, 0);
+    KVT_EQ(st.io_errors, 0);
+    release_all(g1b, got, ngot);
+    release_all(g1b, held, nheld);
+    size_t found = 0;
+    KVT_EQ(kvb_lookup(g1b, h, 12, &found), KVB_OK); /* registered there */
+    KVT_EQ(found, 12);
+
+    kvb_pool *pools[3] = {g1, g2, g1b};
+    for (int i = 0; i < 3; i++) {
+        KVT_EQ(of_active(pools[i]), 0);
+        OF_CHECK_POOL(pools[i]);
+        kvb_pool_destroy(pools[i]);
+    }
+    kvo_backend_destroy(mem);
+    disk_close(&d);
+}
+
+static void test_round_trip_contiguous(void) { round_trip(KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, 0, 21); }
+static void test_round_trip_layer_separate(void) { round_trip(KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 22); }
+
+/* ---- corruption ---- */
+
+static uint32_t disk_index_of(kvb_pool *pool, kvb_hash h)
+{
+    kvb_block b;
+    size_t n = 0;
+    KVT_EQ(kvb_match(pool, &h, 1, &b, &n), KVB_OK);
+    KVT_EQ(n, 1);
+    if (n != 1) return 0;
+    uint32_t idx = kvb_block_index(b.id);
+    KVT_EQ(kvb_release(pool, &b, 1, NULL), KVB_OK);
+    return idx;
+}
+
+static void flip_byte(const char *path, uint64_t offset)
+{
+    int fd = open(path, O_RDWR);
+    unsigned char c = 0;
+    KVT_CHECK(fd >= 0);
+    if (fd < 0) return;
+    KVT_EQ(pread(fd, &c, 1, (off_t)offset), 1);
+    c ^= 0xff;
+    KVT_EQ(pwrite(fd, &c, 1, (off_t)offset), 1);
+    KVT_EQ(fsync(fd), 0);
+    close(fd);
+}
+
+/* A flipped data byte, and a flipped header byte, each make that block a miss with a checksum error;
+ * the destination does not get it registered; the intact slots still load. */
+static void test_corrupted_slot_is_a_miss(void)
+{
+    disk d;
+    kvb_hash h[4];
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    if (!disk_open(&d, 0)) return;
+    of_chain(31, 4, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_register(g2, h, 4, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 4).transferred, 4);
+
+    uint32_t i1 = disk_index_of(d.pool, h[1]), i2 = disk_index_of(d.pool, h[2]);
+    KVT_CHECK(kvo_disk_slot_offset(d.backend, i1) % 4096 == 0);
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, i1) + 4096 + 100); /* data */
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, i2));              /* header: first byte (magic) */
+
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    kvo_transfer_info info = load(d.pool, g1, d.backend, &h[1], 1, got, &ngot);
+    KVT_CHECK(of_final(info.status) && info.status != KVO_STATUS_CANCELLED);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(info.transferred, 0);
+    KVT_EQ(ngot, 0);
+    KVT_EQ(disk_stats(&d).checksum_errors, 1);
+    KVT_CHECK(!of_has(g1, h[1]));
+
+    info = load(d.pool, g1, d.backend, &h[2], 1, got, &ngot);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(info.transferred, 0);
+    KVT_EQ(ngot, 0);
+    KVT_EQ(disk_stats(&d).checksum_errors, 2);
+    KVT_CHECK(!of_has(g1, h[2]));
+    KVT_EQ(of_active(g1), 0);
+
+    info = load(d.pool, g1, d.backend, &h[0], 1, got, &ngot); /* an intact neighbour */
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(ngot, 1);
+    if (ngot == 1) KVT_CHECK(of_bytes_ok(g1, got[0], h[0]));
+    release_all(g1, got, ngot);
+    info = load(d.pool, g1, d.backend, &h[3], 1, got, &ngot);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(ngot, 1);
+    if (ngot == 1) KVT_CHECK(of_bytes_ok(g1, got[0], h[3]));
+    release_all(g1, got, ngot);
+    KVT_EQ(disk_stats(&d).checksum_errors, 2);
+    KVT_EQ(of_holds_all(g2, h, 4), 4);
+
+    OF_CHECK_POOL(g1);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
+static void test_checksum_function(void)
+{
+    const char a[] = "kv block bytes", b[] = "kv block bytez";
+    KVT_EQ(kvo_checksum(a, sizeof a), kvo_checksum(a, sizeof a));
+    KVT_CHECK(kvo_checksum(a, sizeof a) != kvo_checksum(b, sizeof b));
+    KVT_CHECK(kvo_checksum(a, sizeof a - 1) != kvo_checksum(a, sizeof a));
+}
+
+/* ---- file errors ---- */
+
+static void test_bad_paths_and_config(void)
+{
+    char dir[64], path[160];
+    kvo_backend *b = NULL;
+    if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
+    kvb_pool *pool = of_meta_pool(8);
+    snprintf(path, sizeof path, "%s/no/such/dir/g3.kv", dir);
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    dc.path = path;
+    dc.disk_pool = pool;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    dc.log = count_log;
+    log_count lc;
+    memset(&lc, 0, sizeof lc);
+    dc.log_user = &lc;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EIO);
+    KVT_CHECK(b == NULL);
+    KVT_CHECK(strcmp(kvo_result_string(KVO_EIO), "I/O error") == 0);
+
+    snprintf(path, sizeof path, "%s/g3.kv", dir);
+    dc.disk_pool = NULL;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
+    dc.disk_pool = pool;
+    dc.block_bytes = 0;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
+    dc.path = NULL;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
+    KVT_CHECK(b == NULL);
+    unlink(path);
+    kvb_pool_destroy(pool);
+    KVT_EQ(rmdir(dir), 0);
+}
+
+/* Runs with the file size limit set to `limit` bytes (SIGXFSZ ignored): writes at or past it fail with
+ * EFBIG, as on a full or failing disk. */
+typedef struct fsize_guard {
+    struct rlimit old;
+    void (*old_handler)(int);
+} fsize_guard;
+
+static int fsize_limit(fsize_guard *g, rlim_t limit)
+{
+    struct rlimit lim;
+    if (getrlimit(RLIMIT_FSIZE, &g->old) != 0) return 0;
+    g->old_handler = signal(SIGXFSZ, SIG_IGN);
+    lim = g->old;
+    lim.rlim_cur = limit;
+    return setrlimit(RLIMIT_FSIZE, &lim) == 0;
+}
+
+static void fsize_restore(fsize_guard *g)
+{
+    setrlimit(RLIMIT_FSIZE, &g->old);
+    signal(SIGXFSZ, g->old_handler);
+}
+
+/* A file that the disk cannot hold: posix_fallocate on a tmpfs larger than the whole file system fails
+ * at once with ENOSPC (nothing is allocated). KVO_ENOSPC, no backend. */
+static void test_preallocation_no_space(void)
+{
+    struct statvfs vs;
+    char dir[64], path[160];
+    kvo_backend *b = NULL;
+    if (statvfs("/dev/shm", &vs) != 0 || vs.f_blocks == 0 || access("/dev/shm", W_OK) != 0)
+        KVT_SKIP("no size-limited writable tmpfs at /dev/shm");
+    uint64_t fs_bytes = (uint64_t)vs.f_blocks * vs.f_frsize;
+    uint64_t block_bytes = UINT64_C(64) << 20;                         /* 64 MiB blocks */
+    uint64_t slots = fs_bytes / block_bytes + 16;                      /* more than the fs holds */
+    snprintf(dir, sizeof dir, "/dev/shm/kvtest-XXXXXX");
+    if (!mkdtemp(dir)) KVT_SKIP("cannot make a directory in /dev/shm");
+    snprintf(path, sizeof path, "%s/g3.kv", dir);
+    kvb_pool *pool = of_meta_pool((uint32_t)slots);
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    dc.path = path;
+    dc.disk_pool = pool;
+    dc.block_bytes = block_bytes;
+    log_count lc;
+    memset(&lc, 0, sizeof lc);
+    dc.log = count_log;
+    dc.log_user = &lc;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_ENOSPC);
+    KVT_CHECK(b == NULL);
+    KVT_CHECK(strcmp(kvo_result_string(KVO_ENOSPC), "no space left on the disk") == 0);
+    if (b) kvo_backend_destroy(b);
+    struct stat sb;
+    KVT_CHECK(stat(path, &sb) != 0 || sb.st_blocks * 512 < (long long)block_bytes); /* nothing held */
+    unlink(path);
+    kvb_pool_destroy(pool);
+    KVT_EQ(rmdir(dir), 0);
+}
+
+/* The file may not grow (RLIMIT_FSIZE: the kernel answers EFBIG): a clear disk error, no backend. */
+static void test_preallocation_refused(void)
+{
+    char dir[64], path[160];
+    kvo_backend *b = NULL;
+    fsize_guard g;
+    int r;
+    if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
+    snprintf(path, sizeof path, "%s/g3.kv", dir);
+    kvb_pool *pool = of_meta_pool(1024); /* 1024 slots of at least 6 KiB: several MiB */
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    dc.path = path;
+    dc.disk_pool = pool;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    log_count lc;
+    memset(&lc, 0, sizeof lc);
+    dc.log = count_log;
+    dc.log_user = &lc;
+    if (!fsize_limit(&g, 64 * 1024)) {
+        kvb_pool_destroy(pool);
+        rmdir(dir);
+        KVT_SKIP("cannot lower RLIMIT_FSIZE");
+    }
+    r = kvo_disk_backend_create(&dc, &b);
+    fsize_restore(&g);
+    KVT_CHECK(r == KVO_ENOSPC || r == KVO_EIO); /* EFBIG is neither exactly; either is a clear answer */
+    KVT_CHECK(b == NULL);
+    if (b) kvo_backend_destroy(b);
+    unlink(path);
+    kvb_pool_destroy(pool);
+    KVT_EQ(rmdir(dir), 0);
+}
+
+/* Writes start failing after the file was made: the offload is Failed with a message, the disk tier
+ * gets nothing and holds nothing, the host tier keeps every block; once writes work again, a retry
+ * succeeds. */
+static void test_write_failure_loses_nothing(void)
+{
+    disk d;
+    kvb_hash h[6];
+    fsize_guard g;
+    if (!disk_open(&d, 0)) return;
+    of_chain(41, 6, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    of_register(g2, h, 6, NULL, NULL);
+    uint32_t disk_active = of_active(d.pool);
+
+    if (!fsize_limit(&g, 0)) {
+        kvb_pool_destroy(g2);
+        disk_close(&d);
+        KVT_SKIP("cannot lower RLIMIT_FSIZE");
+    }
+    kvo_transfer_info info = offload(g2, d.pool, d.backend, h, 6);
+    fsize_restore(&g);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_CHECK(info.error < 0);
+    KVT_CHECK(info.failed >= 1);
+    KVT_CHECK(info.message[0] != '\0');
+    KVT_CHECK(disk_stats(&d).io_errors >= 1);
+    KVT_EQ(of_present(d.pool, h, 6), 0);
+    KVT_EQ(of_active(d.pool), disk_active);
+    OF_CHECK_POOL(d.pool);
+    KVT_EQ(of_holds_all(g2, h, 6), 6);
+    KVT_EQ(of_active(g2), 0);
+    OF_CHECK_POOL(g2);
+
+    info = offload(g2, d.pool, d.backend, h, 6);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 6);
+    KVT_EQ(of_present(d.pool, h, 6), 6);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
+/* ---- O_DIRECT ---- */
+
+static int direct_supported(const char *dir)
+{
+    char probe[160];
+    snprintf(probe, sizeof probe, "%s/probe", dir);
+    int fd = open(probe, O_CREAT | O_RDWR | O_DIRECT, 0600);
+    if (fd >= 0) close(fd);
+    unlink(probe);
+    return fd >= 0;
+}
+
+/* O_DIRECT where the file system takes it; otherwise buffered I/O, said exactly once through the log
+ * callback however many jobs run; never silent, never a hang. */
+static void direct_or_fallback(const char *base)
+{
+    disk d;
+    kvb_hash h[4];
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    if (!disk_open_in(&d, base, 0, 0)) return;
+    int supported = direct_supported(d.dir);
+    of_chain(51, 4, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_register(g2, h, 4, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 2).transferred, 2);
+    KVT_EQ(offload(g2, d.pool, d.backend, &h[2], 2).transferred, 2);
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    KVT_EQ(load(d.pool, g1, d.backend, h, 4, got, &ngot).transferred, 4);
+    release_all(g1, got, ngot);
+    KVT_EQ(of_holds_all(g1, h, 4), 4);
+    kvo_disk_stats st = disk_stats(&d);
+    int calls = atomic_load(&d.log.calls);
+    printf("     %s: O_DIRECT %s by the fs, backend direct_io=%d, log calls %d%s%s\n", base,
+           supported ? "accepted" : "refused", st.direct_io, calls, calls ? ": " : "", calls ? d.log.last : "");
+    if (!supported) {
+        KVT_EQ(st.direct_io, 0);
+        KVT_EQ(calls, 1);
+    } else {
+        KVT_CHECK(calls <= 1);
+        KVT_EQ(calls, st.direct_io ? 0 : 1); /* a fallback is said, direct I/O needs no note */
+    }
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+
+    /* direct = -1: buffered by choice */
+    if (!disk_open_in(&d, base, -1, 0)) return;
+    KVT_EQ(disk_stats(&d).direct_io, 0);
+    KVT_CHECK(atomic_load(&d.log.calls) <= 1);
+    disk_close(&d);
+}
+
+static void test_direct_io_or_fallback_tmp(void) { direct_or_fallback("/tmp"); }
+
+static void test_direct_io_or_fallback_shm(void)
+{
+    struct stat sb;
+    if (stat("/dev/shm", &sb) != 0 || !S_ISDIR(sb.st_mode) || access("/dev/shm", W_OK) != 0)
+        KVT_SKIP("no writable /dev/shm");
+    direct_or_fallback("/dev/shm");
+}
+
+int main(void)
+{
+    alarm(300);
+    KVT_RUN(test_round_trip_contiguous);
+    KVT_RUN(test_round_trip_layer_separate);
+    KVT_RUN(test_corrupted_slot_is_a_miss);
+    KVT_RUN(test_checksum_function);
+    KVT_RUN(test_bad_paths_and_config);
+    KVT_RUN(test_preallocation_no_space);
+    KVT_RUN(test_preallocation_refused);
+    KVT_RUN(test_write_failure_loses_nothing);
+    KVT_RUN(test_direct_io_or_fallback_tmp);
+    KVT_RUN(test_direct_io_or_fallback_shm);
+    return kvt_summary();
+}

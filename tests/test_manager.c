@@ -1,0 +1,276 @@
+/* The tier manager of kvoffload.h: an eager chain G1 -> G2 -> G3 (host memory, then a disk file) moves
+ * offered blocks all the way down; kvo_manager_lookup tells for a prefix which tier holds each block
+ * after G1 evicted some (and after G2 lost everything); blocks come back from G3 with
+ * kvo_manager_onboard; a full G2 makes the offload fail quietly and a later offer succeeds; lazy mode
+ * offloads nothing until blocks come near eviction, then keeps the next candidates backed in G2. */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#include "kvoffload.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+
+typedef struct tiers {
+    kvb_pool *g1, *g2, *g3;
+    kvo_backend *mem, *disk;
+    char dir[64], path[128];
+    kvo_manager *m;
+} tiers;
+
+static void tiers_open(tiers *t, uint32_t g1_blocks, uint32_t g2_blocks, int with_disk, kvo_offload_mode mode,
+                       uint32_t lazy_reserve, kvo_mode pipeline_mode)
+{
+    memset(t, 0, sizeof *t);
+    t->g1 = of_mem_pool(g1_blocks, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    t->g2 = of_mem_pool(g2_blocks, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &t->mem), KVO_OK);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = t->g1;
+    mc.pools[1] = t->g2;
+    mc.down[0] = t->mem;
+    mc.up[1] = t->mem;
+    if (with_disk) {
+        t->g3 = of_meta_pool(32);
+        KVT_CHECK(of_tmpdir(t->dir, sizeof t->dir));
+        snprintf(t->path, sizeof t->path, "%s/g3.kv", t->dir);
+        kvo_disk_config dc;
+        memset(&dc, 0, sizeof dc);
+        dc.path = t->path;
+        dc.disk_pool = t->g3;
+        dc.block_bytes = OF_BLOCK_BYTES;
+        KVT_EQ(kvo_disk_backend_create(&dc, &t->disk), KVO_OK);
+        mc.num_tiers = 3;
+        mc.pools[2] = t->g3;
+        mc.down[1] = t->disk;
+        mc.up[2] = t->disk;
+    }
+    mc.offload = mode;
+    mc.lazy_reserve = lazy_reserve;
+    mc.pipeline.mode = pipeline_mode;
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_OK);
+}
+
+static void tiers_close(tiers *t)
+{
+    kvo_manager_destroy(t->m);
+    kvb_pool *pools[3] = {t->g1, t->g2, t->g3};
+    for (int i = 0; i < 3; i++) {
+        if (!pools[i]) continue;
+        KVT_EQ(of_active(pools[i]), 0);
+        OF_CHECK_POOL(pools[i]);
+    }
+    kvo_backend_destroy(t->disk);
+    kvo_backend_destroy(t->mem);
+    for (int i = 0; i < 3; i++) kvb_pool_destroy(pools[i]);
+    if (t->path[0]) {
+        unlink(t->path);
+        KVT_EQ(rmdir(t->dir), 0);
+    }
+}
+
+static kvo_manager_stats mstats(tiers *t)
+{
+    kvo_manager_stats s;
+    memset(&s, 0, sizeof s);
+    KVT_EQ(kvo_manager_get_stats(t->m, &s), KVO_OK);
+    return s;
+}
+
+/* The fastest tier holding h, from the pools themselves; 0xff for none. */
+static uint8_t expected_tier(tiers *t, kvb_hash h)
+{
+    if (of_has(t->g1, h)) return 0;
+    if (of_has(t->g2, h)) return 1;
+    if (t->g3 && of_has(t->g3, h)) return 2;
+    return 0xff;
+}
+
+/* Eager: four blocks registered in G1 reach G2 (same bytes) and then G3; lookups follow evictions. */
+static void test_eager_chain_and_lookup(void)
+{
+    tiers t;
+    kvb_hash h[4];
+    kvb_block b[4], held[8];
+    uint8_t tier_of[8];
+    size_t n = 0;
+    tiers_open(&t, 8, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    of_chain(61, 4, h);
+    of_register(t.g1, h, 4, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 4), 4);
+    KVT_EQ(of_present(t.g3, h, 4), 4);
+    kvo_manager_stats s = mstats(&t);
+    KVT_EQ(s.down[0].transferred, 4);
+    KVT_EQ(s.down[1].transferred, 4);
+    KVT_EQ(kvb_release(t.g1, b, 4, NULL), KVB_OK);
+
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(tier_of[i], 0);
+
+    /* the engine needs 6 of G1's 8 blocks: 4 free ones, and 2 cached ones are evicted */
+    kvb_weak cand[2];
+    kvb_hash gone[2];
+    size_t nc = 0;
+    KVT_EQ(kvb_eviction_candidates(t.g1, 2, cand, &nc), KVB_OK);
+    KVT_EQ(nc, 2);
+    for (size_t i = 0; i < nc; i++) gone[i] = of_hash_of(t.g1, cand[i].id);
+    KVT_EQ(kvb_alloc(t.g1, 6, held), KVB_OK);
+    KVT_CHECK(!of_has(t.g1, gone[0]) && !of_has(t.g1, gone[1]));
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    int evicted_seen = 0;
+    for (size_t i = 0; i < 4; i++) {
+        KVT_EQ(tier_of[i], expected_tier(&t, h[i]));
+        evicted_seen += tier_of[i] == 1;
+    }
+    KVT_EQ(evicted_seen, 2);
+
+    /* G2 loses everything: those two are now only on disk */
+    KVT_EQ(kvb_pool_reset(t.g2), KVB_OK);
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    size_t on_disk = 0;
+    kvb_hash load[2];
+    for (size_t i = 0; i < 4; i++) {
+        KVT_EQ(tier_of[i], expected_tier(&t, h[i]));
+        if (tier_of[i] == 2 && on_disk < 2) load[on_disk++] = h[i];
+    }
+    KVT_EQ(on_disk, 2);
+
+    /* a hash in no tier ends the prefix */
+    kvb_hash broken[4] = {h[0], h[1], h[2], h[3]};
+    broken[2].hi ^= 1;
+    KVT_EQ(kvo_manager_lookup(t.m, broken, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 2);
+
+    /* back from disk into G1, once the engine gave its blocks back */
+    KVT_EQ(kvb_release(t.g1, held, 6, NULL), KVB_OK);
+    kvo_transfer tr;
+    KVT_EQ(kvo_manager_onboard(t.m, 2, load, 2, &tr), KVO_OK);
+    kvo_pipeline *up = kvo_manager_pipeline(t.m, 2, 1);
+    KVT_CHECK(up != NULL);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_wait(up, tr, 5000000, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    kvb_block got[2];
+    size_t ngot = 0;
+    KVT_EQ(kvo_transfer_take_blocks(up, tr, got, 2, &ngot), KVO_OK);
+    KVT_EQ(ngot, 2);
+    for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(t.g1, got[i], load[i]));
+    if (ngot) KVT_EQ(kvb_release(t.g1, got, ngot, NULL), KVB_OK);
+    KVT_EQ(kvo_transfer_release(up, tr), KVO_OK);
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(tier_of[i], 0);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    tiers_close(&t);
+}
+
+/* Every G2 block is held by the test: offering G1 blocks fails quietly (dest_full counted, nothing
+ * lands, nothing held); once G2 has room, the next offer of the same blocks lands them. */
+static void test_full_destination_then_retry(void)
+{
+    tiers t;
+    kvb_hash h[2];
+    kvb_block b[2], hog[4];
+    tiers_open(&t, 8, 4, 0, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    KVT_EQ(kvb_alloc(t.g2, 4, hog), KVB_OK);
+    of_chain(71, 2, h);
+    of_register(t.g1, h, 2, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_present(t.g2, h, 2), 0);
+    KVT_CHECK(mstats(&t).down[0].dest_full >= 1);
+    KVT_EQ(mstats(&t).down[0].transferred, 0);
+    KVT_EQ(of_active(t.g2), 4); /* only the test's */
+    KVT_EQ(of_active(t.g1), 2); /* only the test's */
+    OF_CHECK_POOL(t.g1);
+    OF_CHECK_POOL(t.g2);
+
+    KVT_EQ(kvb_release(t.g2, hog, 4, NULL), KVB_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 2), 2);
+    KVT_EQ(mstats(&t).down[0].transferred, 2);
+    KVT_EQ(kvb_release(t.g1, b, 2, NULL), KVB_OK);
+    tiers_close(&t);
+}
+
+/* Lazy: offered blocks stay in G1 alone while in use; once released, the next two eviction candidates
+ * (lazy_reserve 2) are backed in G2, and the others are not yet; after G1 evicts those two they are
+ * found in G2, and the next poll backs the next two. */
+static void test_lazy_backs_eviction_candidates(void)
+{
+    tiers t;
+    kvb_hash h[6];
+    kvb_block b[6], held[4];
+    tiers_open(&t, 8, 16, 0, KVO_OFFLOAD_LAZY, 2, KVO_MODE_POLL);
+    of_chain(81, 6, h);
+    of_register(t.g1, h, 6, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6), KVO_OK);
+    for (int i = 0; i < 3; i++) KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_present(t.g2, h, 6), 0); /* in use: nothing near eviction */
+
+    KVT_EQ(kvb_release(t.g1, b, 6, NULL), KVB_OK);
+    kvb_weak cand[6];
+    kvb_hash next[6];
+    size_t nc = 0;
+    KVT_EQ(kvb_eviction_candidates(t.g1, 6, cand, &nc), KVB_OK);
+    KVT_EQ(nc, 6);
+    for (size_t i = 0; i < nc; i++) next[i] = of_hash_of(t.g1, cand[i].id);
+    KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds(t.g2, next[0]), 1);
+    KVT_EQ(of_holds(t.g2, next[1]), 1);
+    KVT_EQ(of_present(t.g2, &next[2], 4), 0);
+
+    KVT_EQ(kvb_alloc(t.g1, 4, held), KVB_OK); /* 2 free blocks, then next[0] and next[1] are evicted */
+    KVT_CHECK(!of_has(t.g1, next[0]) && !of_has(t.g1, next[1]));
+    uint8_t tier_of[2];
+    size_t n = 0;
+    KVT_EQ(kvo_manager_lookup(t.m, next, 2, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(tier_of[0], 1);
+    KVT_EQ(tier_of[1], 1);
+
+    KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds(t.g2, next[2]), 1);
+    KVT_EQ(of_holds(t.g2, next[3]), 1);
+    KVT_EQ(of_present(t.g2, &next[4], 2), 0);
+    KVT_EQ(kvb_release(t.g1, held, 4, NULL), KVB_OK);
+    tiers_close(&t);
+}
+
+/* The same eager chain with pipelines on their own threads. */
+static void test_eager_threaded(void)
+{
+    tiers t;
+    kvb_hash h[12];
+    kvb_block b[12];
+    tiers_open(&t, 16, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_THREADS);
+    of_chain(91, 12, h);
+    of_register(t.g1, h, 12, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, &b[6], 6), KVO_OK);
+    KVT_EQ(kvb_release(t.g1, b, 12, NULL), KVB_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 10000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 12), 12);
+    KVT_EQ(of_present(t.g3, h, 12), 12);
+    tiers_close(&t);
+}
+
+int main(void)
+{
+    alarm(300);
+    KVT_RUN(test_eager_chain_and_lookup);
+    KVT_RUN(test_full_destination_then_retry);
+    KVT_RUN(test_lazy_backs_eviction_candidates);
+    KVT_RUN(test_eager_threaded);
+    return kvt_summary();
+}

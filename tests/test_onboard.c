@@ -1,0 +1,251 @@
+/* Onboarding with kvo_onboard: blocks found by hash in the source (host tier) are loaded into the
+ * destination (device tier) with identical bytes and registered there; a hash already in the
+ * destination returns the existing block without a copy; the first miss ends the request; the caller
+ * takes the destination blocks once, as strong references; cancel, release without taking, a full
+ * destination, and the threaded mode. */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#include "kvoffload.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+
+enum { MAXN = 16 };
+
+/* G2 (host, layer-separate) holds h[0..n) registered and inactive; G1 (device stand-in, contiguous) is
+ * empty; the pipeline loads G2 -> G1 in poll mode through the counting wrapper. */
+typedef struct rig {
+    kvb_pool *g1, *g2;
+    kvo_backend *mem;
+    of_backend *w;
+    of_clock clock;
+    kvo_pipeline *p;
+    kvb_hash h[MAXN];
+    kvb_weak in_g2[MAXN];
+} rig;
+
+static void rig_open_with(rig *r, uint32_t g1_blocks, kvo_mode mode, uint32_t threads)
+{
+    memset(r, 0, sizeof *r);
+    r->g2 = of_mem_pool(32, KVB_LAYOUT_LAYER_SEPARATE);
+    r->g1 = of_mem_pool(g1_blocks, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    KVT_EQ(kvo_memcpy_backend_create(threads, &r->mem), KVO_OK);
+    r->w = of_backend_wrap(r->mem);
+    r->clock.now = 5000000;
+    of_chain(11, MAXN, r->h);
+    of_register(r->g2, r->h, MAXN, NULL, r->in_g2);
+    kvo_pipeline_config pc = of_config(r->g2, r->g1, of_backend_iface(r->w), mode,
+                                       mode == KVO_MODE_POLL ? &r->clock : NULL);
+    r->p = of_pipeline(&pc);
+}
+
+static void rig_open(rig *r) { rig_open_with(r, 32, KVO_MODE_POLL, 0); }
+
+static void rig_close(rig *r)
+{
+    kvo_pipeline_destroy(r->p);
+    KVT_EQ(of_active(r->g1), 0);
+    KVT_EQ(of_active(r->g2), 0);
+    OF_CHECK_POOL(r->g1);
+    OF_CHECK_POOL(r->g2);
+    kvo_backend_destroy(of_backend_iface(r->w));
+    kvo_backend_destroy(r->mem);
+    kvb_pool_destroy(r->g1);
+    kvb_pool_destroy(r->g2);
+}
+
+static kvo_transfer onboard(rig *r, const kvb_hash *hashes, size_t n)
+{
+    kvo_transfer t;
+    memset(&t, 0, sizeof t);
+    KVT_EQ(kvo_onboard(r->p, hashes, n, NULL, &t), KVO_OK);
+    return t;
+}
+
+/* Hashes of 4 blocks found in G2 come back as 4 Registered G1 blocks with the same bytes, in hash
+ * order, one reference each, now the caller's. */
+static void test_onboard_loads_and_registers(void)
+{
+    rig r;
+    rig_open(&r);
+    kvo_transfer t = onboard(&r, r.h, 4);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(of_refs(r.g2, r.in_g2[i].id), 1); /* taken at once */
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.transferred, 4);
+    KVT_EQ(info.present, 0);
+    KVT_EQ(info.failed, 0);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(of_refs(r.g2, r.in_g2[i].id), 0); /* the source is let go */
+    size_t found = 0;
+    KVT_EQ(kvb_lookup(r.g1, r.h, 4, &found), KVB_OK);
+    KVT_EQ(found, 4);
+
+    kvb_block got[8];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 8, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < n; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r.g1, got[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+        KVT_EQ(bi.refs, 1);
+        KVT_CHECK(of_hash_eq(bi.hash, r.h[i]));
+        KVT_CHECK(of_bytes_ok(r.g1, got[i], r.h[i]));
+    }
+    size_t again = 99;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 8, &again), KVO_ESTATE); /* only once */
+    KVT_EQ(of_active(r.g1), 4);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    KVT_EQ(of_active(r.g1), 4); /* taken blocks are ours, release of the handle leaves them */
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    KVT_EQ(of_holds_all(r.g2, r.h, MAXN), MAXN); /* the host copy stays */
+    rig_close(&r);
+}
+
+/* A hash already in G1 is returned as it is (counted present, no copy); the others are loaded. */
+static void test_onboard_present_block_is_returned(void)
+{
+    rig r;
+    kvb_weak existing;
+    rig_open(&r);
+    of_register(r.g1, r.h, 1, NULL, &existing); /* h[0] is already on the device, inactive */
+    kvo_transfer t = onboard(&r, r.h, 3);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.present, 1);
+    KVT_EQ(info.transferred, 2);
+    KVT_EQ(of_backend_saw_src(r.w, r.g2, kvb_block_index(r.in_g2[0].id)), 0);
+    KVT_EQ(of_backend_copies(r.w), 2);
+    kvb_block got[4];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 4, &n), KVO_OK);
+    KVT_EQ(n, 3);
+    KVT_EQ(kvb_block_index(got[0].id), kvb_block_index(existing.id)); /* the same block */
+    for (size_t i = 0; i < n; i++) {
+        KVT_EQ(of_refs(r.g1, got[i].id), 1);
+        KVT_CHECK(of_hash_eq(of_hash_of(r.g1, got[i].id), r.h[i]));
+        KVT_CHECK(of_bytes_ok(r.g1, got[i], r.h[i]));
+    }
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+/* h[2] is in neither tier: h[0], h[1] load; h[3], though in G2, is not asked for any more. */
+static void test_miss_ends_the_prefix(void)
+{
+    rig r;
+    rig_open(&r);
+    kvb_hash ask[4] = {r.h[0], r.h[1], r.h[2], r.h[3]};
+    ask[2].lo ^= 0x5a5a5a5a; /* nowhere */
+    kvo_transfer t = onboard(&r, ask, 4);
+    KVT_EQ(of_refs(r.g2, r.in_g2[3].id), 0);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 2);
+    kvb_block got[4];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 4, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    for (size_t i = 0; i < n; i++) KVT_CHECK(of_hash_eq(of_hash_of(r.g1, got[i].id), r.h[i]));
+    KVT_CHECK(!of_has(r.g1, r.h[3]));
+    KVT_EQ(of_backend_saw_src(r.w, r.g2, kvb_block_index(r.in_g2[3].id)), 0);
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t);
+
+    /* a miss on the first hash: nothing to load, nothing to take */
+    kvo_transfer none = onboard(&r, &ask[2], 1);
+    KVT_EQ(of_pump(r.p, &r.clock, none, 1000, 200), KVO_STATUS_COMPLETE);
+    n = 99;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, none, got, 4, &n), KVO_OK);
+    KVT_EQ(n, 0);
+    kvo_transfer_release(r.p, none);
+    rig_close(&r);
+}
+
+/* take_blocks before Complete and after a cancel is refused; a cancelled onboarding gives back its
+ * source references and registers nothing; releasing an untaken result releases its blocks. */
+static void test_take_cancel_and_release_rules(void)
+{
+    rig r;
+    rig_open(&r);
+    kvb_block got[4];
+    size_t n = 0;
+    kvo_transfer early = onboard(&r, r.h, 2);
+    KVT_EQ(kvo_transfer_take_blocks(r.p, early, got, 4, &n), KVO_ESTATE); /* not complete yet */
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, early, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+    KVT_EQ(kvo_transfer_take_blocks(r.p, early, got, 4, &n), KVO_ESTATE);
+    of_polls(r.p, &r.clock, 5000, 10);
+    KVT_EQ(of_refs(r.g2, r.in_g2[0].id), 0);
+    KVT_EQ(of_refs(r.g2, r.in_g2[1].id), 0);
+    KVT_EQ(of_present(r.g1, r.h, 2), 0);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    kvo_transfer_release(r.p, early);
+
+    kvo_transfer untaken = onboard(&r, &r.h[4], 3);
+    KVT_EQ(of_pump(r.p, &r.clock, untaken, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_active(r.g1), 3); /* held for the caller to take */
+    KVT_EQ(kvo_transfer_release(r.p, untaken), KVO_OK);
+    KVT_EQ(of_active(r.g1), 0);
+    KVT_EQ(of_holds_all(r.g1, &r.h[4], 3), 3); /* still registered, cached */
+    rig_close(&r);
+}
+
+/* G1 has no room (every block held by the engine): the onboarding fails, counted as a full
+ * destination, and the source references are given back. */
+static void test_full_destination(void)
+{
+    rig r;
+    kvb_block engine[4];
+    rig_open_with(&r, 4, KVO_MODE_POLL, 0);
+    KVT_EQ(kvb_alloc(r.g1, 4, engine), KVB_OK);
+    kvo_transfer t = onboard(&r, r.h, 2);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_FAILED);
+    KVT_EQ(of_info(r.p, t).error, KVO_EFULL);
+    kvo_pipeline_stats ps;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &ps), KVO_OK);
+    KVT_CHECK(ps.dest_full >= 1);
+    KVT_EQ(of_refs(r.g2, r.in_g2[0].id), 0);
+    KVT_EQ(of_active(r.g1), 4);
+    kvo_transfer_release(r.p, t);
+    KVT_EQ(kvb_release(r.g1, engine, 4, NULL), KVB_OK);
+
+    kvo_transfer retry = onboard(&r, r.h, 2);
+    KVT_EQ(of_pump(r.p, &r.clock, retry, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, retry).transferred, 2);
+    kvo_transfer_release(r.p, retry);
+    rig_close(&r);
+}
+
+/* The same through the threaded pipeline and a memcpy backend with two workers. */
+static void test_onboard_threaded(void)
+{
+    rig r;
+    rig_open_with(&r, 32, KVO_MODE_THREADS, 2);
+    kvo_transfer t = onboard(&r, r.h, MAXN);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_wait(r.p, t, 10000000, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    kvb_block got[MAXN];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, MAXN, &n), KVO_OK);
+    KVT_EQ(n, MAXN);
+    size_t good = 0;
+    for (size_t i = 0; i < n; i++) good += of_bytes_ok(r.g1, got[i], r.h[i]);
+    KVT_EQ(good, MAXN);
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+int main(void)
+{
+    alarm(300);
+    KVT_RUN(test_onboard_loads_and_registers);
+    KVT_RUN(test_onboard_present_block_is_returned);
+    KVT_RUN(test_miss_ends_the_prefix);
+    KVT_RUN(test_take_cancel_and_release_rules);
+    KVT_RUN(test_full_destination);
+    KVT_RUN(test_onboard_threaded);
+    return kvt_summary();
+}

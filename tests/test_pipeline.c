@@ -1,0 +1,1004 @@
+/* The offload pipeline of kvoffload.h, mostly in poll mode with a manual clock: registered blocks land
+ * Registered in the destination with their hashes and bytes; the presence, frequency and user policies
+ * (with the policy timeout); cancel at every stage before the upgrade (nothing copied) and after it (the
+ * transfer completes); finished, cancelled-twice and released handles; stale weak handles; precondition
+ * events and their timeout; a backend failing mid-batch; priorities; on_done. A wrapping test backend
+ * counts and records every copy the pipeline asks for. */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#include "kvoffload.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+
+#include <stdatomic.h>
+
+enum { SRC_BLOCKS = 32, DST_BLOCKS = 32, MAXN = 32 };
+
+/* A source pool with registered blocks (inactive: only the pipeline's weak handles name them), a
+ * destination pool in the other layout, a memcpy backend behind the test wrapper, a manual clock. */
+typedef struct rig {
+    kvb_pool *src, *dst;
+    kvo_backend *mem;
+    of_backend *w;
+    of_clock clock;
+    kvo_pipeline *p;
+    kvb_hash h[MAXN];
+    kvb_weak weak[MAXN];
+    size_t n;
+} rig;
+
+static void rig_pools(rig *r, uint32_t src_blocks, size_t registered)
+{
+    memset(r, 0, sizeof *r);
+    r->src = of_mem_pool(src_blocks, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    r->dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r->mem), KVO_OK);
+    r->w = of_backend_wrap(r->mem);
+    r->clock.now = 1000000;
+    r->n = registered;
+    of_chain(1, registered, r->h);
+    of_register(r->src, r->h, registered, NULL, r->weak);
+}
+
+static kvo_pipeline_config rig_config(rig *r) { return of_config(r->src, r->dst, of_backend_iface(r->w), KVO_MODE_POLL, &r->clock); }
+
+static void rig_start(rig *r, const kvo_pipeline_config *pc) { r->p = of_pipeline(pc); }
+
+/* The usual rig: 32-block pools, n registered source blocks, a poll-mode pipeline with defaults. */
+static void rig_open(rig *r, size_t registered)
+{
+    rig_pools(r, SRC_BLOCKS, registered);
+    kvo_pipeline_config pc = rig_config(r);
+    rig_start(r, &pc);
+}
+
+static void rig_close(rig *r)
+{
+    kvo_pipeline_destroy(r->p);
+    KVT_EQ(of_active(r->src), 0); /* nothing left referenced by the pipeline */
+    KVT_EQ(of_active(r->dst), 0);
+    OF_CHECK_POOL(r->src);
+    OF_CHECK_POOL(r->dst);
+    kvo_backend_destroy(of_backend_iface(r->w));
+    kvo_backend_destroy(r->mem);
+    kvb_pool_destroy(r->src);
+    kvb_pool_destroy(r->dst);
+}
+
+static size_t saw(rig *r, const kvb_weak *blocks, size_t n) { return of_backend_saw_any(r->w, r->src, blocks, n); }
+
+static void test_result_strings(void)
+{
+    KVT_CHECK(strcmp(kvo_result_string(KVO_OK), "ok") == 0);
+    KVT_CHECK(strcmp(kvo_result_string(KVO_ECANCELLED), "cancelled") == 0);
+    KVT_CHECK(strcmp(kvo_result_string(KVO_ESTALE), "transfer handle was released") == 0);
+    KVT_CHECK(strcmp(kvo_result_string(KVB_ENOSPACE), kvb_result_string(KVB_ENOSPACE)) == 0);
+}
+
+static void test_create_refuses_bad_config(void)
+{
+    kvb_pool *a = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *b = NULL;
+    kvo_backend *mem = NULL;
+    kvo_pipeline *p = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvb_pool_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.num_blocks = 4;
+    cfg.block_tokens = OF_TOKENS;
+    cfg.storage = KVB_STORAGE_HOST;
+    KVT_EQ(kvb_layout_for_model(KVB_LAYOUT_BLOCK_CONTIGUOUS, OF_TOKENS, 3, OF_HEADS, OF_DIM, OF_DTYPE, &cfg.layout), KVB_OK);
+    KVT_EQ(kvb_pool_create(&cfg, &b), KVB_OK); /* 3 layers: 3 KiB blocks against 2 KiB */
+
+    kvo_pipeline_config pc = of_config(a, b, mem, KVO_MODE_POLL, NULL);
+    KVT_EQ(kvo_pipeline_create(&pc, &p), KVO_ELAYOUT);
+    KVT_CHECK(p == NULL);
+    pc = of_config(a, NULL, mem, KVO_MODE_POLL, NULL);
+    KVT_EQ(kvo_pipeline_create(&pc, &p), KVO_EINVAL);
+    pc = of_config(a, b, NULL, KVO_MODE_POLL, NULL);
+    KVT_EQ(kvo_pipeline_create(&pc, &p), KVO_EINVAL);
+    KVT_CHECK(p == NULL);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(a);
+    kvb_pool_destroy(b);
+}
+
+/* Registered source blocks land Registered in the destination, under the same hashes, with the same
+ * bytes (the layouts differ), and the source keeps its blocks. */
+static void test_offload_lands_registered(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.error, KVO_OK);
+    KVT_EQ(info.blocks, 8);
+    KVT_EQ(info.transferred, 8);
+    KVT_EQ(info.skipped + info.present + info.timed_out + info.dropped + info.failed, 0);
+    KVT_EQ(of_backend_copies(r.w), 8);
+
+    KVT_EQ(of_holds_all(r.dst, r.h, 8), 8);
+    size_t found = 0;
+    KVT_EQ(kvb_lookup(r.dst, r.h, 8, &found), KVB_OK); /* matchable as a prefix, too */
+    KVT_EQ(found, 8);
+    kvb_block b[8];
+    KVT_EQ(kvb_match(r.dst, r.h, 8, b, &found), KVB_OK);
+    KVT_EQ(found, 8);
+    for (size_t i = 0; i < found; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r.dst, b[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+        KVT_EQ(bi.refs, 1); /* ours: the pipeline holds none after the transfer */
+        KVT_CHECK(of_hash_eq(bi.hash, r.h[i]));
+    }
+    KVT_EQ(kvb_release(r.dst, b, found, NULL), KVB_OK);
+    KVT_EQ(of_holds_all(r.src, r.h, 8), 8);
+
+    kvo_pipeline_stats st;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &st), KVO_OK);
+    KVT_EQ(st.enqueued, 1);
+    KVT_EQ(st.transferred, 8);
+    KVT_CHECK(st.batches >= 1);
+    KVT_EQ(st.bytes, 8 * OF_BLOCK_BYTES);
+    KVT_EQ(st.in_flight_blocks, 0);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    rig_close(&r);
+}
+
+/* Presence: blocks already in the destination, or already on their way there, are not copied again. */
+static void test_presence_skips_blocks_in_destination(void)
+{
+    rig r;
+    rig_open(&r, 6);
+    kvo_transfer first = of_enqueue(r.p, r.weak, 3, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, first, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, first).transferred, 3);
+
+    kvo_transfer all = of_enqueue(r.p, r.weak, 6, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, all, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info info = of_info(r.p, all);
+    KVT_EQ(info.transferred, 3);
+    KVT_EQ(info.skipped + info.present, 3);
+    for (size_t i = 0; i < 6; i++) KVT_EQ(saw(&r, &r.weak[i], 1), 1); /* each copied once, ever */
+    KVT_EQ(of_holds_all(r.dst, r.h, 6), 6);
+
+    /* in flight: the same blocks enqueued twice before the pipeline ran at all */
+    kvb_hash h2[4];
+    kvb_weak w2[4];
+    of_chain(2, 4, h2);
+    of_register(r.src, h2, 4, NULL, w2);
+    kvo_transfer a = of_enqueue(r.p, w2, 4, NULL);
+    kvo_transfer b = of_enqueue(r.p, w2, 4, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info ia = of_info(r.p, a), ib = of_info(r.p, b);
+    KVT_EQ(ia.transferred, 4);
+    KVT_EQ(ib.transferred, 0);
+    KVT_EQ(ib.skipped + ib.present, 4);
+    KVT_EQ(saw(&r, w2, 4), 4);
+    kvo_transfer_release(r.p, first);
+    kvo_transfer_release(r.p, all);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
+/* Frequency 2: a block goes down the second time it is offered (or once after one noted use). */
+static void test_frequency_policy(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 8);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.min_frequency = 2;
+    rig_start(&r, &pc);
+
+    kvo_transfer t1 = of_enqueue(r.p, r.weak, 4, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t1, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info i1 = of_info(r.p, t1);
+    KVT_EQ(i1.skipped, 4);
+    KVT_EQ(i1.transferred, 0);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_present(r.dst, r.h, 4), 0);
+
+    kvo_transfer t2 = of_enqueue(r.p, r.weak, 4, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t2, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t2).transferred, 4);
+    KVT_EQ(of_holds_all(r.dst, r.h, 4), 4);
+
+    /* a prefix hit counts as a use: offered once afterwards, h4 and h5 go; h6 (offered once) does not */
+    KVT_EQ(kvo_pipeline_note_use(r.p, &r.h[4], 2), KVO_OK);
+    kvo_transfer t3 = of_enqueue(r.p, &r.weak[4], 3, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t3, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info i3 = of_info(r.p, t3);
+    KVT_EQ(i3.transferred, 2);
+    KVT_EQ(i3.skipped, 1);
+    KVT_CHECK(of_has(r.dst, r.h[4]) && of_has(r.dst, r.h[5]) && !of_has(r.dst, r.h[6]));
+    kvo_transfer_release(r.p, t1);
+    kvo_transfer_release(r.p, t2);
+    kvo_transfer_release(r.p, t3);
+    rig_close(&r);
+}
+
+/* ---- user policy ---- */
+
+typedef struct verdicts {
+    rig *r;
+    kvo_verdict answer[MAXN]; /* per registered block; KVO_LATER answers turn into OFFER at offer_at */
+    uint64_t offer_at[MAXN];  /* 0 = never */
+    int calls;
+    int bad_index;            /* calls whose src_index was not the block of that hash */
+} verdicts;
+
+static kvo_verdict ask(void *user, const kvb_hash *hash, uint32_t src_index)
+{
+    verdicts *v = (verdicts *)user;
+    v->calls++;
+    for (size_t i = 0; i < v->r->n; i++)
+        if (of_hash_eq(*hash, v->r->h[i])) {
+            if (src_index != kvb_block_index(v->r->weak[i].id)) v->bad_index++;
+            if (v->answer[i] == KVO_LATER && v->offer_at[i] && v->r->clock.now >= v->offer_at[i]) return KVO_OFFER;
+            return v->answer[i];
+        }
+    v->bad_index++;
+    return KVO_SKIP;
+}
+
+/* Offer, skip, "later" that turns into offer in time, and "later" until the policy timeout. */
+static void test_user_policy_and_timeout(void)
+{
+    rig r;
+    verdicts v;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    memset(&v, 0, sizeof v);
+    v.r = &r;
+    v.answer[0] = KVO_OFFER;
+    v.answer[1] = KVO_SKIP;
+    v.answer[2] = KVO_LATER;
+    v.offer_at[2] = r.clock.now + 500;
+    v.answer[3] = KVO_LATER;
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.policy = ask;
+    pc.policy_user = &v;
+    pc.policy_timeout_us = 1000;
+    rig_start(&r, &pc);
+
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 100, 3); /* 300 us: block 3 (and maybe 2) still undecided */
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_EVALUATING);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 100, 500), KVO_STATUS_COMPLETE);
+    KVT_CHECK(r.clock.now >= 1000000 + 1000); /* not before the timeout */
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.transferred, 2);
+    KVT_EQ(info.skipped, 1);
+    KVT_EQ(info.timed_out, 1);
+    KVT_CHECK(of_has(r.dst, r.h[0]) && !of_has(r.dst, r.h[1]) && of_has(r.dst, r.h[2]) && !of_has(r.dst, r.h[3]));
+    KVT_EQ(saw(&r, &r.weak[1], 1) + saw(&r, &r.weak[3], 1), 0);
+    KVT_EQ(v.bad_index, 0);
+    KVT_CHECK(v.calls >= 4);
+    kvo_pipeline_stats st;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &st), KVO_OK);
+    KVT_EQ(st.timed_out, 1);
+    KVT_EQ(st.skipped, 1);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+/* ---- cancel before the upgrade: Cancelled, nothing copied ---- */
+
+static void test_cancel_while_evaluating(void)
+{
+    rig r;
+    verdicts v;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    memset(&v, 0, sizeof v);
+    v.r = &r;
+    for (size_t i = 0; i < 4; i++) v.answer[i] = KVO_LATER;
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.policy = ask;
+    pc.policy_user = &v;
+    rig_start(&r, &pc);
+
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 100, 3);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_EVALUATING);
+    KVT_CHECK(v.calls > 0);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, t, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+    int calls = v.calls;
+    of_polls(r.p, &r.clock, 50000, 10); /* well past the policy timeout */
+    KVT_EQ(v.calls, calls);             /* nobody asks about a cancelled container */
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.status, KVO_STATUS_CANCELLED);
+    KVT_EQ(info.transferred + info.timed_out, 0);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    kvo_pipeline_stats ps;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &ps), KVO_OK);
+    KVT_EQ(ps.cancelled, 1);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+static void test_cancel_while_waiting_on_precondition(void)
+{
+    rig r;
+    kvo_event *ev = NULL;
+    rig_open(&r, 4);
+    KVT_EQ(kvo_event_create(&ev), KVO_OK);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = ev;
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, &opts);
+    of_polls(r.p, &r.clock, 1000, 20);
+    kvo_status s = of_status(r.p, t);
+    KVT_CHECK(s == KVO_STATUS_EVALUATING || s == KVO_STATUS_QUEUED);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, t, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+    KVT_EQ(kvo_event_signal(ev), KVO_OK); /* the forward pass finishes after all */
+    of_polls(r.p, &r.clock, 5000, 20);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_CANCELLED);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_present(r.dst, r.h, 4), 0);
+    kvo_event_release(ev);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+/* Below min batch and before the flush interval the container sits in the batcher, still weak. */
+static void test_cancel_while_batched(void)
+{
+    rig r;
+    rig_open(&r, 8); /* defaults: min batch 8, flush 10 ms */
+    kvo_transfer a = of_enqueue(r.p, r.weak, 2, NULL);
+    of_polls(r.p, &r.clock, 0, 5); /* time stands still */
+    KVT_EQ(of_status(r.p, a), KVO_STATUS_QUEUED);
+    KVT_EQ(of_refs(r.src, r.weak[0].id), 0); /* not upgraded yet */
+    KVT_EQ(of_backend_copies(r.w), 0);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, a, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+
+    /* the batcher goes on with the next container once its flush interval passes */
+    kvo_transfer c = of_enqueue(r.p, &r.weak[4], 2, NULL);
+    of_polls(r.p, &r.clock, 0, 3);
+    KVT_EQ(of_status(r.p, c), KVO_STATUS_QUEUED);
+    r.clock.now += 20000;
+    KVT_EQ(of_pump(r.p, &r.clock, c, 1000, 100), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, c).transferred, 2);
+    KVT_EQ(saw(&r, r.weak, 2), 0);
+    KVT_EQ(saw(&r, &r.weak[4], 2), 2);
+    KVT_EQ(of_status(r.p, a), KVO_STATUS_CANCELLED);
+    KVT_EQ(of_present(r.dst, r.h, 2), 0);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, c);
+    rig_close(&r);
+}
+
+/* Cancels a transfer from another thread (poll-mode pipelines are safe from any thread, and cancel pumps
+ * the stages itself), so the test can see whether cancel returned before the backend let anything go. */
+typedef struct canceller {
+    kvo_pipeline *p;
+    kvo_transfer t;
+    int result;
+    kvo_status status;
+    atomic_int returned;
+} canceller;
+
+static void *cancel_on_thread(void *arg)
+{
+    canceller *c = (canceller *)arg;
+    c->result = kvo_transfer_cancel(c->p, c->t, &c->status);
+    atomic_store(&c->returned, 1);
+    return NULL;
+}
+
+/* The executor is busy with A (the backend holds its job), so B is upgraded onto the deck and waits;
+ * cancelling B there gives Cancelled at once (B is not in the backend), releases its blocks, and nothing
+ * of it is ever copied (issue 3: "cancel while on deck ... gives Cancelled and no copy"). The cancel
+ * runs on a helper thread so that a cancel which waits for B's copy instead shows up as a failed check
+ * here, not as a hang: A is let go after 200 ms either way. */
+static void test_cancel_while_on_deck(void)
+{
+    rig r;
+    canceller cn;
+    pthread_t th;
+    rig_pools(&r, SRC_BLOCKS, 8);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.max_batch = 4;
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    of_backend_set_hold(r.w, 1);
+
+    kvo_transfer a = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1);
+    KVT_EQ(of_status(r.p, a), KVO_STATUS_TRANSFERRING);
+
+    kvo_transfer b = of_enqueue(r.p, &r.weak[4], 4, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1); /* one job at a time */
+    KVT_CHECK(!of_final(of_status(r.p, b)));
+    for (size_t i = 4; i < 8; i++) KVT_EQ(of_refs(r.src, r.weak[i].id), 1); /* upgraded: on deck */
+
+    memset(&cn, 0, sizeof cn);
+    cn.p = r.p;
+    cn.t = b;
+    KVT_EQ(pthread_create(&th, NULL, cancel_on_thread, &cn), 0);
+    for (int i = 0; i < 200 && !atomic_load(&cn.returned); i++) of_sleep_us(1000);
+    int returned_before_release = atomic_load(&cn.returned);
+    if (returned_before_release)
+        for (size_t i = 4; i < 8; i++) KVT_EQ(of_refs(r.src, r.weak[i].id), 0);
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);
+    KVT_EQ(pthread_join(th, NULL), 0);
+    KVT_CHECK(returned_before_release);
+    KVT_EQ(cn.result, KVO_OK);
+    KVT_EQ(cn.status, KVO_STATUS_CANCELLED);
+
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 100), KVO_STATUS_COMPLETE);
+    of_polls(r.p, &r.clock, 20000, 10);
+    KVT_EQ(of_info(r.p, a).transferred, 4);
+    KVT_EQ(of_status(r.p, b), KVO_STATUS_CANCELLED);
+    KVT_EQ(of_info(r.p, b).transferred, 0);
+    KVT_EQ(saw(&r, &r.weak[4], 4), 0);
+    KVT_EQ(of_present(r.dst, &r.h[4], 4), 0);
+    KVT_EQ(of_holds_all(r.dst, r.h, 4), 4);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
+/* One token shared by two containers cancels both; the sweeper drops them before any upgrade. */
+static void test_cancel_by_shared_token(void)
+{
+    rig r;
+    kvo_token *tok = NULL;
+    rig_open(&r, 8);
+    KVT_EQ(kvo_token_create(&tok), KVO_OK);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.token = tok;
+    kvo_transfer x = of_enqueue(r.p, r.weak, 2, &opts);
+    kvo_transfer y = of_enqueue(r.p, &r.weak[2], 2, &opts);
+    kvo_token_release(tok); /* the containers hold their own references */
+    of_polls(r.p, &r.clock, 0, 3);
+    kvo_token_cancel(tok);
+    of_polls(r.p, &r.clock, 5000, 10); /* past the sweep and flush intervals */
+    KVT_EQ(of_status(r.p, x), KVO_STATUS_CANCELLED);
+    KVT_EQ(of_status(r.p, y), KVO_STATUS_CANCELLED);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_present(r.dst, r.h, 4), 0);
+    kvo_transfer_release(r.p, x);
+    kvo_transfer_release(r.p, y);
+    rig_close(&r);
+}
+
+/* ---- cancel after the upgrade: the transfer completes, and cancel returns only then ---- */
+
+typedef struct releaser {
+    of_backend *w;
+    atomic_int released;
+} releaser;
+
+static void *release_later(void *arg)
+{
+    releaser *rel = (releaser *)arg;
+    of_sleep_us(100000);
+    atomic_store(&rel->released, 1);
+    of_backend_set_hold(rel->w, 0);
+    of_backend_release(rel->w);
+    return NULL;
+}
+
+static void test_cancel_after_upgrade_completes(void)
+{
+    rig r;
+    releaser rel;
+    pthread_t th;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    kvo_pipeline_config pc = of_config(r.src, r.dst, of_backend_iface(r.w), KVO_MODE_THREADS, NULL);
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    of_backend_set_hold(r.w, 1);
+
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    KVT_EQ(of_backend_wait_held(r.w, 1, 5000000), 1); /* the backend is in the middle of the job */
+    for (int i = 0; i < 1000 && of_status(r.p, t) != KVO_STATUS_TRANSFERRING; i++) of_sleep_us(1000);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_TRANSFERRING);
+    memset(&rel, 0, sizeof rel);
+    rel.w = r.w;
+    KVT_EQ(pthread_create(&th, NULL, release_later, &rel), 0);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, t, &st), KVO_OK);
+    KVT_EQ(atomic_load(&rel.released), 1); /* cancel waited for the copy in flight */
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_EQ(pthread_join(th, NULL), 0);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 4);
+    KVT_EQ(of_holds_all(r.dst, r.h, 4), 4);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+/* ---- handles ---- */
+
+static void test_finished_cancelled_and_released_handles(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    kvo_transfer done = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, done, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, done, &st), KVO_OK); /* too late: stays complete */
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, done).transferred, 8);
+
+    kvb_hash h2[2];
+    kvb_weak w2[2];
+    of_chain(3, 2, h2);
+    of_register(r.src, h2, 2, NULL, w2);
+    kvo_transfer twice = of_enqueue(r.p, w2, 2, NULL);
+    of_polls(r.p, &r.clock, 0, 2);
+    st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, twice, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+    st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_cancel(r.p, twice, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_CANCELLED);
+    KVT_EQ(kvo_transfer_cancel(r.p, twice, NULL), KVO_OK);
+
+    KVT_EQ(kvo_transfer_release(r.p, done), KVO_OK);
+    KVT_EQ(kvo_transfer_release(r.p, twice), KVO_OK);
+    kvo_transfer_info info;
+    KVT_EQ(kvo_transfer_get_info(r.p, done, &info), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_get_info(r.p, twice, &info), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_wait(r.p, done, 1000, &st), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_cancel(r.p, twice, &st), KVO_ESTALE);
+
+    /* a new transfer may reuse the slot; the old handle stays stale */
+    kvo_transfer fresh = of_enqueue(r.p, w2, 2, NULL);
+    KVT_CHECK(fresh.id != done.id && fresh.id != twice.id);
+    KVT_EQ(kvo_transfer_get_info(r.p, twice, &info), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_get_info(r.p, done, &info), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_get_info(r.p, fresh, &info), KVO_OK);
+    r.clock.now += 20000;
+    KVT_EQ(of_pump(r.p, &r.clock, fresh, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, fresh).transferred, 2); /* the cancelled copy no longer counts as in flight */
+    KVT_EQ(kvo_transfer_release(r.p, fresh), KVO_OK);
+    rig_close(&r);
+}
+
+static void test_enqueue_with_cancelled_token(void)
+{
+    rig r;
+    kvo_token *tok = NULL;
+    rig_open(&r, 8);
+    KVT_EQ(kvo_token_create(&tok), KVO_OK);
+    kvo_token_cancel(tok);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.token = tok;
+    kvo_transfer t;
+    KVT_EQ(kvo_enqueue(r.p, r.weak, 8, &opts, &t), KVO_ECANCELLED);
+    kvo_token_release(tok);
+    of_polls(r.p, &r.clock, 5000, 10);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_present(r.dst, r.h, 8), 0);
+    kvo_pipeline_stats st;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &st), KVO_OK);
+    KVT_EQ(st.in_flight_blocks, 0);
+    rig_close(&r);
+}
+
+/* kvo_transfer_wait in poll mode pumps the pipeline itself (real time here: no clock), and times out
+ * on a transfer held back by an unsignalled precondition. */
+static void test_wait_in_poll_mode(void)
+{
+    rig r;
+    kvo_event *ev = NULL;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    kvo_pipeline_config pc = of_config(r.src, r.dst, of_backend_iface(r.w), KVO_MODE_POLL, NULL);
+    rig_start(&r, &pc);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 2, NULL); /* below min batch: goes at the flush, 10 ms */
+    kvo_status st = KVO_STATUS_EVALUATING;
+    KVT_EQ(kvo_transfer_wait(r.p, t, 2000000, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+
+    KVT_EQ(kvo_event_create(&ev), KVO_OK);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = ev;
+    kvo_transfer u = of_enqueue(r.p, &r.weak[2], 2, &opts);
+    uint64_t t0 = of_now_us();
+    KVT_EQ(kvo_transfer_wait(r.p, u, 30000, &st), KVO_ETIMEDOUT);
+    KVT_CHECK(of_now_us() - t0 >= 25000);
+    KVT_CHECK(of_now_us() - t0 < 2000000);
+    KVT_EQ(kvo_event_signal(ev), KVO_OK);
+    KVT_EQ(kvo_transfer_wait(r.p, u, 2000000, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_EQ(of_holds_all(r.dst, r.h, 4), 4);
+    kvo_event_release(ev);
+    kvo_transfer_release(r.p, t);
+    kvo_transfer_release(r.p, u);
+    rig_close(&r);
+}
+
+/* ---- stale weak handles ---- */
+
+/* The source pool is full of cached blocks. A container of the four next eviction candidates sits in
+ * the batcher when the engine allocates two blocks: the two evicted ones are dropped at the upgrade,
+ * not copied; the other two go down. */
+static void test_stale_weak_refs_are_dropped(void)
+{
+    rig r;
+    kvb_weak cand[8];
+    kvb_hash ch[8];
+    kvb_block taken[2];
+    size_t nc = 0;
+    rig_pools(&r, 8, 8); /* src: 8 blocks, all registered and inactive */
+    kvo_pipeline_config pc = rig_config(&r);
+    rig_start(&r, &pc);
+    KVT_EQ(kvb_eviction_candidates(r.src, 8, cand, &nc), KVB_OK);
+    KVT_EQ(nc, 8);
+    for (size_t i = 0; i < 4; i++) ch[i] = of_hash_of(r.src, cand[i].id);
+
+    kvo_transfer t = of_enqueue(r.p, cand, 4, NULL);
+    of_polls(r.p, &r.clock, 0, 3);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_QUEUED);
+    KVT_EQ(kvb_alloc(r.src, 2, taken), KVB_OK); /* evicts cand[0] and cand[1] */
+    kvb_block probe;
+    KVT_CHECK(kvb_upgrade(r.src, cand[0], &probe) != KVB_OK);
+    KVT_CHECK(kvb_upgrade(r.src, cand[1], &probe) != KVB_OK);
+    r.clock.now += 20000;
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.dropped, 2);
+    KVT_EQ(info.transferred, 2);
+    KVT_EQ(saw(&r, cand, 2), 0); /* the blocks now at those indices are the engine's */
+    KVT_CHECK(!of_has(r.dst, ch[0]) && !of_has(r.dst, ch[1]));
+    KVT_EQ(of_holds(r.dst, ch[2]), 1);
+    KVT_EQ(of_holds(r.dst, ch[3]), 1);
+    kvo_pipeline_stats st;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &st), KVO_OK);
+    KVT_EQ(st.dropped, 2);
+    KVT_EQ(kvb_release(r.src, taken, 2, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+/* ---- preconditions ---- */
+
+static void test_precondition_gates_the_copy(void)
+{
+    rig r;
+    kvo_event *ev = NULL;
+    rig_open(&r, 8);
+    KVT_EQ(kvo_event_create(&ev), KVO_OK);
+    KVT_EQ(kvo_event_query(ev), 0);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = ev;
+    kvo_transfer t = of_enqueue(r.p, r.weak, 8, &opts);
+    of_polls(r.p, &r.clock, 1000, 30); /* 30 ms: well past flush, well before the 10 s timeout */
+    KVT_CHECK(!of_final(of_status(r.p, t)));
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(kvo_event_signal(ev), KVO_OK);
+    KVT_EQ(kvo_event_query(ev), 1);
+    KVT_EQ(kvo_event_wait(ev, 0), KVO_OK);
+    kvo_event_release(ev); /* the container keeps its own reference */
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 8);
+    KVT_EQ(of_holds_all(r.dst, r.h, 8), 8);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+static void test_precondition_timeout_fails(void)
+{
+    rig r;
+    kvo_event *ev = NULL;
+    rig_pools(&r, SRC_BLOCKS, 8);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.precondition_timeout_us = 5000;
+    rig_start(&r, &pc);
+    KVT_EQ(kvo_event_create(&ev), KVO_OK);
+    KVT_EQ(kvo_event_wait(ev, 1000), KVO_ETIMEDOUT);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = ev;
+    kvo_transfer t = of_enqueue(r.p, r.weak, 8, &opts);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 100), KVO_STATUS_FAILED);
+    KVT_CHECK(r.clock.now >= 1000000 + 5000);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_CHECK(info.error < 0);
+    KVT_EQ(info.transferred, 0);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(of_present(r.dst, r.h, 8), 0);
+    kvo_event_release(ev);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
+typedef struct scripted_event {
+    int calls, signal_after; /* answer 0 until signal_after calls, then `then` */
+    int then;
+} scripted_event;
+
+static int scripted_query(void *user)
+{
+    scripted_event *e = (scripted_event *)user;
+    return ++e->calls > e->signal_after ? e->then : 0;
+}
+
+/* Custom events (the shape CUDA events take): polled, never waited on; a negative answer fails the
+ * transfers waiting on it with KVO_EPRECOND. */
+static void test_custom_precondition_events(void)
+{
+    rig r;
+    scripted_event ok = {0, 3, 1}, bad = {0, 2, -1};
+    kvo_event *evok = NULL, *evbad = NULL;
+    rig_open(&r, 8);
+    KVT_EQ(kvo_event_create_custom(scripted_query, &ok, &evok), KVO_OK);
+    KVT_EQ(kvo_event_create_custom(scripted_query, &bad, &evbad), KVO_OK);
+    kvo_enqueue_opts opts;
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = evok;
+    kvo_transfer a = of_enqueue(r.p, r.weak, 4, &opts);
+    opts.precondition = evbad;
+    kvo_transfer b = of_enqueue(r.p, &r.weak[4], 4, &opts);
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 200), KVO_STATUS_FAILED);
+    KVT_CHECK(ok.calls > 3);
+    KVT_EQ(of_info(r.p, a).transferred, 4);
+    KVT_EQ(of_info(r.p, b).error, KVO_EPRECOND);
+    KVT_EQ(saw(&r, &r.weak[4], 4), 0);
+    KVT_EQ(of_holds_all(r.dst, r.h, 4), 4);
+    KVT_EQ(of_present(r.dst, &r.h[4], 4), 0);
+    kvo_event_release(evok);
+    kvo_event_release(evbad);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
+/* ---- backend faults ---- */
+
+/* The backend fails the 3rd copy of an 8-block job: the handle is Failed with the backend's code and
+ * message, every block the transfer held is released in both pools, the failed block is not in the
+ * destination, and the source keeps all eight, intact and matchable; a retry then completes. */
+static void test_backend_failure_mid_batch(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    uint32_t src_active = of_active(r.src), dst_active = of_active(r.dst);
+    of_backend_set_fail(r.w, 3, KVO_EIO);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_FAILED);
+    kvo_transfer_info info = of_info(r.p, t);
+    KVT_EQ(info.error, KVO_EIO);
+    KVT_CHECK(info.failed >= 1);
+    KVT_CHECK(info.transferred + info.failed <= 8);
+    KVT_CHECK(strstr(info.message, "injected") != NULL);
+    KVT_CHECK(!of_has(r.dst, r.w->failed_hash));
+    KVT_EQ(of_active(r.src), src_active);
+    KVT_EQ(of_active(r.dst), dst_active);
+    OF_CHECK_POOL(r.src);
+    OF_CHECK_POOL(r.dst);
+    KVT_EQ(of_holds_all(r.src, r.h, 8), 8);
+    size_t found = 0;
+    KVT_EQ(kvb_lookup(r.src, r.h, 8, &found), KVB_OK);
+    KVT_EQ(found, 8);
+    kvo_pipeline_stats st;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &st), KVO_OK);
+    KVT_EQ(st.in_flight_blocks, 0);
+    KVT_CHECK(st.failed >= 1);
+
+    of_backend_set_fail(r.w, 0, 0);
+    kvo_transfer again = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, again, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_holds_all(r.dst, r.h, 8), 8);
+    kvo_transfer_release(r.p, t);
+    kvo_transfer_release(r.p, again);
+    rig_close(&r);
+}
+
+/* A backend that refuses the whole job (submit error): Failed with that code, nothing held. */
+static void test_backend_refuses_job(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    of_backend_set_submit_error(r.w, KVO_EBACKEND);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_FAILED);
+    KVT_EQ(of_info(r.p, t).error, KVO_EBACKEND);
+    KVT_EQ(of_info(r.p, t).transferred, 0);
+    KVT_EQ(of_present(r.dst, r.h, 8), 0);
+    KVT_EQ(of_active(r.src), 0);
+    KVT_EQ(of_active(r.dst), 0);
+    of_backend_set_submit_error(r.w, 0);
+    kvo_transfer again = of_enqueue(r.p, r.weak, 8, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, again, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_holds_all(r.dst, r.h, 8), 8);
+    kvo_transfer_release(r.p, t);
+    kvo_transfer_release(r.p, again);
+    rig_close(&r);
+}
+
+/* ---- priorities ---- */
+
+/* While the executor is busy, a low-priority and then a high-priority container are batched; the high
+ * one is copied first. */
+static void test_priority_order(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 12);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.max_batch = 4;
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    of_backend_set_hold(r.w, 1);
+    kvo_transfer filler = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1);
+
+    kvo_enqueue_opts lo, hi;
+    memset(&lo, 0, sizeof lo);
+    memset(&hi, 0, sizeof hi);
+    lo.priority = 1;
+    hi.priority = 5;
+    kvo_transfer tl = of_enqueue(r.p, &r.weak[4], 4, &lo);
+    kvo_transfer th = of_enqueue(r.p, &r.weak[8], 4, &hi);
+    of_polls(r.p, &r.clock, 1000, 5);
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);
+    KVT_EQ(of_pump(r.p, &r.clock, tl, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, th, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_status(r.p, filler), KVO_STATUS_COMPLETE);
+    long last_high = -1, first_low = 1 << 30;
+    for (size_t i = 0; i < 4; i++) {
+        long ph = of_backend_position(r.w, r.h[8 + i]), pl = of_backend_position(r.w, r.h[4 + i]);
+        KVT_CHECK(ph >= 0 && pl >= 0);
+        if (ph > last_high) last_high = ph;
+        if (pl < first_low) first_low = pl;
+    }
+    KVT_CHECK(last_high < first_low);
+    KVT_EQ(of_holds_all(r.dst, r.h, 12), 12);
+    kvo_transfer_release(r.p, filler);
+    kvo_transfer_release(r.p, tl);
+    kvo_transfer_release(r.p, th);
+    rig_close(&r);
+}
+
+/* ---- on_done ---- */
+
+typedef struct done_log {
+    kvo_pipeline *p;
+    int calls;
+    kvo_transfer t[4];
+    kvo_transfer_info info[4];
+    kvb_weak dst[4][8];
+    size_t n[4];
+    int reentrant_ok; /* kvo_transfer_get_info from inside the callback worked and saw the final state */
+} done_log;
+
+static void on_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    done_log *log = (done_log *)user;
+    kvo_transfer_info again;
+    if (log->calls < 4) {
+        int k = log->calls;
+        log->t[k] = t;
+        log->info[k] = *info;
+        log->n[k] = n;
+        for (size_t i = 0; i < n && i < 8; i++) log->dst[k][i] = dst[i];
+    }
+    log->calls++;
+    if (kvo_transfer_get_info(log->p, t, &again) == KVO_OK && again.status == info->status) log->reentrant_ok++;
+}
+
+static int find_call(const done_log *log, kvo_transfer t)
+{
+    int found = -1, count = 0;
+    for (int i = 0; i < log->calls && i < 4; i++)
+        if (log->t[i].id == t.id) {
+            found = i;
+            count++;
+        }
+    return count == 1 ? found : -1;
+}
+
+/* on_done: once per transfer, with the container's destination blocks as weak handles in container
+ * order and 0 where a block did not get there (here: evicted from the source before the upgrade). */
+static void test_on_done_once_with_destination_handles(void)
+{
+    rig r;
+    done_log log;
+    kvb_weak cand[6], order[4];
+    kvb_hash ch[6];
+    kvb_block taken;
+    size_t nc = 0;
+    rig_pools(&r, 6, 6);
+    memset(&log, 0, sizeof log);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.on_done = on_done;
+    pc.done_user = &log;
+    rig_start(&r, &pc);
+    log.p = r.p;
+    KVT_EQ(kvb_eviction_candidates(r.src, 6, cand, &nc), KVB_OK);
+    KVT_EQ(nc, 6);
+    for (size_t i = 0; i < 6; i++) ch[i] = of_hash_of(r.src, cand[i].id);
+    order[0] = cand[1];
+    order[1] = cand[0]; /* the next to be evicted */
+    order[2] = cand[2];
+    order[3] = cand[3];
+    kvo_transfer t1 = of_enqueue(r.p, order, 4, NULL);
+    kvo_transfer t2 = of_enqueue(r.p, &cand[4], 2, NULL);
+    KVT_EQ(kvb_alloc(r.src, 1, &taken), KVB_OK); /* evicts cand[0] */
+    KVT_EQ(of_pump(r.p, &r.clock, t1, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, t2, 1000, 200), KVO_STATUS_COMPLETE);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(log.calls, 2);
+    KVT_EQ(log.reentrant_ok, 2);
+    int k1 = find_call(&log, t1), k2 = find_call(&log, t2);
+    KVT_CHECK(k1 >= 0 && k2 >= 0);
+    if (k1 >= 0 && k2 >= 0) {
+        KVT_EQ(log.n[k1], 4);
+        KVT_EQ(log.info[k1].status, KVO_STATUS_COMPLETE);
+        KVT_EQ(log.info[k1].transferred, 3);
+        KVT_EQ(log.info[k1].dropped, 1);
+        KVT_EQ(log.dst[k1][1].id, 0);
+        kvb_hash expect[4] = {ch[1], ch[0], ch[2], ch[3]};
+        for (size_t i = 0; i < 4; i++) {
+            if (i == 1) continue;
+            KVT_CHECK(log.dst[k1][i].id & KVB_WEAK_BIT);
+            KVT_CHECK(of_hash_eq(of_hash_of(r.dst, log.dst[k1][i].id), expect[i]));
+        }
+        KVT_EQ(log.n[k2], 2);
+        KVT_EQ(log.info[k2].transferred, 2);
+        for (size_t i = 0; i < 2; i++) {
+            kvb_block b;
+            KVT_EQ(kvb_upgrade(r.dst, log.dst[k2][i], &b), KVB_OK);
+            KVT_CHECK(of_bytes_ok(r.dst, b, ch[4 + i]));
+            KVT_EQ(kvb_release(r.dst, &b, 1, NULL), KVB_OK);
+        }
+    }
+    KVT_EQ(kvb_release(r.src, &taken, 1, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t1);
+    kvo_transfer_release(r.p, t2);
+    of_polls(r.p, &r.clock, 1000, 3);
+    KVT_EQ(log.calls, 2); /* releasing does not call it again */
+    rig_close(&r);
+}
+
+int main(void)
+{
+    alarm(300);
+    KVT_RUN(test_result_strings);
+    KVT_RUN(test_create_refuses_bad_config);
+    KVT_RUN(test_offload_lands_registered);
+    KVT_RUN(test_presence_skips_blocks_in_destination);
+    KVT_RUN(test_frequency_policy);
+    KVT_RUN(test_user_policy_and_timeout);
+    KVT_RUN(test_cancel_while_evaluating);
+    KVT_RUN(test_cancel_while_waiting_on_precondition);
+    KVT_RUN(test_cancel_while_batched);
+    KVT_RUN(test_cancel_while_on_deck);
+    KVT_RUN(test_cancel_by_shared_token);
+    KVT_RUN(test_cancel_after_upgrade_completes);
+    KVT_RUN(test_finished_cancelled_and_released_handles);
+    KVT_RUN(test_enqueue_with_cancelled_token);
+    KVT_RUN(test_wait_in_poll_mode);
+    KVT_RUN(test_stale_weak_refs_are_dropped);
+    KVT_RUN(test_precondition_gates_the_copy);
+    KVT_RUN(test_precondition_timeout_fails);
+    KVT_RUN(test_custom_precondition_events);
+    KVT_RUN(test_backend_failure_mid_batch);
+    KVT_RUN(test_backend_refuses_job);
+    KVT_RUN(test_priority_order);
+    KVT_RUN(test_on_done_once_with_destination_handles);
+    return kvt_summary();
+}

@@ -1,0 +1,451 @@
+/* Prefix caching with kvblock.h: a second prompt with a common prefix finds and shares the first one's
+ * blocks; matching stops at the first miss; salts and extra keys isolate; duplicates follow the pool's
+ * policy; a failed allocation changes nothing; the statistics count exactly what happened. */
+#define KVBLOCK_IMPLEMENTATION
+#include "kvblock.h"
+#include "kvtest.h"
+#include "fixtures.h"
+
+enum { COMMON = 48 };
+
+/* The prompts: 48 common tokens, then `unique` tokens of their own starting at `first`. */
+static size_t make_prompt(uint32_t *tokens, size_t unique, uint32_t first)
+{
+    fx_iota(tokens, COMMON, 1000);
+    fx_iota(tokens + COMMON, unique, first);
+    return COMMON + unique;
+}
+
+/* A request that runs to completion: append, commit everything, finish. Returns the cached tokens. */
+static size_t serve(kvb_pool *pool, const kvb_seq_config *cfg, const uint32_t *tokens, size_t n)
+{
+    kvb_seq *seq = fx_seq(pool, cfg);
+    size_t cached = (size_t)-1;
+    KVT_EQ(kvb_seq_append(seq, tokens, n, &cached), KVB_OK);
+    KVT_EQ(kvb_seq_commit(seq, n), KVB_OK);
+    kvb_seq_destroy(seq);
+    return cached;
+}
+
+static void test_second_prompt_shares_common_prefix(void)
+{
+    kvb_pool *pool = fx_pool(32);
+    uint32_t prompt_a[64], prompt_b[64];
+    size_t n_a = make_prompt(prompt_a, 7, 5000), n_b = make_prompt(prompt_b, 5, 6000);
+
+    kvb_seq *a = fx_seq(pool, NULL);
+    size_t cached = (size_t)-1;
+    KVT_EQ(kvb_seq_append(a, prompt_a, n_a, &cached), KVB_OK);
+    KVT_EQ(cached, 0);
+    kvb_seq_info ia = fx_seq_info(a);
+    KVT_EQ(ia.num_tokens, 55);
+    KVT_EQ(ia.num_blocks, 4);
+    KVT_EQ(ia.num_full, 3);
+    KVT_EQ(ia.num_cached, 0);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.lookups, 1);
+    KVT_EQ(st.hit_blocks, 0);
+    KVT_EQ(st.allocations, 4);
+
+    KVT_EQ(kvb_seq_commit(a, n_a), KVB_OK);
+    kvb_block ta[8];
+    KVT_EQ(fx_seq_table(a, ta, 8), 4);
+    for (int i = 0; i < 3; i++) KVT_EQ(fx_info(pool, ta[i].id).state, KVB_STATE_REGISTERED);
+    KVT_EQ(fx_info(pool, ta[3].id).state, KVB_STATE_PARTIAL); /* 7 tokens computed, not full */
+    st = fx_stats(pool);
+    KVT_EQ(st.registrations, 3);
+    KVT_EQ(st.cached_hashes, 3);
+    KVT_EQ(fx_seq_info(a).num_computed, 55);
+
+    kvb_seq *b = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(b, prompt_b, n_b, &cached), KVB_OK);
+    KVT_EQ(cached, 48);
+    kvb_seq_info ib = fx_seq_info(b);
+    KVT_EQ(ib.num_blocks, 4);
+    KVT_EQ(ib.num_cached, 48);
+    KVT_EQ(ib.num_computed, 48);
+    kvb_block tb[8];
+    KVT_EQ(fx_seq_table(b, tb, 8), 4);
+    for (int i = 0; i < 3; i++) {
+        KVT_EQ(tb[i].id, ta[i].id);
+        KVT_EQ(fx_info(pool, tb[i].id).refs, 2);
+    }
+    KVT_CHECK(kvb_block_index(tb[3].id) != kvb_block_index(ta[3].id));
+    KVT_EQ(fx_info(pool, tb[3].id).refs, 1);
+
+    st = fx_stats(pool);
+    KVT_EQ(st.lookups, 2);
+    KVT_EQ(st.hit_blocks, 3);
+    KVT_EQ(st.hit_tokens, 48);
+    KVT_EQ(st.allocations, 5); /* 4 for a, 1 for b's own tail */
+    KVT_EQ(st.registrations, 3);
+    KVT_EQ(st.dedups, 0);
+    KVT_EQ(st.evictions, 0);
+    KVT_EQ(st.active_blocks, 5);
+    KVT_EQ(st.inactive_blocks, 0);
+    KVT_EQ(st.free_blocks, 27);
+    FX_CHECK_POOL(pool);
+
+    KVT_EQ(kvb_seq_commit(b, n_b), KVB_OK);
+    KVT_EQ(fx_stats(pool).registrations, 3); /* nothing new was full */
+    kvb_seq_destroy(a);
+    KVT_EQ(fx_info(pool, ta[0].id).refs, 1);
+    KVT_EQ(fx_stats(pool).active_blocks, 4);
+    kvb_seq_destroy(b);
+    st = fx_stats(pool);
+    KVT_EQ(st.active_blocks, 0);
+    KVT_EQ(st.inactive_blocks, 3);
+    KVT_EQ(st.free_blocks, 29);
+    KVT_EQ(st.cached_hashes, 3);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_match_stops_at_first_miss(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    uint32_t tokens[64];
+    fx_iota(tokens, 64, 1);
+    kvb_hash h[4];
+    size_t n = 0;
+    KVT_EQ(kvb_hash_prompt(tokens, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    kvb_block b[3] = {{0}};
+    KVT_EQ(kvb_alloc(pool, 3, b), KVB_OK);
+    kvb_hash have[3] = {h[0], h[1], h[3]}, parents[3] = {{0, 0}, h[0], h[2]}; /* block 2 is missing */
+    fx_import(pool, b, 3, have, parents);
+    KVT_EQ(kvb_release(pool, b, 3, NULL), KVB_OK);
+
+    kvb_block got[4] = {{0}};
+    KVT_EQ(kvb_match(pool, h, 4, got, &n), KVB_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(got[0].id, b[0].id);
+    KVT_EQ(got[1].id, b[1].id);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.lookups, 1);
+    KVT_EQ(st.hit_blocks, 2);
+    KVT_EQ(st.hit_tokens, 32);
+    KVT_EQ(st.active_blocks, 2);
+    KVT_EQ(st.inactive_blocks, 1); /* the block after the gap stays cached, unreferenced */
+    KVT_EQ(fx_info(pool, b[2].id).refs, 0);
+    KVT_EQ(fx_lookup(pool, &h[3], 1), 1);
+
+    KVT_EQ(kvb_match(pool, h + 1, 3, got + 2, &n), KVB_OK); /* the chain may start anywhere cached */
+    KVT_EQ(n, 1);
+    KVT_EQ(kvb_match(pool, h + 2, 2, got + 3, &n), KVB_OK); /* a miss first: nothing */
+    KVT_EQ(n, 0);
+    KVT_EQ(fx_info(pool, b[2].id).refs, 0);
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, got, 3, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_salt_isolates_tenants(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint32_t tokens[40];
+    fx_iota(tokens, 40, 7);
+    kvb_seq_config tenant1 = {.salt = 1}, tenant2 = {.salt = 2};
+    KVT_EQ(serve(pool, &tenant1, tokens, 40), 0);
+    KVT_EQ(serve(pool, &tenant1, tokens, 40), 32);
+    KVT_EQ(serve(pool, &tenant2, tokens, 40), 0);
+    KVT_EQ(serve(pool, NULL, tokens, 40), 0);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.hit_blocks, 2);
+    KVT_EQ(st.hit_tokens, 32);
+    KVT_EQ(st.cached_hashes, 6); /* salt 1, salt 2, no salt: two full blocks each */
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_extra_keys_change_hits(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint32_t tokens[32];
+    fx_iota(tokens, 32, 7);
+    uint64_t lora7[1] = {7}, lora8[1] = {8}, lora7_image[2] = {7, 0xfeed};
+    kvb_seq_config with7 = {.extra = lora7, .n_extra = 1}, with8 = {.extra = lora8, .n_extra = 1};
+    kvb_seq_config with_image = {.extra = lora7_image, .n_extra = 2};
+    KVT_EQ(serve(pool, &with7, tokens, 32), 0);
+    KVT_EQ(serve(pool, &with7, tokens, 32), 32);
+    KVT_EQ(serve(pool, &with8, tokens, 32), 0);
+    KVT_EQ(serve(pool, &with_image, tokens, 32), 0);
+    KVT_EQ(serve(pool, NULL, tokens, 32), 0);
+    KVT_EQ(fx_stats(pool).hit_blocks, 2);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* Pool of 4: prompt p's two blocks were released before q's two, so p's are the older ones. A request
+ * for p + 32 new tokens must take p's blocks before it allocates, and evict q's instead. */
+static void test_hit_blocks_not_evicted_by_own_allocation(void)
+{
+    kvb_pool *pool = fx_pool(4);
+    uint32_t p[64], q[32];
+    fx_iota(p, 64, 100);
+    fx_iota(q, 32, 900);
+    kvb_hash hp[2], hq[2];
+    size_t n = 0;
+    KVT_EQ(kvb_hash_prompt(p, 32, 16, NULL, 0, 0, hp, 2, &n), KVB_OK);
+    KVT_EQ(kvb_hash_prompt(q, 32, 16, NULL, 0, 0, hq, 2, &n), KVB_OK);
+    KVT_EQ(serve(pool, NULL, p, 32), 0);
+    KVT_EQ(serve(pool, NULL, q, 32), 0);
+    KVT_EQ(fx_stats(pool).free_blocks, 0);
+
+    kvb_seq *r = fx_seq(pool, NULL);
+    size_t cached = 0;
+    KVT_EQ(kvb_seq_append(r, p, 64, &cached), KVB_OK);
+    KVT_EQ(cached, 32);
+    const kvb_hash *hr = NULL;
+    KVT_EQ(kvb_seq_hashes(r, &hr, &n), KVB_OK);
+    KVT_EQ(n, 4);
+    FX_HASH_EQ(hr[0], hp[0]);
+    FX_HASH_EQ(hr[1], hp[1]);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.evictions, 2);
+    KVT_EQ(st.hit_blocks, 2);
+    KVT_EQ(st.allocations, 6);
+    KVT_EQ(st.active_blocks, 4);
+    KVT_EQ(fx_lookup(pool, hp, 2), 2);
+    KVT_EQ(fx_lookup(pool, hq, 1), 0);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(r);
+    kvb_pool_destroy(pool);
+}
+
+static void test_failed_allocation_changes_nothing(void)
+{
+    kvb_pool *pool = fx_pool(4);
+    kvb_block held = {0}, cached = {0}, out[4] = {{0}};
+    kvb_hash h = fx_hash(0x51, 0x52);
+    KVT_EQ(kvb_alloc(pool, 1, &held), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, &cached), KVB_OK);
+    fx_import(pool, &cached, 1, &h, NULL);
+    KVT_EQ(kvb_release(pool, &cached, 1, NULL), KVB_OK); /* 1 active, 1 inactive, 2 free */
+    kvb_pool_stats before = fx_stats(pool);
+
+    KVT_EQ(kvb_alloc(pool, 4, out), KVB_ENOSPACE);
+
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after));
+    KVT_EQ(fx_info(pool, held.id).refs, 1);
+    KVT_EQ(fx_info(pool, cached.id).refs, 0);
+    KVT_EQ(fx_lookup(pool, &h, 1), 1);
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_alloc(pool, 3, out), KVB_OK); /* exactly free + evictable */
+    KVT_EQ(fx_stats(pool).evictions, 1);
+    KVT_EQ(kvb_release(pool, out, 3, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, &held, 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* The same through a sequence whose prompt hits: the hit blocks it took are given back. */
+static void test_failed_append_with_hits_changes_nothing(void)
+{
+    kvb_pool *pool = fx_pool(4);
+    uint32_t p[80];
+    fx_iota(p, 80, 300);
+    KVT_EQ(serve(pool, NULL, p, 32), 0); /* two cached blocks */
+    kvb_block held = {0};
+    KVT_EQ(kvb_alloc(pool, 1, &held), KVB_OK); /* one free block left */
+    kvb_pool_stats before = fx_stats(pool);
+
+    kvb_seq *s = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, p, 80, NULL), KVB_ENOSPACE); /* 2 hits + 3 new blocks > 2 + 1 */
+
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after));
+    KVT_EQ(after.inactive_blocks, 2);
+    kvb_seq_info info = fx_seq_info(s);
+    KVT_EQ(info.num_tokens, 0);
+    KVT_EQ(info.num_blocks, 0);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(s);
+    KVT_EQ(kvb_release(pool, &held, 1, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+}
+
+/* Two blocks with the same content registered separately. */
+static void register_twice(kvb_pool *pool, kvb_block b[2], kvb_block out[2])
+{
+    uint32_t tokens[16];
+    fx_iota(tokens, 16, 40);
+    KVT_EQ(kvb_alloc(pool, 2, b), KVB_OK);
+    fx_fill_block(pool, b[0], NULL, 0, tokens);
+    fx_fill_block(pool, b[1], NULL, 0, tokens);
+    KVT_EQ(kvb_register(pool, &b[0], 1, &out[0]), KVB_OK);
+    KVT_EQ(kvb_register(pool, &b[1], 1, &out[1]), KVB_OK);
+}
+
+static void test_duplicates_allowed(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    kvb_block b[2], out[2];
+    register_twice(pool, b, out);
+    KVT_EQ(out[0].id, b[0].id);
+    KVT_EQ(out[1].id, b[1].id);
+    kvb_block_info i0 = fx_info(pool, b[0].id), i1 = fx_info(pool, b[1].id);
+    KVT_EQ(i0.state, KVB_STATE_REGISTERED);
+    KVT_EQ(i1.state, KVB_STATE_REGISTERED);
+    FX_HASH_EQ(i0.hash, i1.hash);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.registrations, 2);
+    KVT_EQ(st.dedups, 1);
+    KVT_EQ(st.cached_hashes, 1);
+    KVT_EQ(st.active_blocks, 2);
+
+    kvb_block hit = {0};
+    size_t n = 0;
+    KVT_EQ(kvb_match(pool, &i0.hash, 1, &hit, &n), KVB_OK);
+    KVT_EQ(n, 1);
+    KVT_EQ(hit.id, b[0].id); /* the first registered is the one matched */
+    KVT_EQ(kvb_release(pool, &hit, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, b, 2, NULL), KVB_OK);
+    st = fx_stats(pool);
+    KVT_EQ(st.inactive_blocks, 2);
+    KVT_EQ(st.cached_hashes, 1);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_duplicates_rejected(void)
+{
+    kvb_pool_config cfg = fx_config(8);
+    cfg.duplicates = KVB_DUP_REJECT;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_block b[2], out[2];
+    register_twice(pool, b, out);
+    KVT_EQ(out[0].id, b[0].id);
+    KVT_EQ(out[1].id, b[0].id); /* the existing block, with the duplicate's reference */
+    KVT_EQ(fx_info(pool, b[0].id).refs, 2);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.registrations, 2);
+    KVT_EQ(st.dedups, 1);
+    KVT_EQ(st.cached_hashes, 1);
+    KVT_EQ(st.active_blocks, 1);
+    KVT_EQ(st.free_blocks, 7); /* the duplicate was reset */
+    FX_CHECK_POOL(pool);
+
+    kvb_block c = {0}, c_out = {0}; /* the import path dedups the same way */
+    kvb_hash h = fx_info(pool, b[0].id).hash;
+    KVT_EQ(kvb_alloc(pool, 1, &c), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, &c, 1, &h, NULL, &c_out), KVB_OK);
+    KVT_EQ(c_out.id, b[0].id);
+    KVT_EQ(fx_info(pool, b[0].id).refs, 3);
+    st = fx_stats(pool);
+    KVT_EQ(st.dedups, 2);
+    KVT_EQ(st.free_blocks, 7);
+
+    kvb_block all[3] = {out[0], out[1], c_out};
+    KVT_EQ(kvb_release(pool, all, 3, NULL), KVB_OK);
+    st = fx_stats(pool);
+    KVT_EQ(st.inactive_blocks, 1);
+    KVT_EQ(st.free_blocks, 7);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* Two requests with the same prompt both miss (neither has committed), then both commit. */
+static void race_two_requests(kvb_pool *pool, kvb_block ta[2], kvb_block tb[2])
+{
+    uint32_t tokens[32];
+    fx_iota(tokens, 32, 800);
+    kvb_seq *a = fx_seq(pool, NULL), *b = fx_seq(pool, NULL);
+    size_t cached = 1;
+    KVT_EQ(kvb_seq_append(a, tokens, 32, &cached), KVB_OK);
+    KVT_EQ(cached, 0);
+    KVT_EQ(kvb_seq_append(b, tokens, 32, &cached), KVB_OK);
+    KVT_EQ(cached, 0);
+    KVT_EQ(kvb_seq_commit(a, 32), KVB_OK);
+    KVT_EQ(kvb_seq_commit(b, 32), KVB_OK);
+    KVT_EQ(fx_seq_table(a, ta, 2), 2);
+    KVT_EQ(fx_seq_table(b, tb, 2), 2);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.registrations, 4);
+    KVT_EQ(st.dedups, 2);
+    KVT_EQ(st.cached_hashes, 2);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(a);
+    kvb_seq_destroy(b);
+}
+
+static void test_duplicate_commits_allowed(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    kvb_block ta[2], tb[2];
+    race_two_requests(pool, ta, tb);
+    KVT_CHECK(kvb_block_index(ta[0].id) != kvb_block_index(tb[0].id)); /* each kept its own blocks */
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.inactive_blocks, 4);
+    KVT_EQ(st.free_blocks, 4);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_duplicate_commits_rejected(void)
+{
+    kvb_pool_config cfg = fx_config(8);
+    cfg.duplicates = KVB_DUP_REJECT;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_block ta[2], tb[2];
+    race_two_requests(pool, ta, tb);
+    KVT_EQ(tb[0].id, ta[0].id); /* the second request now holds the first one's blocks */
+    KVT_EQ(tb[1].id, ta[1].id);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.inactive_blocks, 2);
+    KVT_EQ(st.free_blocks, 6);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_lookup_takes_no_reference(void)
+{
+    kvb_pool *pool = fx_pool(4);
+    kvb_block b[2] = {{0}};
+    kvb_hash chain[3] = {fx_hash(1, 10), fx_hash(2, 20), fx_hash(3, 30)};
+    kvb_hash parents[2] = {{0, 0}, fx_hash(1, 10)};
+    KVT_EQ(kvb_alloc(pool, 2, b), KVB_OK);
+    fx_import(pool, b, 2, chain, parents);
+    KVT_EQ(kvb_release(pool, b, 2, NULL), KVB_OK);
+    kvb_pool_stats before = fx_stats(pool);
+
+    KVT_EQ(fx_lookup(pool, chain, 3), 2);
+    KVT_EQ(fx_lookup(pool, chain + 1, 2), 1);
+
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after)); /* no lookup counted, nothing taken off the list */
+    KVT_EQ(after.inactive_blocks, 2);
+    KVT_EQ(fx_info(pool, b[0].id).refs, 0);
+
+    kvb_block got[3];
+    size_t n = 0;
+    KVT_EQ(kvb_match(pool, chain, 3, got, &n), KVB_OK);
+    KVT_EQ(n, 2);
+    after = fx_stats(pool);
+    KVT_EQ(after.lookups, 1);
+    KVT_EQ(after.lookup_blocks, 3);
+    KVT_EQ(after.hit_blocks, 2);
+    KVT_EQ(after.inactive_blocks, 0);
+    KVT_EQ(kvb_release(pool, got, n, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+int main(void)
+{
+    fx_watchdog(60);
+    KVT_RUN(test_second_prompt_shares_common_prefix);
+    KVT_RUN(test_match_stops_at_first_miss);
+    KVT_RUN(test_salt_isolates_tenants);
+    KVT_RUN(test_extra_keys_change_hits);
+    KVT_RUN(test_hit_blocks_not_evicted_by_own_allocation);
+    KVT_RUN(test_failed_allocation_changes_nothing);
+    KVT_RUN(test_failed_append_with_hits_changes_nothing);
+    KVT_RUN(test_duplicates_allowed);
+    KVT_RUN(test_duplicates_rejected);
+    KVT_RUN(test_duplicate_commits_allowed);
+    KVT_RUN(test_duplicate_commits_rejected);
+    KVT_RUN(test_lookup_takes_no_reference);
+    return kvt_summary();
+}

@@ -1,0 +1,364 @@
+/* Sequences of kvblock.h: incremental hashing as tokens arrive, fork and copy-on-write of the shared
+ * partial block (bytes included), reference counting across forks, truncation, chunked commits, and
+ * an append that does not fit changing nothing. */
+#define KVBLOCK_IMPLEMENTATION
+#include "kvblock.h"
+#include "kvtest.h"
+#include "fixtures.h"
+
+enum { LAYERS = 2, PAGE = 512 }; /* 16 tokens x 2 heads x 8 dims x 2 bytes */
+
+static kvb_pool *host_pool(uint32_t num_blocks)
+{
+    kvb_pool_config cfg = fx_config(num_blocks);
+    cfg.storage = KVB_STORAGE_HOST;
+    KVT_EQ(kvb_layout_for_model(KVB_LAYOUT_LAYER_SEPARATE, 16, LAYERS, 2, 8, 2, &cfg.layout), KVB_OK);
+    return fx_pool_from(&cfg);
+}
+
+/* Fills every page of a block with one byte value. */
+static void fill_block(kvb_pool *pool, kvb_block b, unsigned char value)
+{
+    for (uint32_t layer = 0; layer < LAYERS; layer++)
+        for (uint32_t part = 0; part < 2; part++) {
+            void *p = NULL;
+            KVT_EQ(kvb_block_data(pool, b, layer, part, &p), KVB_OK);
+            if (p) memset(p, value, PAGE);
+        }
+}
+
+/* Number of pages of a block that hold anything but `value`. */
+static int pages_differing(kvb_pool *pool, kvb_block b, unsigned char value)
+{
+    int bad = 0;
+    for (uint32_t layer = 0; layer < LAYERS; layer++)
+        for (uint32_t part = 0; part < 2; part++) {
+            unsigned char *p = NULL;
+            KVT_EQ(kvb_block_data(pool, b, layer, part, (void **)&p), KVB_OK);
+            for (int i = 0; p && i < PAGE; i++)
+                if (p[i] != value) {
+                    bad++;
+                    break;
+                }
+        }
+    return bad;
+}
+
+/* The sequence's full-block hashes are those of kvb_hash_prompt over its tokens. */
+static void check_hashes(const kvb_seq *seq, const uint32_t *tokens, size_t n_tokens, const uint64_t *extra,
+                         size_t n_extra, uint64_t salt)
+{
+    kvb_hash want[16];
+    size_t n_want = 0, n_got = 0;
+    const kvb_hash *got = NULL;
+    KVT_EQ(kvb_hash_prompt(tokens, n_tokens, 16, extra, n_extra, salt, want, 16, &n_want), KVB_OK);
+    KVT_EQ(kvb_seq_hashes(seq, &got, &n_got), KVB_OK);
+    KVT_EQ(n_got, n_want);
+    for (size_t i = 0; i < n_got && i < n_want; i++) FX_HASH_EQ(got[i], want[i]);
+}
+
+static void test_append_in_pieces_hashes_like_prompt(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint64_t extra[1] = {5};
+    kvb_seq_config cfg = {.salt = 9, .extra = extra, .n_extra = 1};
+    kvb_seq *seq = fx_seq(pool, &cfg);
+    uint32_t tokens[100];
+    fx_iota(tokens, 100, 7);
+    const size_t pieces[] = {1, 7, 15, 16, 17, 44};
+    size_t done = 0;
+    for (size_t i = 0; i < sizeof pieces / sizeof pieces[0]; i++) {
+        KVT_EQ(kvb_seq_append(seq, tokens + done, pieces[i], NULL), KVB_OK);
+        done += pieces[i];
+        check_hashes(seq, tokens, done, extra, 1, 9);
+    }
+    KVT_EQ(done, 100);
+    kvb_seq_info info = fx_seq_info(seq);
+    KVT_EQ(info.num_tokens, 100);
+    KVT_EQ(info.num_blocks, 7);
+    KVT_EQ(info.num_full, 6);
+    const uint32_t *got = NULL;
+    size_t n = 0;
+    KVT_EQ(kvb_seq_tokens(seq, &got, &n), KVB_OK);
+    KVT_EQ(n, 100);
+    KVT_CHECK(got && memcmp(got, tokens, sizeof tokens) == 0);
+    KVT_EQ(fx_stats(pool).active_blocks, 7);
+
+    KVT_EQ(kvb_seq_commit(seq, 100), KVB_OK); /* registered under the same hashes */
+    kvb_hash h[6];
+    KVT_EQ(kvb_hash_prompt(tokens, 100, 16, extra, 1, 9, h, 6, &n), KVB_OK);
+    KVT_EQ(fx_lookup(pool, h, 6), 6);
+    kvb_seq_destroy(seq);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* s has one full block and a partial one with 4 tokens whose bytes were written before the fork. */
+static void test_fork_copies_shared_partial_block_on_write(void)
+{
+    kvb_pool *pool = host_pool(16);
+    uint32_t tokens[20];
+    fx_iota(tokens, 20, 300);
+    kvb_seq *s = fx_seq(pool, NULL), *t = NULL;
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(s, 20), KVB_OK);
+    kvb_block before[2];
+    KVT_EQ(fx_seq_table(s, before, 2), 2);
+    fill_block(pool, before[0], 0xcd);
+    fill_block(pool, before[1], 0xab);
+
+    KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+    kvb_block tt[2];
+    KVT_EQ(fx_seq_table(t, tt, 2), 2);
+    KVT_EQ(tt[0].id, before[0].id);
+    KVT_EQ(tt[1].id, before[1].id);
+    KVT_EQ(fx_info(pool, before[1].id).refs, 2);
+    KVT_EQ(fx_seq_info(t).num_tokens, 20);
+
+    uint32_t for_s = 1111, for_t = 2222;
+    KVT_EQ(kvb_seq_append(s, &for_s, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_append(t, &for_t, 1, NULL), KVB_OK);
+    kvb_block ts[2];
+    KVT_EQ(fx_seq_table(s, ts, 2), 2);
+    KVT_EQ(fx_seq_table(t, tt, 2), 2);
+    KVT_EQ(ts[0].id, before[0].id); /* the full block stays shared */
+    KVT_EQ(fx_info(pool, ts[0].id).refs, 2);
+    KVT_CHECK(kvb_block_index(ts[1].id) != kvb_block_index(tt[1].id));
+    KVT_EQ(fx_info(pool, ts[1].id).refs, 1);
+    KVT_EQ(fx_info(pool, tt[1].id).refs, 1);
+    KVT_EQ(pages_differing(pool, ts[1], 0xab), 0); /* both kept the bytes written before the fork */
+    KVT_EQ(pages_differing(pool, tt[1], 0xab), 0);
+    KVT_EQ(pages_differing(pool, ts[0], 0xcd), 0);
+
+    fill_block(pool, ts[1], 0x11); /* and now they are independent */
+    fill_block(pool, tt[1], 0x22);
+    KVT_EQ(pages_differing(pool, ts[1], 0x11), 0);
+    KVT_EQ(pages_differing(pool, tt[1], 0x22), 0);
+
+    const uint32_t *got = NULL;
+    size_t n = 0;
+    KVT_EQ(kvb_seq_tokens(s, &got, &n), KVB_OK);
+    KVT_CHECK(n == 21 && got[20] == 1111 && got[19] == tokens[19]);
+    KVT_EQ(kvb_seq_tokens(t, &got, &n), KVB_OK);
+    KVT_CHECK(n == 21 && got[20] == 2222);
+
+    uint32_t rest[11];
+    fx_iota(rest, 11, 400); /* fill both to 32 tokens: the second blocks hash differently */
+    KVT_EQ(kvb_seq_append(s, rest, 11, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_append(t, rest, 11, NULL), KVB_OK);
+    uint32_t all_s[32], all_t[32];
+    memcpy(all_s, tokens, sizeof tokens);
+    memcpy(all_t, tokens, sizeof tokens);
+    all_s[20] = 1111;
+    all_t[20] = 2222;
+    memcpy(all_s + 21, rest, sizeof rest);
+    memcpy(all_t + 21, rest, sizeof rest);
+    check_hashes(s, all_s, 32, NULL, 0, 0);
+    check_hashes(t, all_t, 32, NULL, 0, 0);
+    FX_CHECK_POOL(pool);
+
+    kvb_seq_destroy(s);
+    kvb_seq_destroy(t);
+    KVT_EQ(fx_stats(pool).active_blocks, 0);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_shared_blocks_freed_by_last_owner(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint32_t tokens[40];
+    fx_iota(tokens, 40, 1);
+    kvb_seq *s = fx_seq(pool, NULL), *t = NULL;
+    KVT_EQ(kvb_seq_append(s, tokens, 40, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(s, 32), KVB_OK); /* the two full blocks registered, the tail not computed */
+    KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+    kvb_block table[3];
+    KVT_EQ(fx_seq_table(t, table, 3), 3);
+    for (int i = 0; i < 3; i++) KVT_EQ(fx_info(pool, table[i].id).refs, 2);
+    KVT_EQ(fx_stats(pool).active_blocks, 3);
+
+    kvb_seq_destroy(s);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.active_blocks, 3);
+    KVT_EQ(st.inactive_blocks, 0);
+    for (int i = 0; i < 3; i++) KVT_EQ(fx_info(pool, table[i].id).refs, 1);
+
+    kvb_seq_destroy(t);
+    st = fx_stats(pool);
+    KVT_EQ(st.active_blocks, 0);
+    KVT_EQ(st.inactive_blocks, 2); /* registered: cached */
+    KVT_EQ(st.free_blocks, 14);    /* the unregistered tail */
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_truncate_releases_tail_and_copies_kept_partial(void)
+{
+    kvb_pool *pool = host_pool(16);
+    uint32_t tokens[40];
+    fx_iota(tokens, 40, 50);
+    kvb_seq *s = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, tokens, 40, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(s, 40), KVB_OK);
+    kvb_block before[3];
+    KVT_EQ(fx_seq_table(s, before, 3), 3);
+    fill_block(pool, before[1], 0x77);
+    kvb_hash h[2];
+    size_t n = 0;
+    KVT_EQ(kvb_hash_prompt(tokens, 40, 16, NULL, 0, 0, h, 2, &n), KVB_OK);
+
+    kvb_pool_stats st0 = fx_stats(pool);
+    KVT_EQ(kvb_seq_truncate(s, 41), KVB_ERANGE);
+    kvb_pool_stats st1 = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&st0, &st1));
+    KVT_EQ(fx_seq_info(s).num_tokens, 40);
+
+    KVT_EQ(kvb_seq_truncate(s, 20), KVB_OK);
+    kvb_seq_info info = fx_seq_info(s);
+    KVT_EQ(info.num_tokens, 20);
+    KVT_EQ(info.num_blocks, 2);
+    KVT_EQ(info.num_full, 1);
+    kvb_block after[3];
+    KVT_EQ(fx_seq_table(s, after, 3), 2);
+    KVT_EQ(after[0].id, before[0].id);
+    KVT_CHECK(kvb_block_index(after[1].id) != kvb_block_index(before[1].id)); /* a private copy */
+    kvb_block_info copy = fx_info(pool, after[1].id);
+    KVT_CHECK(copy.state != KVB_STATE_REGISTERED);
+    KVT_EQ(copy.refs, 1);
+    KVT_EQ(copy.num_tokens, 4);
+    KVT_EQ(pages_differing(pool, after[1], 0x77), 0); /* with the bytes */
+    kvb_block_info original = fx_info(pool, before[1].id);
+    KVT_EQ(original.state, KVB_STATE_REGISTERED); /* still cached for whoever has those 32 tokens */
+    KVT_EQ(original.refs, 0);
+    KVT_EQ(fx_lookup(pool, h, 2), 2);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.active_blocks, 2);
+    KVT_EQ(st.inactive_blocks, 1);
+    KVT_EQ(st.free_blocks, 13); /* the tail block went back */
+    FX_CHECK_POOL(pool);
+
+    uint32_t other[12];
+    fx_iota(other, 12, 7000); /* a different continuation */
+    KVT_EQ(kvb_seq_append(s, other, 12, NULL), KVB_OK);
+    uint32_t all[32];
+    memcpy(all, tokens, 20 * sizeof all[0]);
+    memcpy(all + 20, other, sizeof other);
+    check_hashes(s, all, 32, NULL, 0, 0);
+    KVT_EQ(kvb_seq_commit(s, 32), KVB_OK);
+    kvb_hash h2[2];
+    KVT_EQ(kvb_hash_prompt(all, 32, 16, NULL, 0, 0, h2, 2, &n), KVB_OK);
+    KVT_EQ(fx_lookup(pool, h2, 2), 2);
+
+    KVT_EQ(kvb_seq_truncate(s, 16), KVB_OK); /* at a block boundary: nothing to copy */
+    KVT_EQ(fx_seq_table(s, after, 3), 1);
+    KVT_EQ(after[0].id, before[0].id);
+    kvb_seq_destroy(s);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+static void test_chunked_commit_registers_full_blocks_only(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint32_t tokens[64];
+    fx_iota(tokens, 64, 20);
+    kvb_seq *s = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, tokens, 64, NULL), KVB_OK);
+    kvb_block table[4];
+    KVT_EQ(fx_seq_table(s, table, 4), 4);
+
+    const size_t chunks[] = {20, 40, 64};
+    const int registered[] = {1, 2, 4};
+    for (int c = 0; c < 3; c++) {
+        KVT_EQ(kvb_seq_commit(s, chunks[c]), KVB_OK);
+        KVT_EQ(fx_seq_info(s).num_computed, chunks[c]);
+        KVT_EQ(fx_stats(pool).registrations, registered[c]);
+        for (int i = 0; i < 4; i++)
+            KVT_EQ(fx_info(pool, table[i].id).state == KVB_STATE_REGISTERED, i < registered[c]);
+        FX_CHECK_POOL(pool);
+    }
+    KVT_EQ(kvb_seq_commit(s, 65), KVB_ERANGE);
+    KVT_EQ(fx_stats(pool).registrations, 4);
+    kvb_seq_destroy(s);
+    KVT_EQ(fx_stats(pool).inactive_blocks, 4);
+    kvb_pool_destroy(pool);
+}
+
+static void test_append_without_space_changes_nothing(void)
+{
+    kvb_pool *pool = fx_pool(4);
+    uint32_t tokens[72];
+    fx_iota(tokens, 72, 1);
+    kvb_seq *s = fx_seq(pool, NULL), *t = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, tokens, 40, NULL), KVB_OK); /* 3 blocks, the last with 8 tokens */
+    kvb_block table[4];
+    KVT_EQ(fx_seq_table(s, table, 4), 3);
+    kvb_block_info tail = fx_info(pool, table[2].id);
+    kvb_pool_stats before = fx_stats(pool);
+
+    KVT_EQ(kvb_seq_append(t, tokens, 40, NULL), KVB_ENOSPACE);
+    KVT_EQ(fx_seq_info(t).num_tokens, 0);
+    KVT_EQ(fx_seq_info(t).num_blocks, 0);
+    KVT_EQ(kvb_seq_append(s, tokens + 40, 32, NULL), KVB_ENOSPACE); /* 8 fit, 24 need 2 more blocks */
+
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after));
+    kvb_seq_info info = fx_seq_info(s);
+    KVT_EQ(info.num_tokens, 40);
+    KVT_EQ(info.num_blocks, 3);
+    KVT_EQ(info.num_full, 2);
+    kvb_block_info tail_after = fx_info(pool, table[2].id);
+    KVT_CHECK(fx_info_equal(&tail, &tail_after));
+    check_hashes(s, tokens, 40, NULL, 0, 0);
+    KVT_EQ(kvb_seq_append(s, tokens + 40, 24, NULL), KVB_OK); /* what fits still fits */
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(s);
+    kvb_seq_destroy(t);
+    kvb_pool_destroy(pool);
+}
+
+/* Copy-on-write needs a block too: with none left, writing to the shared tail is refused cleanly. */
+static void test_copy_on_write_without_space_changes_nothing(void)
+{
+    kvb_pool *pool = fx_pool(3);
+    uint32_t tokens[21];
+    fx_iota(tokens, 21, 1);
+    kvb_seq *s = fx_seq(pool, NULL), *t = NULL;
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+    kvb_block last = {0};
+    KVT_EQ(kvb_alloc(pool, 1, &last), KVB_OK); /* the pool is now full */
+    kvb_block table[2];
+    KVT_EQ(fx_seq_table(s, table, 2), 2);
+    kvb_pool_stats before = fx_stats(pool);
+
+    KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_ENOSPACE);
+
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after));
+    KVT_EQ(fx_info(pool, table[1].id).refs, 2);
+    KVT_EQ(fx_info(pool, table[1].id).num_tokens, 4);
+    KVT_EQ(fx_seq_info(s).num_tokens, 20);
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, &last, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_OK);
+    KVT_EQ(fx_info(pool, table[1].id).refs, 1);
+    kvb_seq_destroy(s);
+    kvb_seq_destroy(t);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+int main(void)
+{
+    fx_watchdog(60);
+    KVT_RUN(test_append_in_pieces_hashes_like_prompt);
+    KVT_RUN(test_fork_copies_shared_partial_block_on_write);
+    KVT_RUN(test_shared_blocks_freed_by_last_owner);
+    KVT_RUN(test_truncate_releases_tail_and_copies_kept_partial);
+    KVT_RUN(test_chunked_commit_registers_full_blocks_only);
+    KVT_RUN(test_append_without_space_changes_nothing);
+    KVT_RUN(test_copy_on_write_without_space_changes_nothing);
+    return kvt_summary();
+}
