@@ -15,7 +15,7 @@ MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
-TSAN_TESTS   := test_pool_threads
+TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard
 DEB_PACKAGES := libstb-dev libxxhash-dev
 
 .PHONY: all deps test tsan demo bench clean

@@ -843,8 +843,10 @@ typedef struct kvo__geom { unsigned char *base; uint64_t block_bytes; kvb_layout
 
 static int kvo__geom_of(kvb_pool *p, kvo__geom *g)
 {
-    void *base;
+    void *base = NULL;
     kvb_pool_config c;
+    memset(g, 0, sizeof *g);
+    memset(&c, 0, sizeof c);
     kvb_pool_storage(p, &base, NULL, &g->block_bytes, &g->layout);
     kvb_pool_get_config(p, &c);
     g->base = (unsigned char *)base;
@@ -2057,7 +2059,7 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
     kvo_pipeline *pl;
     kvo_queue_config qc;
     uint64_t sb = 0, db = 0;
-    void *sbase, *dbase;
+    void *sbase = NULL, *dbase = NULL;
     if (!config || !out || !config->src || !config->dst || !config->backend || !config->backend->submit ||
         config->src == config->dst || (unsigned)config->mode > KVO_MODE_POLL)
         return KVO_EINVAL;
