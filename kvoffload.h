@@ -1262,6 +1262,7 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
         return KVO_ENOMEM;
     }
     strcpy(d->path, config->path);
+    memset(&pc, 0, sizeof pc);
     kvb_pool_get_config(config->disk_pool, &pc);
     d->pool = config->disk_pool;
     d->num_slots = pc.num_blocks;

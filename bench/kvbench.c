@@ -1,4 +1,4 @@
-/* kvbench.c — benchmarks of kvcache's kvblock.h (the numbers the README quotes come from here)
+/* kvbench.c — benchmarks of kvcache's kvblock.h and kvoffload.h (the numbers the README quotes come from here)
  *
  * Measures, in one run:
  *   hash_ns_per_block     kvb_hash_block chained over 16-token blocks (parent = previous hash)
@@ -9,7 +9,21 @@
  *   match_ns_per_block    kvb_match of a 256-block chain + kvb_release of it, metadata not in cache
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
- * and ratios against the goals (section "goals" below).
+ * and from kvoffload.h (section "kvoffload.h" below):
+ *   gather_vs_memcpy      memcpy backend (inline), one job of 256 random 16-token blocks of 128 KiB
+ *                         (16 layers, 2 kv heads, head dim 64, fp16: 4 KiB pages) from a block-contiguous
+ *                         to a layer-separate pool of 512 blocks each, GB/s / one contiguous memcpy of the
+ *                         same 32 MiB between two buffers (caches emptied before each); contiguous_vs_memcpy:
+ *                         the same job block-contiguous -> block-contiguous; memcpy_gbps: the reference
+ *   pipeline_overhead_ns_per_block   enqueue -> Complete through the whole pipeline (KVO_MODE_POLL,
+ *                         default config) with a backend that copies nothing, 64 containers of 64
+ *                         metadata-only blocks, per block; _threads_: the same in KVO_MODE_THREADS
+ *   disk_vs_sequential_write   disk backend (inline) writing 64 blocks of 2 MiB, fsync included / write()
+ *                         of the same 128 MiB in 2 MiB chunks to the same file system with the same
+ *                         O_DIRECT-ness, fsync included; disk_write_gbps, disk_read_gbps: the backend's
+ *                         write and its verified read back (the onboarding path), GB/s = 1e9 bytes/s
+ *   cancel_latency_ms     kvo_transfer_cancel return time for a container sitting in the batcher below
+ *                         min batch (KVO_MODE_THREADS), median of 50; the goal is sweep interval + 1 ms
  *
  * Run:  make bench                  a table: key, value, unit, goal, pass/miss
  *       build/kvbench --json        one JSON object on stdout:
@@ -23,13 +37,29 @@
  * with summarize_runs(), record it with results_add(); both output formats pick it up.
  */
 #define KVBLOCK_IMPLEMENTATION
-#include "kvblock.h"
+#define KVOFFLOAD_IMPLEMENTATION
+/* FIXME(kvoffload.h): kvo__geom_of ignores the results of kvb_pool_storage / kvb_pool_get_config, so
+ * gcc 12 at -O2 and above reports -Wmaybe-uninitialized for the kvo__geom it fills (in kvo__memcpy_run,
+ * kvo__disk_run, kvo__disk_submit), which -Werror turns into a failed build. Silenced for this include
+ * only; remove once the header initializes them. */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include "kvoffload.h" /* includes kvblock.h */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
 
+#include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -47,6 +77,11 @@
 #define GOAL_SCALING_1K_TO_1M   2.0
 #define GOAL_MATCH_NS           40.0
 #define GOAL_MATCH_VS_DRAM      1.5
+#define GOAL_GATHER_VS_MEMCPY   0.9
+#define GOAL_PIPELINE_NS        1000.0
+#define GOAL_DISK_VS_SEQ_WRITE  0.8
+/* cancel_latency_ms: the pipeline's sweep interval + 1 ms (read from its resolved config) */
+#define GOAL_CANCEL_SLACK_MS    1.0
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
 
@@ -62,10 +97,33 @@
 #define DRAM_READS          (1u << 21)
 #define MIN_BIG_BUFFER      ((size_t)64 << 20)
 
+/* kvoffload.h */
+#define GATHER_BLOCKS       256u      /* copied per job: 32 MiB */
+#define GATHER_POOL_BLOCKS  512u
+#define GATHER_LAYERS       16u       /* x 2 kv heads x head dim 64 x fp16 x 16 tokens: 4 KiB pages, */
+#define GATHER_KV_HEADS     2u        /* 128 KiB blocks */
+#define GATHER_HEAD_DIM     64u
+#define GATHER_BLOCK_BYTES  ((uint64_t)128 << 10)
+#define PIPE_CONTAINERS     64u
+#define PIPE_BLOCKS_PER     64u       /* = the default max batch: one batch per container */
+#define PIPE_BLOCKS         (PIPE_CONTAINERS * PIPE_BLOCKS_PER)
+#define DISK_BLOCKS         64u       /* 128 MiB */
+#define DISK_LAYERS         32u       /* x 8 kv heads x head dim 128 x fp16 x 16 tokens: 2 MiB blocks */
+#define DISK_KV_HEADS       8u
+#define DISK_HEAD_DIM       128u
+#define DISK_BLOCK_BYTES    ((uint64_t)2 << 20)
+#define CANCEL_ROUNDS       10
+#define CANCEL_PER_ROUND    5         /* 1-block containers: 5 blocks wait, below the min batch of 8 */
+#define CANCEL_FLUSH_US     (10u * 1000000u) /* so nothing leaves the batcher before it is cancelled */
+#define WAIT_LIMIT_US       INT64_C(10000000) /* 10 s: a transfer that takes longer is a bug */
+
 #define REPS_HASH   15
 #define REPS_CYCLE  5
 #define REPS_MATCH  21
 #define REPS_DRAM   7
+#define REPS_COPY   7
+#define REPS_PIPE   15
+#define REPS_DISK   5
 
 /* ---- small utilities ---------------------------------------------------------------------------- */
 
@@ -237,14 +295,17 @@ static int result_meets_goal(const result *r)
 
 static void print_table(const results *rs, const machine_info *m)
 {
+    int width = 22;
+    for (size_t i = 0; i < rs->n; i++)
+        if ((int)strlen(rs->items[i].name) > width) width = (int)strlen(rs->items[i].name);
     printf("kvbench — %ld cores, %s\n\n", m->cores, m->cpu);
-    printf("%-22s %12s  %-9s %10s  %s\n", "key", "value", "unit", "goal", "result");
+    printf("%-*s %12s  %-9s %10s  %s\n", width, "key", "value", "unit", "goal", "result");
     for (size_t i = 0; i < rs->n; i++) {
         const result *r = &rs->items[i];
         char goal[32] = "-";
         if (result_has_goal(r))
             snprintf(goal, sizeof goal, "%s %g", r->kind == GOAL_AT_MOST ? "<=" : ">=", r->goal);
-        printf("%-22s %12.3f  %-9s %10s  %s\n", r->name, r->value, r->unit, goal,
+        printf("%-*s %12.3f  %-9s %10s  %s\n", width, r->name, r->value, r->unit, goal,
                !result_has_goal(r) ? "" : result_meets_goal(r) ? "pass" : "MISS");
     }
 }
@@ -551,12 +612,541 @@ static double measure_dram_floor(const unsigned char *buffer, size_t bytes, uint
     return best;
 }
 
+/* ---- kvoffload.h -------------------------------------------------------------------------------- */
+
+static void expect_kvo(int r, const char *what)
+{
+    if (r != KVO_OK) die("%s failed: %s", what, kvo_result_string(r));
+}
+
+static int compare_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* n distinct indices in [0, range), in random order (partial Fisher-Yates over `scratch`, range long). */
+static void random_distinct(uint32_t *out, size_t n, uint32_t *scratch, uint32_t range, uint64_t *rng)
+{
+    for (uint32_t i = 0; i < range; i++) scratch[i] = i;
+    for (size_t i = 0; i < n; i++) {
+        size_t j = i + (size_t)(splitmix64(rng) % (range - i));
+        uint32_t t = scratch[i];
+        scratch[i] = scratch[j];
+        scratch[j] = t;
+        out[i] = scratch[i];
+    }
+}
+
+static kvb_layout model_layout(kvb_layout_kind kind, uint32_t layers, uint32_t kv_heads, uint32_t head_dim)
+{
+    kvb_layout layout;
+    expect_ok(kvb_layout_for_model(kind, BLOCK_TOKENS, layers, kv_heads, head_dim, 2, &layout),
+              "kvb_layout_for_model");
+    return layout;
+}
+
+/* A pool with host storage, every byte written once (page faults happen here, not in a timing). */
+static kvb_pool *create_storage_pool(uint32_t num_blocks, kvb_layout layout, uint64_t block_bytes,
+                                     unsigned char fill, unsigned char **out_base)
+{
+    kvb_pool_config cfg = { .num_blocks = num_blocks, .block_tokens = BLOCK_TOKENS,
+                            .storage = KVB_STORAGE_HOST, .layout = layout };
+    kvb_pool *pool;
+    void *base;
+    uint64_t bytes, bb;
+    expect_ok(kvb_pool_create(&cfg, &pool), "kvb_pool_create (host storage)");
+    expect_ok(kvb_pool_storage(pool, &base, &bytes, &bb, NULL), "kvb_pool_storage");
+    if (bb != block_bytes) die("pool block bytes %llu, expected %llu", (unsigned long long)bb,
+                               (unsigned long long)block_bytes);
+    memset(base, fill, (size_t)bytes);
+    *out_base = base;
+    return pool;
+}
+
+/* n blocks allocated and registered under random root hashes; the strong references stay the caller's. */
+static void register_random_blocks(kvb_pool *pool, size_t n, kvb_block *out, kvb_hash *out_hashes, uint64_t *rng)
+{
+    kvb_block *fresh = xmalloc(n * sizeof *fresh);
+    fill_random_hashes(out_hashes, n, rng);
+    expect_ok(kvb_alloc(pool, n, fresh), "kvb_alloc");
+    expect_ok(kvb_register_hashed(pool, fresh, n, out_hashes, NULL, out), "kvb_register_hashed");
+    free(fresh);
+}
+
+/* A backend job run to completion from this thread (the backends here have no workers, so done is
+ * called inside submit; the wait covers backends that finish elsewhere). */
+typedef struct sync_job {
+    kvo_copy_job job;
+    int finished;
+    int result;
+    char message[160];
+} sync_job;
+
+static void sync_job_done(kvo_copy_job *job, int result, const char *message)
+{
+    sync_job *s = job->user;
+    s->result = result;
+    snprintf(s->message, sizeof s->message, "%s", message ? message : "");
+    __atomic_store_n(&s->finished, 1, __ATOMIC_RELEASE);
+}
+
+static void sync_job_run(kvo_backend *backend, sync_job *s, const char *what)
+{
+    s->job.done = sync_job_done;
+    s->job.user = s;
+    s->finished = 0;
+    expect_kvo(backend->submit(backend, &s->job), what);
+    while (!__atomic_load_n(&s->finished, __ATOMIC_ACQUIRE)) sched_yield();
+}
+
+static void sync_job_check(const sync_job *s, uint64_t block_bytes, const char *what)
+{
+    if (s->result != KVO_OK) die("%s: job failed: %s (%s)", what, kvo_result_string(s->result), s->message);
+    for (size_t i = 0; i < s->job.n; i++)
+        if (s->job.results[i] != KVO_OK) die("%s: copy %zu failed: %s", what, i, kvo_result_string(s->job.results[i]));
+    if (s->job.bytes != s->job.n * block_bytes)
+        die("%s: backend reports %llu bytes moved, expected %llu", what, (unsigned long long)s->job.bytes,
+            (unsigned long long)(s->job.n * block_bytes));
+}
+
+/* -- gather_vs_memcpy -- */
+
+typedef struct copy_bench {
+    kvo_backend *backend;
+    kvb_pool *src, *dst;
+    unsigned char *src_base, *dst_base;
+    kvb_layout src_layout, dst_layout;   /* resolved */
+    uint32_t src_idx[GATHER_BLOCKS], dst_idx[GATHER_BLOCKS], scratch[GATHER_POOL_BLOCKS];
+    int results[GATHER_BLOCKS];
+    unsigned char *plain_src, *plain_dst; /* the reference memcpy */
+    unsigned char *evict_buffer;
+    size_t evict_bytes;
+    uint64_t *rng;
+} copy_bench;
+
+static double seconds_to_gbps(uint64_t bytes, uint64_t ns) { return (double)bytes / (double)ns; }
+
+/* New random distinct source and destination blocks, caches emptied, then one timed job. GB/s. */
+static double backend_copy_once(void *ctx)
+{
+    copy_bench *b = ctx;
+    sync_job s;
+    memset(&s, 0, sizeof s);
+    random_distinct(b->src_idx, GATHER_BLOCKS, b->scratch, GATHER_POOL_BLOCKS, b->rng);
+    random_distinct(b->dst_idx, GATHER_BLOCKS, b->scratch, GATHER_POOL_BLOCKS, b->rng);
+    s.job = (kvo_copy_job){ .src = b->src, .dst = b->dst, .src_idx = b->src_idx, .dst_idx = b->dst_idx,
+                            .n = GATHER_BLOCKS, .results = b->results };
+    evict_caches(b->evict_buffer, b->evict_bytes);
+    uint64_t t0 = now_ns();
+    sync_job_run(b->backend, &s, "memcpy backend submit");
+    uint64_t t1 = now_ns();
+    sync_job_check(&s, GATHER_BLOCK_BYTES, "memcpy backend");
+    return seconds_to_gbps((uint64_t)GATHER_BLOCKS * GATHER_BLOCK_BYTES, t1 - t0);
+}
+
+static double plain_memcpy_once(void *ctx)
+{
+    copy_bench *b = ctx;
+    size_t bytes = (size_t)GATHER_BLOCKS * GATHER_BLOCK_BYTES;
+    evict_caches(b->evict_buffer, b->evict_bytes);
+    uint64_t t0 = now_ns();
+    memcpy(b->plain_dst, b->plain_src, bytes);
+    uint64_t t1 = now_ns();
+    sink = b->plain_dst[bytes / 2];
+    return seconds_to_gbps(bytes, t1 - t0);
+}
+
+/* Every page of every block of the last job arrived where the destination layout puts it. */
+static void verify_copy(const copy_bench *b, const char *what)
+{
+    for (size_t i = 0; i < GATHER_BLOCKS; i++)
+        for (uint32_t l = 0; l < b->src_layout.num_layers; l++)
+            for (uint32_t q = 0; q < b->src_layout.num_parts; q++) {
+                const unsigned char *from =
+                    b->src_base + kvb_layout_offset(&b->src_layout, GATHER_POOL_BLOCKS, b->src_idx[i], l, q);
+                const unsigned char *to =
+                    b->dst_base + kvb_layout_offset(&b->dst_layout, GATHER_POOL_BLOCKS, b->dst_idx[i], l, q);
+                if (memcmp(from, to, (size_t)b->src_layout.page_bytes) != 0)
+                    die("%s: block %u layer %u part %u not copied to block %u", what, b->src_idx[i], l, q,
+                        b->dst_idx[i]);
+            }
+}
+
+static void resolved_layout(kvb_pool *pool, kvb_layout *out)
+{
+    expect_ok(kvb_pool_storage(pool, NULL, NULL, NULL, out), "kvb_pool_storage");
+}
+
+static void bench_gather(results *rs, unsigned char *evict_buffer, size_t evict_bytes, uint64_t *rng)
+{
+    copy_bench *b = xmalloc(sizeof *b);
+    kvb_layout contiguous = model_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS, GATHER_LAYERS, GATHER_KV_HEADS, GATHER_HEAD_DIM);
+    kvb_layout separate = model_layout(KVB_LAYOUT_LAYER_SEPARATE, GATHER_LAYERS, GATHER_KV_HEADS, GATHER_HEAD_DIM);
+    unsigned char *sep_base, *contig_base;
+    size_t bytes = (size_t)GATHER_BLOCKS * GATHER_BLOCK_BYTES;
+    memset(b, 0, sizeof *b);
+    b->evict_buffer = evict_buffer;
+    b->evict_bytes = evict_bytes;
+    b->rng = rng;
+    expect_kvo(kvo_memcpy_backend_create(0, &b->backend), "kvo_memcpy_backend_create");
+    b->src = create_storage_pool(GATHER_POOL_BLOCKS, contiguous, GATHER_BLOCK_BYTES, 0, &b->src_base);
+    for (size_t i = 0; i < (size_t)GATHER_POOL_BLOCKS * GATHER_BLOCK_BYTES / 8; i++)
+        ((uint64_t *)(void *)b->src_base)[i] = splitmix64(rng);
+    kvb_pool *dst_sep = create_storage_pool(GATHER_POOL_BLOCKS, separate, GATHER_BLOCK_BYTES, 1, &sep_base);
+    kvb_pool *dst_contig = create_storage_pool(GATHER_POOL_BLOCKS, contiguous, GATHER_BLOCK_BYTES, 1, &contig_base);
+    b->plain_src = alloc_touched(bytes);
+    b->plain_dst = alloc_touched(bytes);
+    resolved_layout(b->src, &b->src_layout);
+
+    double plain = summarize_runs(MEDIAN, REPS_COPY, plain_memcpy_once, b);
+
+    b->dst = dst_sep;
+    b->dst_base = sep_base;
+    resolved_layout(b->dst, &b->dst_layout);
+    double gather = summarize_runs(MEDIAN, REPS_COPY, backend_copy_once, b);
+    verify_copy(b, "contiguous -> layer-separate");
+
+    b->dst = dst_contig;
+    b->dst_base = contig_base;
+    resolved_layout(b->dst, &b->dst_layout);
+    double contig = summarize_runs(MEDIAN, REPS_COPY, backend_copy_once, b);
+    verify_copy(b, "contiguous -> contiguous");
+
+    results_add(rs, "gather_vs_memcpy", gather / plain, "ratio", GOAL_GATHER_VS_MEMCPY, GOAL_AT_LEAST);
+    results_add(rs, "contiguous_vs_memcpy", contig / plain, "ratio", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "memcpy_gbps", plain, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+
+    kvo_backend_destroy(b->backend);
+    kvb_pool_destroy(b->src);
+    kvb_pool_destroy(dst_sep);
+    kvb_pool_destroy(dst_contig);
+    free(b->plain_src);
+    free(b->plain_dst);
+    free(b);
+}
+
+/* -- pipeline_overhead_ns_per_block -- */
+
+/* A backend that copies nothing: every copy succeeds at once, inside submit. */
+static int noop_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    (void)self;
+    for (size_t i = 0; i < job->n; i++) job->results[i] = KVO_OK;
+    job->bytes = 0;
+    job->done(job, KVO_OK, NULL);
+    return KVO_OK;
+}
+
+static void noop_destroy(kvo_backend *self) { (void)self; }
+
+static kvo_backend noop_backend = { .submit = noop_submit, .destroy = noop_destroy, .name = "noop" };
+
+typedef struct pipeline_bench {
+    kvo_pipeline *pl;
+    kvb_pool *dst;
+    kvb_weak *weak;             /* PIPE_BLOCKS registered source blocks */
+    kvo_transfer handles[PIPE_CONTAINERS];
+} pipeline_bench;
+
+static void check_transfer(kvo_pipeline *pl, kvo_transfer t, kvo_status want, uint32_t transferred, const char *what)
+{
+    kvo_transfer_info info;
+    expect_kvo(kvo_transfer_get_info(pl, t, &info), "kvo_transfer_get_info");
+    if (info.status != want || info.transferred != transferred)
+        die("%s: transfer status %d (want %d), %u of %u blocks transferred (want %u), skipped %u, dropped %u, "
+            "failed %u, error %s", what, (int)info.status, (int)want, info.transferred, info.blocks, transferred,
+            info.skipped, info.dropped, info.failed, kvo_result_string(info.error));
+}
+
+/* Timed: the first enqueue until the drain returns. Then every transfer is checked and released, and
+ * the destination (now holding all blocks, inactive) is reset for the next repetition. */
+static double pipeline_once(void *ctx)
+{
+    pipeline_bench *b = ctx;
+    uint64_t t0 = now_ns();
+    for (size_t c = 0; c < PIPE_CONTAINERS; c++)
+        expect_kvo(kvo_enqueue(b->pl, b->weak + c * PIPE_BLOCKS_PER, PIPE_BLOCKS_PER, NULL, &b->handles[c]),
+                   "kvo_enqueue");
+    expect_kvo(kvo_pipeline_drain(b->pl, WAIT_LIMIT_US), "kvo_pipeline_drain");
+    uint64_t t1 = now_ns();
+    for (size_t c = 0; c < PIPE_CONTAINERS; c++) {
+        check_transfer(b->pl, b->handles[c], KVO_STATUS_COMPLETE, PIPE_BLOCKS_PER, "pipeline overhead");
+        expect_kvo(kvo_transfer_release(b->pl, b->handles[c]), "kvo_transfer_release");
+    }
+    kvb_pool_stats st;
+    expect_ok(kvb_pool_get_stats(b->dst, &st), "kvb_pool_get_stats");
+    if (st.inactive_blocks != PIPE_BLOCKS || st.active_blocks != 0)
+        die("pipeline overhead: destination holds %u inactive and %u active blocks, expected %u and 0",
+            st.inactive_blocks, st.active_blocks, PIPE_BLOCKS);
+    expect_ok(kvb_pool_reset(b->dst), "kvb_pool_reset");
+    return (double)(t1 - t0) / PIPE_BLOCKS;
+}
+
+static double measure_pipeline(kvo_mode mode, uint64_t *rng)
+{
+    pipeline_bench b;
+    kvb_pool *src = create_metadata_pool(PIPE_BLOCKS);
+    kvb_block *strong = xmalloc(PIPE_BLOCKS * sizeof *strong);
+    kvb_hash *hashes = xmalloc(PIPE_BLOCKS * sizeof *hashes);
+    memset(&b, 0, sizeof b);
+    b.dst = create_metadata_pool(PIPE_BLOCKS);
+    b.weak = xmalloc(PIPE_BLOCKS * sizeof *b.weak);
+    register_random_blocks(src, PIPE_BLOCKS, strong, hashes, rng);
+    for (size_t i = 0; i < PIPE_BLOCKS; i++) b.weak[i] = kvb_weak_of(strong[i]);
+    kvo_pipeline_config pc = { .src = src, .dst = b.dst, .backend = &noop_backend, .mode = mode };
+    expect_kvo(kvo_pipeline_create(&pc, &b.pl), "kvo_pipeline_create");
+    double ns = summarize_runs(MEDIAN, REPS_PIPE, pipeline_once, &b);
+    kvo_pipeline_destroy(b.pl);
+    expect_ok(kvb_release(src, strong, PIPE_BLOCKS, NULL), "kvb_release");
+    check_pool(src, "after the pipeline benchmark (source)");
+    check_pool(b.dst, "after the pipeline benchmark (destination)");
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(b.dst);
+    free(strong);
+    free(hashes);
+    free(b.weak);
+    return ns;
+}
+
+static void bench_pipeline(results *rs, uint64_t *rng)
+{
+    double poll = measure_pipeline(KVO_MODE_POLL, rng);
+    double threads = measure_pipeline(KVO_MODE_THREADS, rng);
+    results_add(rs, "pipeline_overhead_ns_per_block", poll, "ns/block", GOAL_PIPELINE_NS, GOAL_AT_MOST);
+    results_add(rs, "pipeline_overhead_threads_ns_per_block", threads, "ns/block", NO_GOAL, GOAL_AT_MOST);
+}
+
+/* -- disk_vs_sequential_write -- */
+
+/* The temp directory and its files, removed at exit too (a failed check dies half-way). */
+static char disk_dir[64], disk_tier_path[96], disk_plain_path[96];
+
+static void disk_cleanup(void)
+{
+    if (disk_tier_path[0]) unlink(disk_tier_path);
+    if (disk_plain_path[0]) unlink(disk_plain_path);
+    if (disk_dir[0]) rmdir(disk_dir);
+    disk_tier_path[0] = disk_plain_path[0] = disk_dir[0] = '\0';
+}
+
+typedef struct disk_bench {
+    kvo_backend *backend;
+    kvb_pool *mem, *back, *disk;   /* source memory pool, read-back memory pool, the disk tier */
+    unsigned char *mem_base, *back_base;
+    uint32_t idx[DISK_BLOCKS];     /* block i <-> slot i: a sequential write, like the reference */
+    kvb_hash hashes[DISK_BLOCKS];
+    int results[DISK_BLOCKS];
+    int tier_fd;                   /* a second descriptor of the tier file, for fsync and fadvise */
+    int plain_fd;
+} disk_bench;
+
+static void fsync_or_die(int fd, const char *what)
+{
+    if (fsync(fd) != 0) die("fsync (%s): %s", what, strerror(errno));
+}
+
+/* Both writes are timed up to and including an fsync of their file: with O_DIRECT it costs little
+ * (the data went to the device already), buffered it makes both measure the device, not the page cache. */
+static double disk_write_once(void *ctx)
+{
+    disk_bench *b = ctx;
+    sync_job s;
+    memset(&s, 0, sizeof s);
+    s.job = (kvo_copy_job){ .src = b->mem, .dst = b->disk, .src_idx = b->idx, .dst_idx = b->idx,
+                            .hashes = b->hashes, .n = DISK_BLOCKS, .results = b->results };
+    uint64_t t0 = now_ns();
+    sync_job_run(b->backend, &s, "disk backend submit (write)");
+    fsync_or_die(b->tier_fd, "tier file");
+    uint64_t t1 = now_ns();
+    sync_job_check(&s, DISK_BLOCK_BYTES, "disk backend write");
+    return seconds_to_gbps((uint64_t)DISK_BLOCKS * DISK_BLOCK_BYTES, t1 - t0);
+}
+
+/* write() of the source pool's 128 MiB (4 KiB-aligned, so O_DIRECT takes it) in 2 MiB chunks. */
+static double plain_write_once(void *ctx)
+{
+    disk_bench *b = ctx;
+    size_t total = (size_t)DISK_BLOCKS * DISK_BLOCK_BYTES;
+    if (lseek(b->plain_fd, 0, SEEK_SET) != 0) die("lseek: %s", strerror(errno));
+    uint64_t t0 = now_ns();
+    for (size_t done = 0; done < total;) {
+        size_t chunk = (size_t)DISK_BLOCK_BYTES - done % DISK_BLOCK_BYTES;
+        ssize_t w = write(b->plain_fd, b->mem_base + done, chunk);
+        if (w < 0 && errno == EINTR) continue;
+        if (w <= 0) die("write %s: %s", disk_plain_path, w < 0 ? strerror(errno) : "wrote nothing");
+        done += (size_t)w;
+    }
+    fsync_or_die(b->plain_fd, "plain file");
+    uint64_t t1 = now_ns();
+    return seconds_to_gbps(total, t1 - t0);
+}
+
+/* The onboarding path: read every slot back, verified by the backend (header + checksum); the page
+ * cache is dropped first so a buffered tier reads from the device, as O_DIRECT does. Checked after:
+ * every byte equals the source. */
+static double disk_read_once(void *ctx)
+{
+    disk_bench *b = ctx;
+    sync_job s;
+    memset(&s, 0, sizeof s);
+    memset(b->back_base, 0, (size_t)DISK_BLOCKS * DISK_BLOCK_BYTES);
+    fsync_or_die(b->tier_fd, "tier file");
+    (void)posix_fadvise(b->tier_fd, 0, 0, POSIX_FADV_DONTNEED);
+    s.job = (kvo_copy_job){ .src = b->disk, .dst = b->back, .src_idx = b->idx, .dst_idx = b->idx,
+                            .hashes = b->hashes, .n = DISK_BLOCKS, .results = b->results };
+    uint64_t t0 = now_ns();
+    sync_job_run(b->backend, &s, "disk backend submit (read)");
+    uint64_t t1 = now_ns();
+    sync_job_check(&s, DISK_BLOCK_BYTES, "disk backend read");
+    if (memcmp(b->back_base, b->mem_base, (size_t)DISK_BLOCKS * DISK_BLOCK_BYTES) != 0)
+        die("disk backend read: the bytes read back differ from the bytes written");
+    return seconds_to_gbps((uint64_t)DISK_BLOCKS * DISK_BLOCK_BYTES, t1 - t0);
+}
+
+static void bench_disk(results *rs, uint64_t *rng)
+{
+    disk_bench b;
+    kvo_disk_stats st;
+    memset(&b, 0, sizeof b);
+    snprintf(disk_dir, sizeof disk_dir, "/tmp/kvbench.XXXXXX");
+    if (!mkdtemp(disk_dir)) {
+        disk_dir[0] = '\0';
+        die("mkdtemp under /tmp: %s", strerror(errno));
+    }
+    atexit(disk_cleanup);
+    snprintf(disk_tier_path, sizeof disk_tier_path, "%s/tier.kv", disk_dir);
+    snprintf(disk_plain_path, sizeof disk_plain_path, "%s/plain.bin", disk_dir);
+
+    kvb_layout layout = model_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS, DISK_LAYERS, DISK_KV_HEADS, DISK_HEAD_DIM);
+    b.mem = create_storage_pool(DISK_BLOCKS, layout, DISK_BLOCK_BYTES, 0, &b.mem_base);
+    for (size_t i = 0; i < (size_t)DISK_BLOCKS * DISK_BLOCK_BYTES / 8; i++)
+        ((uint64_t *)(void *)b.mem_base)[i] = splitmix64(rng);
+    b.back = create_storage_pool(DISK_BLOCKS, layout, DISK_BLOCK_BYTES, 0, &b.back_base);
+    b.disk = create_metadata_pool(DISK_BLOCKS);
+    for (uint32_t i = 0; i < DISK_BLOCKS; i++) b.idx[i] = i;
+    fill_random_hashes(b.hashes, DISK_BLOCKS, rng);
+
+    kvo_disk_config dc = { .path = disk_tier_path, .disk_pool = b.disk, .block_bytes = DISK_BLOCK_BYTES,
+                           .direct = 0, .threads = 0 };
+    expect_kvo(kvo_disk_backend_create(&dc, &b.backend), "kvo_disk_backend_create");
+    b.tier_fd = open(disk_tier_path, O_RDWR | O_CLOEXEC);
+    if (b.tier_fd < 0) die("open %s: %s", disk_tier_path, strerror(errno));
+
+    double backend_write = summarize_runs(MEDIAN, REPS_DISK, disk_write_once, &b);
+    /* The backend may fall back from O_DIRECT at its first write: ask only now. */
+    expect_kvo(kvo_disk_backend_stats(b.backend, &st), "kvo_disk_backend_stats");
+    int flags = O_WRONLY | O_CREAT | O_CLOEXEC;
+#ifdef O_DIRECT
+    if (st.direct_io) flags |= O_DIRECT;
+#endif
+    b.plain_fd = open(disk_plain_path, flags, 0600);
+    if (b.plain_fd < 0) die("open %s%s: %s", disk_plain_path, st.direct_io ? " (O_DIRECT)" : "", strerror(errno));
+    /* preallocated like the tier file, so neither write pays for block allocation */
+    int e = posix_fallocate(b.plain_fd, 0, (off_t)(DISK_BLOCKS * DISK_BLOCK_BYTES));
+    if (e) die("posix_fallocate %s: %s", disk_plain_path, strerror(e));
+    double plain_write = summarize_runs(MEDIAN, REPS_DISK, plain_write_once, &b);
+    double backend_read = summarize_runs(MEDIAN, REPS_DISK, disk_read_once, &b);
+
+    expect_kvo(kvo_disk_backend_stats(b.backend, &st), "kvo_disk_backend_stats");
+    if (st.checksum_errors || st.io_errors)
+        die("disk backend: %llu checksum errors, %llu I/O errors", (unsigned long long)st.checksum_errors,
+            (unsigned long long)st.io_errors);
+    if (isatty(STDERR_FILENO))
+        fprintf(stderr, "kvbench: disk tier %s, %s I/O\n", disk_dir, st.direct_io ? "O_DIRECT" : "buffered");
+
+    results_add(rs, "disk_vs_sequential_write", backend_write / plain_write, "ratio", GOAL_DISK_VS_SEQ_WRITE,
+                GOAL_AT_LEAST);
+    results_add(rs, "disk_write_gbps", backend_write, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "disk_read_gbps", backend_read, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "disk_plain_write_gbps", plain_write, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "disk_direct_io", st.direct_io, "0/1", NO_GOAL, GOAL_AT_LEAST);
+
+    close(b.plain_fd);
+    close(b.tier_fd);
+    kvo_backend_destroy(b.backend);
+    kvb_pool_destroy(b.mem);
+    kvb_pool_destroy(b.back);
+    kvb_pool_destroy(b.disk);
+    disk_cleanup();
+}
+
+/* -- cancel_latency_ms -- */
+
+static void sleep_us(uint64_t us)
+{
+    struct timespec ts = { .tv_sec = (time_t)(us / 1000000u), .tv_nsec = (long)(us % 1000000u) * 1000L };
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+/* Wait until the coordinator has moved the container on to the batcher (status Queued; with no
+ * precondition the same step hands it from the evaluator through the awaiter to the batcher). */
+static void wait_queued(kvo_pipeline *pl, kvo_transfer t)
+{
+    uint64_t start = now_ns();
+    for (;;) {
+        kvo_transfer_info info;
+        expect_kvo(kvo_transfer_get_info(pl, t, &info), "kvo_transfer_get_info");
+        if (info.status == KVO_STATUS_QUEUED) return;
+        if (info.status != KVO_STATUS_EVALUATING) die("cancel latency: transfer left the batcher (status %d)", (int)info.status);
+        if (now_ns() - start > 1000000000u) die("cancel latency: transfer not queued after 1 s");
+        sleep_us(50);
+    }
+}
+
+static void bench_cancel(results *rs, uint64_t *rng)
+{
+    enum { N = CANCEL_ROUNDS * CANCEL_PER_ROUND };
+    kvb_pool *src = create_metadata_pool(CANCEL_PER_ROUND), *dst = create_metadata_pool(CANCEL_PER_ROUND);
+    kvb_block strong[CANCEL_PER_ROUND];
+    kvb_hash hashes[CANCEL_PER_ROUND];
+    kvb_weak weak[CANCEL_PER_ROUND];
+    kvo_transfer t[CANCEL_PER_ROUND];
+    uint64_t ns[N];
+    kvo_pipeline *pl;
+    kvo_pipeline_config pc = { .src = src, .dst = dst, .backend = &noop_backend, .mode = KVO_MODE_THREADS,
+                               .flush_interval_us = CANCEL_FLUSH_US };
+    register_random_blocks(src, CANCEL_PER_ROUND, strong, hashes, rng);
+    for (size_t i = 0; i < CANCEL_PER_ROUND; i++) weak[i] = kvb_weak_of(strong[i]);
+    expect_kvo(kvo_pipeline_create(&pc, &pl), "kvo_pipeline_create");
+    expect_kvo(kvo_pipeline_get_config(pl, &pc), "kvo_pipeline_get_config");
+    if (CANCEL_PER_ROUND >= pc.min_batch) die("cancel latency: %d blocks would fill a batch", CANCEL_PER_ROUND);
+    for (size_t r = 0; r < CANCEL_ROUNDS; r++) {
+        for (size_t i = 0; i < CANCEL_PER_ROUND; i++) expect_kvo(kvo_enqueue(pl, &weak[i], 1, NULL, &t[i]), "kvo_enqueue");
+        for (size_t i = 0; i < CANCEL_PER_ROUND; i++) wait_queued(pl, t[i]);
+        sleep_us(2000); /* the coordinator is back to its timed wait */
+        for (size_t i = 0; i < CANCEL_PER_ROUND; i++) {
+            kvo_status st = 0;
+            uint64_t t0 = now_ns();
+            expect_kvo(kvo_transfer_cancel(pl, t[i], &st), "kvo_transfer_cancel");
+            uint64_t t1 = now_ns();
+            if (st != KVO_STATUS_CANCELLED) die("cancel latency: final status %d, expected Cancelled", (int)st);
+            check_transfer(pl, t[i], KVO_STATUS_CANCELLED, 0, "cancel latency");
+            expect_kvo(kvo_transfer_release(pl, t[i]), "kvo_transfer_release");
+            ns[r * CANCEL_PER_ROUND + i] = t1 - t0;
+        }
+    }
+    kvo_pipeline_stats ps;
+    expect_kvo(kvo_pipeline_get_stats(pl, &ps), "kvo_pipeline_get_stats");
+    if (ps.cancelled != N || ps.batches != 0) die("cancel latency: %llu cancelled, %llu batches; expected %d and 0",
+                                                  (unsigned long long)ps.cancelled, (unsigned long long)ps.batches, N);
+    kvo_pipeline_destroy(pl);
+    expect_ok(kvb_release(src, strong, CANCEL_PER_ROUND, NULL), "kvb_release");
+    check_pool(src, "after the cancel benchmark");
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(dst);
+    qsort(ns, N, sizeof ns[0], compare_u64);
+    results_add(rs, "cancel_latency_ms", (double)ns[N / 2] / 1e6, "ms",
+                (double)pc.sweep_interval_us / 1000.0 + GOAL_CANCEL_SLACK_MS, GOAL_AT_MOST);
+}
+
 /* ---- the run ------------------------------------------------------------------------------------ */
 
 static void usage(FILE *to)
 {
     fprintf(to, "usage: kvbench [--json]\n"
-                "  Benchmarks kvblock.h; prints a table, or with --json one JSON object on stdout.\n");
+                "  Benchmarks kvblock.h and kvoffload.h; prints a table, or with --json one JSON object on stdout.\n");
 }
 
 int main(int argc, char **argv)
@@ -592,7 +1182,6 @@ int main(int argc, char **argv)
 
     progress("DRAM floor");
     double dram = measure_dram_floor(big, big_bytes, &rng);
-    free(big);
 
     results_add(&rs, "block_cycle_ns", cycle_1m, "ns/block", GOAL_BLOCK_CYCLE_NS, GOAL_AT_MOST);
     results_add(&rs, "block_cycle_ns_1k", cycle_1k, "ns/block", NO_GOAL, GOAL_AT_MOST);
@@ -600,6 +1189,16 @@ int main(int argc, char **argv)
     results_add(&rs, "match_ns_per_block", match, "ns/block", GOAL_MATCH_NS, GOAL_AT_MOST);
     results_add(&rs, "dram_floor_ns", dram, "ns/read", NO_GOAL, GOAL_AT_MOST);
     results_add(&rs, "match_vs_dram_floor", match / dram, "ratio", GOAL_MATCH_VS_DRAM, GOAL_AT_MOST);
+
+    progress("memcpy backend, gather/scatter");
+    bench_gather(&rs, big, big_bytes, &rng);
+    free(big);
+    progress("pipeline overhead, poll and threads");
+    bench_pipeline(&rs, &rng);
+    progress("disk backend");
+    bench_disk(&rs, &rng);
+    progress("cancel latency");
+    bench_cancel(&rs, &rng);
 
     if (json) print_json(&rs, &machine);
     else print_table(&rs, &machine);

@@ -9,6 +9,7 @@
 #define KVO_OFFLOAD_FIXTURES_H
 #include <errno.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -36,6 +37,23 @@ static inline void of_sleep_us(uint64_t us)
     ts.tv_nsec = (long)(us % 1000000u) * 1000L;
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
     }
+}
+
+/* A hang is a failure, not a stuck build: after `seconds` the program says so and exits (run.sh then
+ * reports it without a summary). Call first thing in main. */
+static inline void of__watchdog_fired(int sig)
+{
+    static const char msg[] = "watchdog: the test program hung; giving up\n";
+    ssize_t r = write(2, msg, sizeof msg - 1);
+    (void)r;
+    (void)sig;
+    _exit(3);
+}
+
+static inline void of_watchdog(unsigned seconds)
+{
+    signal(SIGALRM, of__watchdog_fired);
+    alarm(seconds);
 }
 
 /* A manual clock for kvo_pipeline_config.clock: time moves only when the test says so. */

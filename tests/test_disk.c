@@ -544,7 +544,7 @@ static void test_direct_io_or_fallback_shm(void)
 
 int main(void)
 {
-    alarm(300);
+    of_watchdog(120);
     KVT_RUN(test_round_trip_contiguous);
     KVT_RUN(test_round_trip_layer_separate);
     KVT_RUN(test_corrupted_slot_is_a_miss);

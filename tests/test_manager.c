@@ -267,7 +267,7 @@ static void test_eager_threaded(void)
 
 int main(void)
 {
-    alarm(300);
+    of_watchdog(60);
     KVT_RUN(test_eager_chain_and_lookup);
     KVT_RUN(test_full_destination_then_retry);
     KVT_RUN(test_lazy_backs_eviction_candidates);

@@ -240,7 +240,7 @@ static void test_onboard_threaded(void)
 
 int main(void)
 {
-    alarm(300);
+    of_watchdog(120);
     KVT_RUN(test_onboard_loads_and_registers);
     KVT_RUN(test_onboard_present_block_is_returned);
     KVT_RUN(test_miss_ends_the_prefix);

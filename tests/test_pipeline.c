@@ -976,7 +976,7 @@ static void test_on_done_once_with_destination_handles(void)
 
 int main(void)
 {
-    alarm(300);
+    of_watchdog(120);
     KVT_RUN(test_result_strings);
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_offload_lands_registered);
