@@ -429,6 +429,10 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#include <sys/uio.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
 
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
     !defined(typeof)
@@ -890,16 +894,48 @@ static void kvo__scatter(const kvo__geom *g, uint32_t bi, const unsigned char *b
         for (q = 0; q < g->layout.num_parts; q++, buf += page) memcpy(kvo__page(g, bi, l, q), buf, page);
 }
 
+/* Large pages go to the other tier with streaming stores: the copy is not read back soon, so it should
+ * not push the working set out of the cache, and it skips the read-for-ownership of the destination.
+ * Callers end a job with kvo__copy_fence. */
+#define KVO__STREAM_MIN 1024u
+static void kvo__copy(void *dst, const void *src, size_t n)
+{
+#if defined(__SSE2__)
+    if (n >= KVO__STREAM_MIN && !(((uintptr_t)dst | (uintptr_t)src | n) & 63)) {
+        __m128i *d = (__m128i *)dst;
+        const __m128i *s = (const __m128i *)src;
+        size_t i;
+        for (i = 0; i < n / 16; i += 4) {
+            __m128i a = _mm_load_si128(s + i), b = _mm_load_si128(s + i + 1);
+            __m128i c = _mm_load_si128(s + i + 2), e = _mm_load_si128(s + i + 3);
+            _mm_stream_si128(d + i, a);
+            _mm_stream_si128(d + i + 1, b);
+            _mm_stream_si128(d + i + 2, c);
+            _mm_stream_si128(d + i + 3, e);
+        }
+        return;
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static void kvo__copy_fence(void)
+{
+#if defined(__SSE2__)
+    _mm_sfence();
+#endif
+}
+
 static void kvo__copy_block(const kvo__geom *s, uint32_t si, const kvo__geom *d, uint32_t di)
 {
     uint32_t l, q;
     if (s->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS && d->layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
-        memcpy(kvo__page(d, di, 0, 0), kvo__page(s, si, 0, 0), (size_t)s->block_bytes);
+        kvo__copy(kvo__page(d, di, 0, 0), kvo__page(s, si, 0, 0), (size_t)s->block_bytes);
         return;
     }
     for (l = 0; l < s->layout.num_layers; l++)
         for (q = 0; q < s->layout.num_parts; q++)
-            memcpy(kvo__page(d, di, l, q), kvo__page(s, si, l, q), (size_t)s->layout.page_bytes);
+            kvo__copy(kvo__page(d, di, l, q), kvo__page(s, si, l, q), (size_t)s->layout.page_bytes);
 }
 
 /* ---- backends: a shared worker pool ------------------------------------------------------------- */
@@ -991,6 +1027,7 @@ static void kvo__memcpy_run(kvo_backend *self, kvo_copy_job *job, uint32_t worke
         job->results[i] = KVO_OK;
         job->bytes += s.block_bytes;
     }
+    kvo__copy_fence();
     job->done(job, KVO_OK, NULL);
 }
 
@@ -1064,7 +1101,8 @@ static void kvo__disk_header(const kvo__disk *d, const kvb_hash *h, const unsign
 }
 
 /* A slot is good when its header is whole, names this hash and size, and the data matches. */
-static int kvo__disk_verify(const kvo__disk *d, const kvb_hash *h, const unsigned char *slot)
+static int kvo__disk_verify(const kvo__disk *d, const kvb_hash *h, const unsigned char *slot,
+                            const unsigned char *data)
 {
     uint32_t magic;
     uint16_t version;
@@ -1073,7 +1111,7 @@ static int kvo__disk_verify(const kvo__disk *d, const kvb_hash *h, const unsigne
     return magic == KVO__DISK_MAGIC && version == KVO__DISK_VERSION &&
            kvo__le64(slot + 40) == kvo_checksum(slot, 40) && kvo__le64(slot + 8) == d->block_bytes &&
            kvo__le64(slot + 16) == h->lo && kvo__le64(slot + 24) == h->hi &&
-           kvo__le64(slot + 32) == kvo_checksum(slot + KVO__HEADER_BYTES, (size_t)d->block_bytes);
+           kvo__le64(slot + 32) == kvo_checksum(data, (size_t)d->block_bytes);
 }
 
 static void kvo__disk_say(kvo__disk *d, const char *msg)
@@ -1116,8 +1154,9 @@ static int kvo__disk_fallback(kvo__disk *d, int failed_fd)
     return failed_fd;
 }
 
-/* Whole-slot pread/pwrite, retrying short transfers, EINTR and an O_DIRECT refusal. 0 or errno. */
-static int kvo__disk_io(kvo__disk *d, int write, unsigned char *buf, uint64_t off)
+/* Whole-slot I/O of the header and the data (two buffers: the data may be a pool block itself), retrying
+ * short transfers, EINTR and an O_DIRECT refusal. 0 or errno. */
+static int kvo__disk_io(kvo__disk *d, int write, unsigned char *hdr, unsigned char *data, uint64_t off)
 {
     size_t done = 0, len = (size_t)d->slot_bytes;
     int fd, fell_back = 0;
@@ -1125,12 +1164,25 @@ static int kvo__disk_io(kvo__disk *d, int write, unsigned char *buf, uint64_t of
     fd = d->fd;
     pthread_mutex_unlock(&d->lock);
     while (done < len) {
-        ssize_t r = write ? pwrite(fd, buf + done, len - done, (off_t)(off + done))
-                          : pread(fd, buf + done, len - done, (off_t)(off + done));
+        struct iovec iov[2];
+        int cnt = 0;
+        ssize_t r;
+        if (done < KVO__HEADER_BYTES) {
+            iov[cnt].iov_base = hdr + done;
+            iov[cnt++].iov_len = KVO__HEADER_BYTES - done;
+        }
+        iov[cnt].iov_base = data + (done > KVO__HEADER_BYTES ? done - KVO__HEADER_BYTES : 0);
+        iov[cnt].iov_len = len - (done > KVO__HEADER_BYTES ? done : KVO__HEADER_BYTES);
+        cnt++;
+        r = write ? pwritev(fd, iov, cnt, (off_t)(off + done)) : preadv(fd, iov, cnt, (off_t)(off + done));
         if (r > 0) {
             done += (size_t)r;
         } else if (r == 0) {
-            return write ? EIO : 0; /* reading past the end: an empty (zero) slot */
+            if (write) return EIO;
+            memset(done < KVO__HEADER_BYTES ? hdr + done : data + (done - KVO__HEADER_BYTES), 0,
+                   done < KVO__HEADER_BYTES ? KVO__HEADER_BYTES - done : len - done); /* past the end: empty */
+            if (done < KVO__HEADER_BYTES) memset(data, 0, (size_t)d->data_bytes);
+            return 0;
         } else if (errno == EINVAL && !fell_back) {
             fd = kvo__disk_fallback(d, fd);
             fell_back = 1;
@@ -1139,6 +1191,15 @@ static int kvo__disk_io(kvo__disk *d, int write, unsigned char *buf, uint64_t of
         }
     }
     return 0;
+}
+
+/* The block's own memory can be the I/O buffer when it is one aligned, slot-sized run. */
+static unsigned char *kvo__disk_direct_data(const kvo__disk *d, const kvo__geom *mem, uint32_t block)
+{
+    unsigned char *p;
+    if (mem->layout.kind != KVB_LAYOUT_BLOCK_CONTIGUOUS || d->block_bytes != d->data_bytes) return NULL;
+    p = kvo__page(mem, block, 0, 0);
+    return ((uintptr_t)p & (KVO__SLOT_ALIGN - 1)) ? NULL : p;
 }
 
 static void kvo__disk_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
@@ -1161,22 +1222,27 @@ static void kvo__disk_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
             job->results[i] = KVO_ENOMEM;
             continue;
         }
+        uint32_t mem_block = writing ? job->src_idx[i] : job->dst_idx[i];
+        unsigned char *data = kvo__disk_direct_data(d, &mem, mem_block);
+        if (!data) data = buf + KVO__HEADER_BYTES;
         if (writing) {
-            memset(buf + KVO__HEADER_BYTES + d->block_bytes, 0, (size_t)(d->data_bytes - d->block_bytes));
-            kvo__gather(&mem, job->src_idx[i], buf + KVO__HEADER_BYTES);
-            kvo__disk_header(d, &job->hashes[i], buf + KVO__HEADER_BYTES, buf);
+            if (data == buf + KVO__HEADER_BYTES) {
+                memset(data + d->block_bytes, 0, (size_t)(d->data_bytes - d->block_bytes));
+                kvo__gather(&mem, mem_block, data);
+            }
+            kvo__disk_header(d, &job->hashes[i], data, buf);
         }
-        e = kvo__disk_io(d, writing, buf, off);
+        e = kvo__disk_io(d, writing, buf, data, off);
         if (e) {
             job->results[i] = kvo__errno_result(e);
             io_errors++;
             snprintf(msg, sizeof msg, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
-        } else if (!writing && !kvo__disk_verify(d, &job->hashes[i], buf)) {
+        } else if (!writing && !kvo__disk_verify(d, &job->hashes[i], buf, data)) {
             job->results[i] = KVO_ECHECKSUM;
             checksum_errors++;
             snprintf(msg, sizeof msg, "%s: slot %u failed its header or checksum check", d->path, slot);
         } else {
-            if (!writing) kvo__scatter(&mem, job->dst_idx[i], buf + KVO__HEADER_BYTES);
+            if (!writing && data == buf + KVO__HEADER_BYTES) kvo__scatter(&mem, mem_block, data);
             job->results[i] = KVO_OK;
             bytes += d->block_bytes;
             continue;
@@ -1370,6 +1436,7 @@ struct kvo_pipeline {
     uint32_t *free_slots;
     kvo__count_entry *inflight, *freq;
     uint64_t last_sweep;
+    uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
     pthread_t thread;
     kvo_pipeline_stats stats;
@@ -1510,6 +1577,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     kvo_event_release(c->pre);
     c->pre = NULL;
     c->final = 1;
+    pl->moves++;
     c->info.status = st;
     if (err && !c->info.error) c->info.error = err;
     s->transferred += c->info.transferred;
@@ -1688,6 +1756,7 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
+            pl->moves++;
             if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
         }
     }
@@ -1699,6 +1768,7 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
 static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
     if (kvo_queue_len(pl->q_batch) == 0) pl->batch_since = now;
+    pl->moves++;
     if (kvo_queue_push(pl->q_batch, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
 }
 
@@ -1731,6 +1801,7 @@ static uint32_t kvo__offered(const kvo__container *c)
 
 static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
 {
+    pl->moves++;
     size_t at = stbds_arrlenu(pl->in_queue);
     while (at > 0 && pl->in_queue[at - 1]->priority < b->priority) at--;
     KVO__ARR_INSERT(pl->in_queue, at, b);
@@ -1871,6 +1942,7 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
         b = pl->in_queue[0];
         stbds_arrdel(pl->in_queue, 0);
         n = kvo__upgrade(pl, b);
+        pl->moves++;
         if (n > 0) {
             stbds_arrput(pl->on_deck, b);
         } else if (n == 0) {
@@ -1945,6 +2017,7 @@ static void kvo__stage_execute(kvo_pipeline *pl)
         int r;
         stbds_arrdel(pl->on_deck, 0);
         pl->executing++;
+        pl->moves++;
         b->job.done = kvo__job_done;
         pthread_mutex_unlock(&pl->lock);
         r = pl->cfg.backend->submit(pl->cfg.backend, &b->job);
@@ -1953,15 +2026,17 @@ static void kvo__stage_execute(kvo_pipeline *pl)
     }
 }
 
-static void kvo__step(kvo_pipeline *pl)
+/* One pass of every stage; 1 when anything moved. */
+static int kvo__step(kvo_pipeline *pl)
 {
-    uint64_t now = kvo__now(pl);
+    uint64_t now = kvo__now(pl), before = pl->moves;
     if (now - pl->last_sweep >= pl->cfg.sweep_interval_us) kvo__sweep_all(pl);
     kvo__stage_policy(pl, now);
     kvo__stage_precondition(pl, now);
     kvo__stage_batcher(pl, now);
     kvo__fill_on_deck(pl);
     kvo__stage_execute(pl);
+    return pl->moves != before;
 }
 
 static int kvo__idle(kvo_pipeline *pl)
@@ -1985,8 +2060,8 @@ static void *kvo__coordinator(void *arg)
     pthread_mutex_lock(&pl->lock);
     while (!pl->stopping) {
         int64_t wait_us;
-        kvo__step(pl);
-        if (stbds_arrlen(pl->notes)) { /* deliver callbacks, then look again */
+        int moved = kvo__step(pl);
+        if (moved || stbds_arrlen(pl->notes)) { /* deliver callbacks, then look again */
             kvo__unlock(pl);
             pthread_mutex_lock(&pl->lock);
             continue;
@@ -2013,8 +2088,9 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
         struct timespec dl;
         if (left <= 0) return 0;
         if (pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread) {
-            kvo__step(pl);
+            int moved = kvo__step(pl);
             if (done(pl, arg)) break;
+            if (moved) continue; /* keep pumping while something moves */
         } else {
             pthread_cond_broadcast(&pl->cond); /* wake the coordinator */
         }
