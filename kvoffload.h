@@ -372,6 +372,9 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
 
 typedef enum kvo_offload_mode { KVO_OFFLOAD_EAGER = 0, KVO_OFFLOAD_LAZY } kvo_offload_mode;
 
+/* Told of every finished offload tier -> tier + 1 (the transfer handle is released right after). */
+typedef void (*kvo_offloaded_fn)(void *user, uint32_t tier, kvo_transfer transfer, const kvo_transfer_info *info);
+
 typedef struct kvo_manager_config {
     uint32_t num_tiers;                     /* 2 .. KVO_MAX_TIERS */
     kvb_pool *pools[KVO_MAX_TIERS];         /* G1 (fastest) first */
@@ -380,6 +383,8 @@ typedef struct kvo_manager_config {
     kvo_offload_mode offload;
     uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 */
     kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools ignored) */
+    kvo_offloaded_fn on_offloaded;          /* optional */
+    void *offloaded_user;
 } kvo_manager_config;
 
 typedef struct kvo_manager_stats {
@@ -392,8 +397,10 @@ typedef struct kvo_manager kvo_manager;
 KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_manager **out);
 KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down; lazy mode ignores them (poll finds
- * them when they near eviction). Thread safety: any thread. */
-KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n);
+ * them when they near eviction). *out (may be NULL) gets the transfer, {0} when none was started; the
+ * manager releases it after on_offloaded. Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
+                                     kvo_transfer *out);
 /* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
  * engine step in either mode. */
 KVO_API kvo_result kvo_manager_poll(kvo_manager *manager);
@@ -405,6 +412,8 @@ KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hash
 KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
                                        kvo_transfer *out);
 KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
+/* Replace the on_offloaded hook (before any offer; e.g. a connector installing itself). */
+KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Finish everything in flight (drains each pipeline, eager chains included). */
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
 KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out);
@@ -2463,7 +2472,7 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     kvo__edge *e = (kvo__edge *)user;
     kvo_manager *m = e->m;
     uint32_t next = e->tier + 1;
-    (void)info;
+    if (m->cfg.on_offloaded) m->cfg.on_offloaded(m->cfg.offloaded_user, e->tier, t, info);
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers && m->down[next]) {
         kvb_weak *landed = (kvb_weak *)KVB_MALLOC((n ? n : 1) * sizeof *landed);
         size_t i, k = 0;
@@ -2535,18 +2544,21 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
     KVB_FREE(manager);
 }
 
-KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n)
+KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
+                                     kvo_transfer *out)
 {
     kvb_weak stack[64], *w;
     kvo_transfer t;
     kvo_result r;
     size_t i;
+    if (out) out->id = 0;
     if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER || !manager->down[tier]) return KVO_OK;
     w = n <= 64 ? stack : (kvb_weak *)KVB_MALLOC(n * sizeof *w);
     if (!w) return KVO_ENOMEM;
     for (i = 0; i < n; i++) w[i] = kvb_weak_of(blocks[i]);
     r = kvo_enqueue(manager->down[tier], w, n, NULL, &t); /* released by kvo__manager_down_done */
+    if (r == KVO_OK && out) *out = t;
     if (w != stack) KVB_FREE(w);
     return r;
 }
@@ -2615,6 +2627,14 @@ KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_t
 {
     if (!manager || from_tier >= KVO_MAX_TIERS) return NULL;
     return up ? manager->up[from_tier] : manager->down[from_tier];
+}
+
+KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user)
+{
+    if (!manager) return KVO_EINVAL;
+    manager->cfg.on_offloaded = fn;
+    manager->cfg.offloaded_user = user;
+    return KVO_OK;
 }
 
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us)

@@ -97,7 +97,7 @@ static void test_eager_chain_and_lookup(void)
     tiers_open(&t, 8, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
     of_chain(61, 4, h);
     of_register(t.g1, h, 4, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_holds_all(t.g2, h, 4), 4);
     KVT_EQ(of_present(t.g3, h, 4), 4);
@@ -181,7 +181,7 @@ static void test_full_destination_then_retry(void)
     KVT_EQ(kvb_alloc(t.g2, 4, hog), KVB_OK);
     of_chain(71, 2, h);
     of_register(t.g1, h, 2, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, NULL), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_present(t.g2, h, 2), 0);
     KVT_CHECK(mstats(&t).down[0].dest_full >= 1);
@@ -192,7 +192,7 @@ static void test_full_destination_then_retry(void)
     OF_CHECK_POOL(t.g2);
 
     KVT_EQ(kvb_release(t.g2, hog, 4, NULL), KVB_OK);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, NULL), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_holds_all(t.g2, h, 2), 2);
     KVT_EQ(mstats(&t).down[0].transferred, 2);
@@ -211,7 +211,7 @@ static void test_lazy_backs_eviction_candidates(void)
     tiers_open(&t, 8, 16, 0, KVO_OFFLOAD_LAZY, 2, KVO_MODE_POLL);
     of_chain(81, 6, h);
     of_register(t.g1, h, 6, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6, NULL), KVO_OK);
     for (int i = 0; i < 3; i++) KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_present(t.g2, h, 6), 0); /* in use: nothing near eviction */
@@ -256,8 +256,8 @@ static void test_eager_threaded(void)
     tiers_open(&t, 16, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_THREADS);
     of_chain(91, 12, h);
     of_register(t.g1, h, 12, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6), KVO_OK);
-    KVT_EQ(kvo_manager_offer(t.m, 0, &b[6], 6), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 6, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, &b[6], 6, NULL), KVO_OK);
     KVT_EQ(kvb_release(t.g1, b, 12, NULL), KVB_OK);
     KVT_EQ(kvo_manager_drain(t.m, 10000000), KVO_OK);
     KVT_EQ(of_holds_all(t.g2, h, 12), 12);
