@@ -212,6 +212,9 @@ KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c);
 KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out);
 /* Pending loads + stores not reported finished yet. */
 KVS_API size_t kvs_connector_pending(kvs_connector *c);
+/* The scheduler matched the loaded blocks of `request` into its sequence: the connector drops the
+ * references it kept on them since the loads finished. */
+KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request);
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
@@ -309,3 +312,1051 @@ KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched);
 }
 #endif
 #endif /* KVSCHED_H */
+
+/* ================================================================================================ */
+/*                                        IMPLEMENTATION                                            */
+/* ================================================================================================ */
+#if defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#ifndef KVSCHED_IMPL_INCLUDED
+#define KVSCHED_IMPL_INCLUDED
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
+    !defined(typeof)
+#define typeof __typeof__
+#define KVS__DEFINED_TYPEOF
+#endif
+
+KVS_API const char *kvs_result_string(int result)
+{
+    switch (result) {
+#define KVS__STRING_CASE(name, value, text) case value: return text;
+        KVS__RESULTS(KVS__STRING_CASE)
+#undef KVS__STRING_CASE
+    default: return kvo_result_string(result);
+    }
+}
+
+/* ---- slots -------------------------------------------------------------------------------------- */
+
+static const unsigned char kvs__edges[][2] = {
+    {KVS_SLOT_INITIALIZED, KVS_SLOT_ONBOARD_STAGED}, {KVS_SLOT_INITIALIZED, KVS_SLOT_PREFILLING},
+    {KVS_SLOT_ONBOARD_STAGED, KVS_SLOT_ONBOARDING},  {KVS_SLOT_ONBOARD_STAGED, KVS_SLOT_INITIALIZED},
+    {KVS_SLOT_ONBOARDING, KVS_SLOT_PREFILLING},      {KVS_SLOT_ONBOARDING, KVS_SLOT_DECODING},
+    {KVS_SLOT_ONBOARDING, KVS_SLOT_INITIALIZED},     {KVS_SLOT_PREFILLING, KVS_SLOT_DECODING},
+    {KVS_SLOT_PREFILLING, KVS_SLOT_SKIPPED_PREFILL}, {KVS_SLOT_PREFILLING, KVS_SLOT_PREEMPTED},
+    {KVS_SLOT_SKIPPED_PREFILL, KVS_SLOT_PREFILLING}, {KVS_SLOT_SKIPPED_PREFILL, KVS_SLOT_PREEMPTED},
+    {KVS_SLOT_DECODING, KVS_SLOT_PREFILLING},        {KVS_SLOT_DECODING, KVS_SLOT_SKIPPED_DECODE},
+    {KVS_SLOT_DECODING, KVS_SLOT_PREEMPTED},         {KVS_SLOT_SKIPPED_DECODE, KVS_SLOT_DECODING},
+    {KVS_SLOT_SKIPPED_DECODE, KVS_SLOT_PREEMPTED},   {KVS_SLOT_PREEMPTED, KVS_SLOT_INITIALIZED},
+    {KVS_SLOT_PREEMPTED, KVS_SLOT_ONBOARDING},       {KVS_SLOT_FINISHING, KVS_SLOT_FINISHED}};
+
+KVS_API int kvs_slot_transition_allowed(kvs_slot_state from, kvs_slot_state to)
+{
+    size_t i;
+    if (from < KVS_SLOT_INITIALIZED || from >= KVS_SLOT__COUNT || to < KVS_SLOT_INITIALIZED || to >= KVS_SLOT__COUNT)
+        return 0;
+    if (to == KVS_SLOT_FINISHING) return from != KVS_SLOT_FINISHING && from != KVS_SLOT_FINISHED;
+    for (i = 0; i < sizeof kvs__edges / sizeof kvs__edges[0]; i++)
+        if (kvs__edges[i][0] == from && kvs__edges[i][1] == to) return 1;
+    return 0;
+}
+
+KVS_API const char *kvs_slot_state_name(kvs_slot_state state)
+{
+    static const char *names[] = {"?", "Initialized", "OnboardStaged", "Onboarding", "Prefilling", "Decoding",
+                                  "SkippedPrefill", "SkippedDecode", "Preempted", "Finishing", "Finished"};
+    return (unsigned)state < KVS_SLOT__COUNT ? names[state] : "?";
+}
+
+/* ---- sizing ------------------------------------------------------------------------------------- */
+
+KVS_API kvs_result kvs_model_preset(kvs_model model, kvb_layout_kind kind, uint32_t *out_block_tokens,
+                                    kvb_layout *out_layout)
+{
+    if (!out_block_tokens || !out_layout) return KVS_EINVAL;
+    *out_block_tokens = 16;
+    if (model == KVS_MODEL_LLAMA3_8B) return (kvs_result)kvb_layout_for_model(kind, 16, 32, 32, 128, 2, out_layout);
+    if (model == KVS_MODEL_TINY) return (kvs_result)kvb_layout_for_model(kind, 16, 2, 4, 16, 4, out_layout);
+    return KVS_EINVAL;
+}
+
+KVS_API uint32_t kvs_blocks_for_bytes(const kvb_layout *layout, uint64_t bytes)
+{
+    uint64_t block, n;
+    if (!layout || !layout->page_bytes) return 0;
+    block = layout->page_bytes * (layout->num_layers ? layout->num_layers : 1) * (layout->num_parts ? layout->num_parts : 2);
+    n = bytes / block;
+    return n > INT32_MAX ? (uint32_t)INT32_MAX : (uint32_t)n;
+}
+
+/* ---- connector ---------------------------------------------------------------------------------- */
+
+typedef struct kvs__plan {    /* one request's lower-tier blocks, from the scheduler side */
+    uint64_t request;
+    kvb_hash *hashes;          /* stb_ds: the request's full-block hashes */
+    kvs_load *runs;            /* stb_ds: planned runs (one tier each) */
+    int accepted;              /* update_state_after_alloc said how many */
+    kvb_block *loaded;         /* stb_ds: device references kept after the loads */
+    uint32_t loads_active;
+} kvs__plan;
+
+typedef struct kvs__active_load { kvs_load load; kvo_transfer t; } kvs__active_load;
+typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int done; } kvs__active_store;
+
+struct kvs_connector {
+    kvs_connector_config cfg;
+    pthread_mutex_t lock;
+    uint32_t block_tokens;
+    uint64_t next_event, step;
+    kvs__plan *plans;          /* stb_ds */
+    kvs_store *noted;          /* stores waiting for build_meta */
+    kvs_load *meta_loads;      /* the last built meta */
+    kvs_store *meta_stores;
+    kvs_load *bound_loads;     /* the worker's copy */
+    kvs_store *bound_stores;
+    kvs__active_load *loads;
+    kvs__active_store *stores;
+    uint64_t *offloaded;       /* transfer ids reported by the manager */
+    uint64_t *fin_loads, *fin_stores;
+};
+
+static kvs__plan *kvs__plan_of(kvs_connector *c, uint64_t request)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(c->plans); i++)
+        if (c->plans[i].request == request) return &c->plans[i];
+    return NULL;
+}
+
+static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
+{
+    size_t at = (size_t)(p - c->plans);
+    if (stbds_arrlen(p->loaded)) kvb_release(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded), NULL);
+    stbds_arrfree(p->loaded);
+    stbds_arrfree(p->hashes);
+    stbds_arrfree(p->runs);
+    stbds_arrdelswap(c->plans, at);
+}
+
+static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
+{
+    kvs_connector *c = (kvs_connector *)user;
+    (void)info;
+    if (tier != 0) return;
+    pthread_mutex_lock(&c->lock);
+    stbds_arrput(c->offloaded, t.id);
+    pthread_mutex_unlock(&c->lock);
+}
+
+KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_connector **out)
+{
+    kvs_connector *c;
+    kvb_pool_config pc;
+    if (!config || !out || !config->device || !config->tiers || (unsigned)config->offload > KVS_OFFLOAD_LAZY)
+        return KVS_EINVAL;
+    c = (kvs_connector *)KVB_MALLOC(sizeof *c);
+    if (!c) return KVS_ENOMEM;
+    memset(c, 0, sizeof *c);
+    if (pthread_mutex_init(&c->lock, NULL) != 0) {
+        KVB_FREE(c);
+        return KVS_ENOMEM;
+    }
+    c->cfg = *config;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(config->device, &pc);
+    c->block_tokens = pc.block_tokens;
+    c->next_event = 1;
+    kvo_manager_set_offloaded(config->tiers, kvs__on_offloaded, c);
+    *out = c;
+    return KVS_OK;
+}
+
+KVS_API void kvs_connector_destroy(kvs_connector *c)
+{
+    size_t i;
+    if (!c) return;
+    kvo_manager_set_offloaded(c->cfg.tiers, NULL, NULL);
+    for (i = 0; i < stbds_arrlenu(c->loads); i++) {
+        kvo_pipeline *up = kvo_manager_pipeline(c->cfg.tiers, c->loads[i].load.tier, 1);
+        kvo_transfer_release(up, c->loads[i].t);
+    }
+    while (stbds_arrlen(c->plans)) kvs__plan_drop(c, &c->plans[0]);
+    stbds_arrfree(c->plans);
+    stbds_arrfree(c->noted);
+    stbds_arrfree(c->meta_loads);
+    stbds_arrfree(c->meta_stores);
+    stbds_arrfree(c->bound_loads);
+    stbds_arrfree(c->bound_stores);
+    stbds_arrfree(c->loads);
+    stbds_arrfree(c->stores);
+    stbds_arrfree(c->offloaded);
+    stbds_arrfree(c->fin_loads);
+    stbds_arrfree(c->fin_stores);
+    pthread_mutex_destroy(&c->lock);
+    KVB_FREE(c);
+}
+
+KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, uint64_t request,
+                                                            const kvb_hash *hashes, size_t num_hashes,
+                                                            size_t num_computed, size_t *out_tokens,
+                                                            int *out_async)
+{
+    uint8_t *tier_of;
+    size_t found = 0, first, i;
+    kvs__plan *p, fresh;
+    if (!c || !out_tokens || !out_async || (num_hashes && !hashes)) return KVS_EINVAL;
+    *out_tokens = 0;
+    *out_async = 0;
+    first = num_computed / c->block_tokens;
+    if (first >= num_hashes) return KVS_OK;
+    tier_of = (uint8_t *)KVB_MALLOC(num_hashes);
+    if (!tier_of) return KVS_ENOMEM;
+    kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    pthread_mutex_lock(&c->lock);
+    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
+    if (found > first) {
+        memset(&fresh, 0, sizeof fresh);
+        fresh.request = request;
+        memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
+        for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
+            kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
+            if (tier_of[i] == 0) continue; /* on the device already */
+            if (last && last->tier == tier_of[i] && last->first_block + last->num_blocks == i) {
+                last->num_blocks++;
+            } else {
+                kvs_load l;
+                memset(&l, 0, sizeof l);
+                l.request = request;
+                l.tier = tier_of[i];
+                l.first_block = (uint32_t)i;
+                l.num_blocks = 1;
+                stbds_arrput(fresh.runs, l);
+            }
+        }
+        stbds_arrput(c->plans, fresh);
+        *out_tokens = (found - first) * c->block_tokens;
+        *out_async = stbds_arrlen(fresh.runs) > 0;
+    }
+    pthread_mutex_unlock(&c->lock);
+    KVB_FREE(tier_of);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
+                                                          size_t num_external_tokens)
+{
+    kvs__plan *p;
+    kvs_result r = KVS_OK;
+    if (!c) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    p = kvs__plan_of(c, request);
+    if (!p) {
+        r = num_external_tokens ? KVS_ENOTFOUND : KVS_OK;
+    } else if (!num_external_tokens) {
+        kvs__plan_drop(c, p);
+    } else {
+        size_t keep_end = (size_t)(stbds_arrlen(p->runs) ? p->runs[0].first_block : 0) +
+                          num_external_tokens / c->block_tokens, i, w = 0;
+        for (i = 0; i < stbds_arrlenu(p->runs); i++) { /* keep what lies before the accepted end */
+            kvs_load *l = &p->runs[i];
+            if (l->first_block >= keep_end) continue;
+            if (l->first_block + l->num_blocks > keep_end) l->num_blocks = (uint32_t)(keep_end - l->first_block);
+            p->runs[w++] = *l;
+        }
+        KVB__ARR_SHRINK(p->runs, w);
+        p->accepted = 1;
+    }
+    pthread_mutex_unlock(&c->lock);
+    return r;
+}
+
+KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks,
+                                                 size_t n)
+{
+    size_t i;
+    uint64_t event;
+    if (!c || (n && !blocks)) return KVS_EINVAL;
+    if (!n || c->cfg.offload != KVS_OFFLOAD_EAGER) return KVS_OK;
+    pthread_mutex_lock(&c->lock);
+    event = c->next_event++;
+    for (i = 0; i < n; i++) {
+        kvs_store s;
+        s.request = request;
+        s.event = event;
+        s.block = blocks[i];
+        stbds_arrput(c->noted, s);
+    }
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out)
+{
+    size_t i, j;
+    if (!c || !out) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    KVB__ARR_SHRINK(c->meta_loads, 0);
+    KVB__ARR_SHRINK(c->meta_stores, 0);
+    for (i = 0; i < stbds_arrlenu(c->plans); i++) {
+        kvs__plan *p = &c->plans[i];
+        if (!p->accepted) continue;
+        for (j = 0; j < stbds_arrlenu(p->runs); j++) {
+            p->runs[j].event = c->next_event++;
+            stbds_arrput(c->meta_loads, p->runs[j]);
+        }
+        p->loads_active += (uint32_t)stbds_arrlen(p->runs);
+        KVB__ARR_SHRINK(p->runs, 0);
+        p->accepted = 0;
+    }
+    for (i = 0; i < stbds_arrlenu(c->noted); i++) stbds_arrput(c->meta_stores, c->noted[i]);
+    KVB__ARR_SHRINK(c->noted, 0);
+    out->step = ++c->step;
+    out->loads = c->meta_loads;
+    out->num_loads = stbds_arrlenu(c->meta_loads);
+    out->stores = c->meta_stores;
+    out->num_stores = stbds_arrlenu(c->meta_stores);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
+{
+    if (!c || !meta || (meta->num_loads && !meta->loads) || (meta->num_stores && !meta->stores)) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    KVB__ARR_SHRINK(c->bound_loads, 0);
+    KVB__ARR_SHRINK(c->bound_stores, 0);
+    if (meta->num_loads) memcpy(stbds_arraddnptr(c->bound_loads, meta->num_loads), meta->loads, meta->num_loads * sizeof *meta->loads);
+    if (meta->num_stores) memcpy(stbds_arraddnptr(c->bound_stores, meta->num_stores), meta->stores, meta->num_stores * sizeof *meta->stores);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c)
+{
+    size_t i;
+    if (!c) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    for (i = 0; i < stbds_arrlenu(c->bound_loads); i++) {
+        kvs_load *l = &c->bound_loads[i];
+        kvs__plan *p = kvs__plan_of(c, l->request);
+        kvs__active_load a;
+        a.load = *l;
+        a.t.id = 0;
+        if (!p || kvo_manager_onboard(c->cfg.tiers, l->tier, p->hashes + l->first_block, l->num_blocks, &a.t) != KVO_OK)
+            a.t.id = 0; /* reported finished at once: the request computes those tokens instead */
+        stbds_arrput(c->loads, a);
+    }
+    KVB__ARR_SHRINK(c->bound_loads, 0);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c)
+{
+    size_t i = 0, j;
+    if (!c) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    while (i < stbds_arrlenu(c->bound_stores)) { /* one offer per event */
+        kvb_block *blocks = NULL;
+        kvs__active_store a;
+        for (j = i; j < stbds_arrlenu(c->bound_stores) && c->bound_stores[j].event == c->bound_stores[i].event; j++)
+            stbds_arrput(blocks, c->bound_stores[j].block);
+        a.event = c->bound_stores[i].event;
+        a.request = c->bound_stores[i].request;
+        a.done = 0;
+        a.t.id = 0;
+        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
+        kvo_manager_offer(c->cfg.tiers, 0, blocks, stbds_arrlenu(blocks), &a.t);
+        pthread_mutex_lock(&c->lock);
+        a.done = a.t.id == 0;
+        stbds_arrput(c->stores, a);
+        stbds_arrfree(blocks);
+        i = j;
+    }
+    KVB__ARR_SHRINK(c->bound_stores, 0);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+/* A load is over when its transfer is final: its device blocks are kept for the request. Locked. */
+static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
+{
+    kvo_pipeline *up = kvo_manager_pipeline(c->cfg.tiers, a->load.tier, 1);
+    kvo_transfer_info info;
+    kvs__plan *p = kvs__plan_of(c, a->load.request);
+    if (a->t.id) {
+        kvb_block got[256];
+        size_t n = 0;
+        if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
+        if (info.status < KVO_STATUS_COMPLETE) return 0;
+        if (info.status == KVO_STATUS_COMPLETE && info.blocks <= 256 &&
+            kvo_transfer_take_blocks(up, a->t, got, 256, &n) == KVO_OK && p)
+            memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
+        else if (n)
+            kvb_release(c->cfg.device, got, n, NULL);
+        kvo_transfer_release(up, a->t);
+    }
+    if (p && p->loads_active && --p->loads_active == 0) stbds_arrput(c->fin_loads, p->request);
+    return 1;
+}
+
+static int kvs__offloaded(kvs_connector *c, uint64_t id)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(c->offloaded); i++)
+        if (c->offloaded[i] == id) {
+            stbds_arrdelswap(c->offloaded, i);
+            return 1;
+        }
+    return 0;
+}
+
+KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out)
+{
+    size_t i, w;
+    if (!c || !out) return KVS_EINVAL;
+    kvo_manager_poll(c->cfg.tiers);
+    pthread_mutex_lock(&c->lock);
+    KVB__ARR_SHRINK(c->fin_loads, 0);
+    KVB__ARR_SHRINK(c->fin_stores, 0);
+    for (i = w = 0; i < stbds_arrlenu(c->loads); i++)
+        if (!kvs__load_over(c, &c->loads[i])) c->loads[w++] = c->loads[i];
+    KVB__ARR_SHRINK(c->loads, w);
+    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) {
+        kvs__active_store *s = &c->stores[i];
+        if (s->done || kvs__offloaded(c, s->t.id)) stbds_arrput(c->fin_stores, s->event);
+        else c->stores[w++] = *s;
+    }
+    KVB__ARR_SHRINK(c->stores, w);
+    out->finished_loads = c->fin_loads;
+    out->num_finished_loads = stbds_arrlenu(c->fin_loads);
+    out->finished_stores = c->fin_stores;
+    out->num_finished_stores = stbds_arrlenu(c->fin_stores);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output)
+{
+    /* Loads keep their blocks in the plan until kvs_connector_release_loads / request_finished, and the
+     * worker's lists were already cleared: in one process there is nothing left to carry over. */
+    if (!c || !output) return KVS_EINVAL;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request)
+{
+    kvs__plan *p;
+    if (!c) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    p = kvs__plan_of(c, request);
+    if (p && !p->loads_active && !p->accepted) kvs__plan_drop(c, p);
+    pthread_mutex_unlock(&c->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
+{
+    size_t i, w;
+    kvs__plan *p;
+    if (!c) return KVS_EINVAL;
+    pthread_mutex_lock(&c->lock);
+    for (i = w = 0; i < stbds_arrlenu(c->loads); i++) { /* cancel its loads */
+        kvs__active_load *a = &c->loads[i];
+        if (a->load.request != request) {
+            c->loads[w++] = *a;
+            continue;
+        }
+        if (a->t.id) kvo_transfer_release(kvo_manager_pipeline(c->cfg.tiers, a->load.tier, 1), a->t);
+    }
+    KVB__ARR_SHRINK(c->loads, w);
+    for (i = w = 0; i < stbds_arrlenu(c->bound_loads); i++)
+        if (c->bound_loads[i].request != request) c->bound_loads[w++] = c->bound_loads[i];
+    KVB__ARR_SHRINK(c->bound_loads, w);
+    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p);
+    pthread_mutex_unlock(&c->lock);
+    if (out_keep_blocks) *out_keep_blocks = 0;
+    return KVS_OK;
+}
+
+KVS_API size_t kvs_connector_pending(kvs_connector *c)
+{
+    size_t n, i;
+    if (!c) return 0;
+    pthread_mutex_lock(&c->lock);
+    n = stbds_arrlenu(c->loads) + stbds_arrlenu(c->stores) + stbds_arrlenu(c->noted) + stbds_arrlenu(c->bound_loads) +
+        stbds_arrlenu(c->bound_stores);
+    for (i = 0; i < stbds_arrlenu(c->plans); i++) n += c->plans[i].accepted ? stbds_arrlenu(c->plans[i].runs) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
+/* ---- scheduler ---------------------------------------------------------------------------------- */
+
+typedef struct kvs__req {
+    uint64_t id, arrival;
+    kvs_slot_state state;
+    int32_t priority;
+    uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
+    size_t num_prompt;
+    uint32_t max_new, generated, preemptions;
+    kvb_seq *seq;
+    size_t computed, cached, lower_hit, registered_blocks;
+    uint64_t salt;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS];
+    size_t num_extra;
+    int swapped, scheduled;
+} kvs__req;
+
+typedef struct kvs__req_entry { uint64_t key; kvs__req *value; } kvs__req_entry;
+
+struct kvs_sched {
+    kvs_sched_config cfg;
+    kvs_connector *conn;
+    uint32_t block_tokens, device_blocks;
+    kvs__req_entry *reqs;      /* stb_ds map id -> request */
+    kvs__req **waiting, **running, **swapped, **onboarding;
+    uint64_t next_id, next_arrival, step_id;
+    int in_step;
+    kvs_sched_item *prefill, *decode;
+    uint64_t *preempted;
+    kvs_sched_stats stats;
+};
+
+static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
+{
+    ptrdiff_t i = stbds_hmgeti(s->reqs, id);
+    return i < 0 ? NULL : s->reqs[i].value;
+}
+
+static kvs_result kvs__set_state(kvs__req *r, kvs_slot_state to)
+{
+    if (r->state == to) return KVS_OK;
+    if (!kvs_slot_transition_allowed(r->state, to)) return KVS_ESTATE;
+    r->state = to;
+    return KVS_OK;
+}
+
+/* Queue order: higher priority first, then earlier arrival. */
+static int kvs__before(const kvs__req *a, const kvs__req *b)
+{
+    return a->priority != b->priority ? a->priority > b->priority : a->arrival < b->arrival;
+}
+
+static void kvs__queue_insert(kvs__req ***q, kvs__req *r)
+{
+    size_t at = stbds_arrlenu(*q);
+    while (at > 0 && kvs__before(r, (*q)[at - 1])) at--;
+    stbds_arrput(*q, r);
+    memmove(&(*q)[at + 1], &(*q)[at], (stbds_arrlenu(*q) - 1 - at) * sizeof **q);
+    (*q)[at] = r;
+}
+
+static int kvs__queue_remove(kvs__req **q, kvs__req *r)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(q); i++)
+        if (q[i] == r) {
+            memmove(&q[i], &q[i + 1], (stbds_arrlenu(q) - 1 - i) * sizeof *q);
+            stbds_header(q)->length--;
+            return 1;
+        }
+    return 0;
+}
+
+static void kvs__unqueue(kvs_sched *s, kvs__req *r)
+{
+    if (!kvs__queue_remove(s->waiting, r) && !kvs__queue_remove(s->running, r) &&
+        !kvs__queue_remove(s->swapped, r))
+        kvs__queue_remove(s->onboarding, r);
+}
+
+KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **out)
+{
+    kvs_sched *s;
+    kvb_pool_config pc;
+    kvs_result r;
+    if (!config || !out || !config->device || (config->preempt == KVS_PREEMPT_SWAP && !config->tiers) ||
+        (unsigned)config->preempt > KVS_PREEMPT_SWAP || (unsigned)config->offload > KVS_OFFLOAD_LAZY)
+        return KVS_EINVAL;
+    s = (kvs_sched *)KVB_MALLOC(sizeof *s);
+    if (!s) return KVS_ENOMEM;
+    memset(s, 0, sizeof *s);
+    s->cfg = *config;
+    if (!s->cfg.max_tokens) s->cfg.max_tokens = 8192;
+    if (!s->cfg.max_seqs) s->cfg.max_seqs = 256;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(config->device, &pc);
+    s->block_tokens = pc.block_tokens;
+    s->device_blocks = pc.num_blocks;
+    s->next_id = 1;
+    if (config->tiers) {
+        kvs_connector_config cc;
+        cc.device = config->device;
+        cc.tiers = config->tiers;
+        cc.offload = config->offload;
+        if ((r = kvs_connector_create(&cc, &s->conn)) != KVS_OK) {
+            KVB_FREE(s);
+            return r;
+        }
+    }
+    *out = s;
+    return KVS_OK;
+}
+
+/* Give back a request's device blocks and its connector state. */
+static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
+{
+    kvb_seq_destroy(r->seq);
+    r->seq = NULL;
+    r->computed = r->cached = r->registered_blocks = 0;
+    if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
+}
+
+static void kvs__req_free(kvs__req *r)
+{
+    stbds_arrfree(r->tokens);
+    KVB_FREE(r);
+}
+
+KVS_API void kvs_sched_destroy(kvs_sched *sched)
+{
+    ptrdiff_t i;
+    if (!sched) return;
+    for (i = 0; i < stbds_hmlen(sched->reqs); i++) {
+        kvs__drop_blocks(sched, sched->reqs[i].value);
+        kvs__req_free(sched->reqs[i].value);
+    }
+    stbds_hmfree(sched->reqs);
+    stbds_arrfree(sched->waiting);
+    stbds_arrfree(sched->running);
+    stbds_arrfree(sched->swapped);
+    stbds_arrfree(sched->onboarding);
+    stbds_arrfree(sched->prefill);
+    stbds_arrfree(sched->decode);
+    stbds_arrfree(sched->preempted);
+    kvs_connector_destroy(sched->conn);
+    KVB_FREE(sched);
+}
+
+KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
+{
+    kvs__req *r;
+    size_t need;
+    if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
+        (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
+        return KVS_EINVAL;
+    need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
+    if (need > sched->device_blocks) return KVS_ETOOBIG;
+    r = (kvs__req *)KVB_MALLOC(sizeof *r);
+    if (!r) return KVS_ENOMEM;
+    memset(r, 0, sizeof *r);
+    r->id = sched->next_id++;
+    r->arrival = sched->next_arrival++;
+    r->state = KVS_SLOT_INITIALIZED;
+    r->priority = request->priority;
+    r->num_prompt = request->num_prompt;
+    r->max_new = request->max_new_tokens;
+    r->salt = request->salt;
+    r->num_extra = request->num_extra;
+    if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
+    memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
+    stbds_hmput(sched->reqs, r->id, r);
+    kvs__queue_insert(&sched->waiting, r);
+    sched->stats.prompt_tokens += request->num_prompt;
+    *out_id = r->id;
+    return KVS_OK;
+}
+
+/* The running request to preempt for `for_r`: lowest priority, latest arrival, not scheduled this step,
+ * of priority below `below` (INT32_MAX + 1 = any). */
+static kvs__req *kvs__victim(kvs_sched *s, int64_t below)
+{
+    size_t i = stbds_arrlenu(s->running);
+    while (i-- > 0) {
+        kvs__req *v = s->running[i];
+        if (!v->scheduled && v->priority < below) return v;
+    }
+    return NULL;
+}
+
+/* Swap: its registered blocks go to G2 first (synchronously), so they come back when it resumes. */
+static void kvs__swap_out(kvs_sched *s, kvs__req *v)
+{
+    const kvb_block *table;
+    size_t n = 0, full;
+    kvo_pipeline *down = kvo_manager_pipeline(s->cfg.tiers, 0, 0);
+    kvb_seq_blocks(v->seq, &table, &n);
+    full = v->registered_blocks < n ? v->registered_blocks : n;
+    if (full && kvo_manager_offer(s->cfg.tiers, 0, table, full, NULL) == KVO_OK && down)
+        kvo_pipeline_drain(down, 5 * 1000000);
+}
+
+static void kvs__preempt(kvs_sched *s, kvs__req *v)
+{
+    kvs__queue_remove(s->running, v);
+    if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
+    kvs__drop_blocks(s, v);
+    kvs__set_state(v, KVS_SLOT_PREEMPTED);
+    v->preemptions++;
+    v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
+    if (v->swapped) {
+        s->stats.preempted_swap++;
+        kvs__queue_insert(&s->swapped, v);
+    } else {
+        s->stats.preempted_recompute++;
+        kvs__queue_insert(&s->waiting, v);
+    }
+    stbds_arrput(s->preempted, v->id);
+}
+
+static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num_new, int decode)
+{
+    kvs_sched_item it;
+    it.request = r->id;
+    kvb_seq_blocks(r->seq, &it.blocks, &it.num_blocks);
+    it.num_computed = num_computed;
+    it.num_new = num_new;
+    it.tokens = r->tokens;
+    r->scheduled = 1;
+    if (decode) stbds_arrput(s->decode, it);
+    else stbds_arrput(s->prefill, it);
+}
+
+/* Bring the sequence up to the request's tokens (sampled tokens since the last step), preempting
+ * others when blocks run out. 0 when r itself had to go. */
+static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
+{
+    size_t have;
+    kvb_seq_info info;
+    kvb_seq_get_info(r->seq, &info);
+    have = info.num_tokens;
+    while (have < stbds_arrlenu(r->tokens)) {
+        kvs__req *v;
+        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) return 1;
+        v = kvs__victim(s, preempt_below);
+        if (!v || v == r) return 0;
+        kvs__preempt(s, v);
+    }
+    return 1;
+}
+
+/* Schedule what `r` computes next within the budget: 1 when it got a share. */
+static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *seqs_left)
+{
+    size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
+    int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
+    if (from >= len) from = len - 1; /* everything cached: recompute the last token for its logits */
+    n = len - from;
+    if (!*seqs_left || !*tokens_left || (decode && n > *tokens_left)) return 0;
+    if (n > *tokens_left) n = *tokens_left; /* chunked prefill */
+    kvs__item(s, r, from, n, decode);
+    *tokens_left -= n;
+    (*seqs_left)--;
+    return 1;
+}
+
+static void kvs__schedule_running(kvs_sched *s, size_t *tokens_left, size_t *seqs_left)
+{
+    kvs__req **order = NULL; /* a snapshot: preemption takes requests out of s->running meanwhile */
+    size_t i;
+    if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *order);
+    for (i = 0; i < stbds_arrlenu(order); i++) {
+        kvs__req *r = order[i];
+        int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+        if (r->state == KVS_SLOT_PREEMPTED) continue; /* a victim of an earlier request in this loop */
+        if (decoding && stbds_arrlenu(r->tokens) <= r->computed) continue; /* waiting for its sampled token */
+        if (!kvs__grow(s, r, (int64_t)INT32_MAX + 1)) { /* nobody else to preempt: r goes */
+            kvs__preempt(s, r);
+            continue;
+        }
+        if (kvs__schedule_compute(s, r, tokens_left, seqs_left))
+            kvs__set_state(r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
+        else
+            kvs__set_state(r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
+    }
+    stbds_arrfree(order);
+}
+
+/* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads. */
+static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
+{
+    kvb_hash *hashes;
+    size_t nh = stbds_arrlenu(r->tokens) / s->block_tokens, dev = 0, ext = 0;
+    int async = 0;
+    if (!s->conn || !nh) return 0;
+    hashes = (kvb_hash *)KVB_MALLOC(nh * sizeof *hashes);
+    if (!hashes) return 0;
+    kvb_hash_prompt(r->tokens, stbds_arrlenu(r->tokens), s->block_tokens, r->extra, r->num_extra, r->salt, hashes, nh, &nh);
+    kvb_lookup(s->cfg.device, hashes, nh, &dev);
+    kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
+    KVB_FREE(hashes);
+    if (!async) {
+        kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
+        return 0;
+    }
+    kvs_connector_update_state_after_alloc(s->conn, r->id, ext);
+    r->lower_hit = ext;
+    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(r, KVS_SLOT_ONBOARDING);
+    else kvs__set_state(r, KVS_SLOT_ONBOARD_STAGED);
+    return 1;
+}
+
+/* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
+static int kvs__admit(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *seqs_left)
+{
+    kvb_seq_config sc;
+    size_t cached = 0;
+    sc.salt = r->salt;
+    sc.extra = r->extra;
+    sc.n_extra = r->num_extra;
+    if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) return 0;
+    for (;;) {
+        kvs__req *v;
+        if (kvb_seq_append(r->seq, r->tokens, stbds_arrlenu(r->tokens), &cached) == KVB_OK) break;
+        v = kvs__victim(s, r->priority);
+        if (!v) {
+            kvb_seq_destroy(r->seq);
+            r->seq = NULL;
+            return 0;
+        }
+        kvs__preempt(s, v);
+    }
+    if (s->conn) kvs_connector_release_loads(s->conn, r->id);
+    r->computed = r->cached = cached;
+    r->registered_blocks = cached / s->block_tokens;
+    s->stats.cached_tokens += cached;
+    s->stats.lower_hit_tokens += r->lower_hit;
+    s->stats.admitted++;
+    if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(r, KVS_SLOT_INITIALIZED);
+    kvs__set_state(r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
+    kvs__queue_insert(&s->running, r);
+    if (!kvs__schedule_compute(s, r, tokens_left, seqs_left)) kvs__set_state(r, KVS_SLOT_SKIPPED_PREFILL);
+    return 1;
+}
+
+/* Waiting (or swapped) requests in order, while the budgets last. */
+static void kvs__admit_queue(kvs_sched *s, kvs__req ***q, size_t *tokens_left, size_t *seqs_left)
+{
+    size_t i = 0;
+    while (i < stbds_arrlenu(*q) && *tokens_left && *seqs_left) {
+        kvs__req *r = (*q)[i];
+        if (r->state != KVS_SLOT_ONBOARDING && kvs__stage_onboard(s, r)) {
+            kvs__queue_remove(*q, r);
+            kvs__queue_insert(&s->onboarding, r);
+            continue;
+        }
+        kvs__queue_remove(*q, r);
+        if (!kvs__admit(s, r, tokens_left, seqs_left)) { /* does not fit: it keeps its place */
+            kvs__queue_insert(q, r);
+            break;
+        }
+    }
+}
+
+/* Loads that finished: those requests go back to be admitted (their blocks are now on the device). */
+static void kvs__collect_loads(kvs_sched *s)
+{
+    kvs_worker_output out;
+    size_t i;
+    if (!s->conn) return;
+    kvs_connector_get_finished(s->conn, &out);
+    for (i = 0; i < out.num_finished_loads; i++) {
+        kvs__req *r = kvs__find(s, out.finished_loads[i]);
+        if (!r || !kvs__queue_remove(s->onboarding, r)) continue;
+        kvs__queue_insert(r->swapped ? &s->swapped : &s->waiting, r);
+    }
+    kvs_connector_update_output(s->conn, &out);
+}
+
+static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta, int loads)
+{
+    size_t i;
+    if (!s->conn) {
+        memset(meta, 0, sizeof *meta);
+        return;
+    }
+    kvs_connector_build_meta(s->conn, meta);
+    kvs_connector_bind_meta(s->conn, meta);
+    if (!loads) {
+        kvs_connector_start_stores(s->conn);
+        return;
+    }
+    kvs_connector_start_loads(s->conn);
+    for (i = 0; i < stbds_arrlenu(s->onboarding); i++)
+        if (s->onboarding[i]->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(s->onboarding[i], KVS_SLOT_ONBOARDING);
+}
+
+KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
+{
+    size_t tokens_left, seqs_left, i;
+    if (!sched || !out) return KVS_EINVAL;
+    if (sched->in_step) return KVS_ESTEP;
+    KVB__ARR_SHRINK(sched->prefill, 0);
+    KVB__ARR_SHRINK(sched->decode, 0);
+    KVB__ARR_SHRINK(sched->preempted, 0);
+    for (i = 0; i < stbds_arrlenu(sched->running); i++) sched->running[i]->scheduled = 0;
+    tokens_left = sched->cfg.max_tokens;
+    seqs_left = sched->cfg.max_seqs;
+    kvs__collect_loads(sched);
+    kvs__schedule_running(sched, &tokens_left, &seqs_left);
+    kvs__admit_queue(sched, &sched->swapped, &tokens_left, &seqs_left);
+    if (!stbds_arrlen(sched->swapped)) kvs__admit_queue(sched, &sched->waiting, &tokens_left, &seqs_left);
+    memset(out, 0, sizeof *out);
+    kvs__start_transfers(sched, &out->meta, 1);
+    out->id = ++sched->step_id;
+    out->prefill = sched->prefill;
+    out->num_prefill = stbds_arrlenu(sched->prefill);
+    out->decode = sched->decode;
+    out->num_decode = stbds_arrlenu(sched->decode);
+    out->num_tokens = sched->cfg.max_tokens - tokens_left;
+    out->preempted = sched->preempted;
+    out->num_preempted = stbds_arrlenu(sched->preempted);
+    sched->in_step = 1;
+    sched->stats.steps++;
+    return KVS_OK;
+}
+
+/* Commit what an item computed; in eager mode the newly registered blocks go to the connector. */
+static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
+{
+    kvs__req *r = kvs__find(s, it->request);
+    const kvb_block *table;
+    size_t n, done;
+    if (!r || !r->seq) return;
+    done = it->num_computed + it->num_new;
+    kvb_seq_commit(r->seq, done);
+    if (done > r->computed) {
+        s->stats.computed_tokens += done - r->computed;
+        r->computed = done;
+    }
+    kvb_seq_blocks(r->seq, &table, &n);
+    if (s->conn && r->computed / s->block_tokens > r->registered_blocks)
+        kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
+                                      r->computed / s->block_tokens - r->registered_blocks);
+    if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
+    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(r, KVS_SLOT_DECODING);
+}
+
+KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
+{
+    size_t i;
+    kvs_connector_meta meta;
+    if (!sched || !step) return KVS_EINVAL;
+    if (!sched->in_step || step->id != sched->step_id) return KVS_ESTEP;
+    for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
+    for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
+    kvs__start_transfers(sched, &meta, 0);
+    sched->in_step = 0;
+    return KVS_OK;
+}
+
+/* Finishing -> Finished: blocks released (they stay cached), connector told. */
+static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
+{
+    kvs_result res = kvs__set_state(r, KVS_SLOT_FINISHING);
+    if (res != KVS_OK) return res;
+    kvs__unqueue(s, r);
+    kvs__drop_blocks(s, r);
+    kvs__set_state(r, KVS_SLOT_FINISHED);
+    if (aborted) s->stats.aborted++;
+    else s->stats.finished++;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
+{
+    kvs__req *r;
+    if (!sched || (n && !tokens)) return KVS_EINVAL;
+    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
+    if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
+    if (!n) return KVS_OK;
+    memcpy(stbds_arraddnptr(r->tokens, n), tokens, n * sizeof *tokens);
+    r->generated += (uint32_t)n;
+    if (r->max_new && r->generated >= r->max_new) return kvs__end(sched, r, 0);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_sched_finish(kvs_sched *sched, uint64_t request)
+{
+    kvs__req *r;
+    if (!sched) return KVS_EINVAL;
+    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    return kvs__end(sched, r, 0);
+}
+
+KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request)
+{
+    kvs__req *r;
+    if (!sched) return KVS_EINVAL;
+    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (sched->in_step && r->scheduled) { /* its item is in the step in flight: drop it from there */
+        size_t i;
+        for (i = 0; i < stbds_arrlenu(sched->prefill); i++)
+            if (sched->prefill[i].request == request) sched->prefill[i].request = 0;
+        for (i = 0; i < stbds_arrlenu(sched->decode); i++)
+            if (sched->decode[i].request == request) sched->decode[i].request = 0;
+    }
+    return kvs__end(sched, r, 1);
+}
+
+KVS_API kvs_result kvs_sched_release(kvs_sched *sched, uint64_t request)
+{
+    kvs__req *r;
+    if (!sched) return KVS_EINVAL;
+    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
+    (void)stbds_hmdel(sched->reqs, request);
+    kvs__req_free(r);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_slot_info *out)
+{
+    kvs__req *r;
+    if (!sched || !out) return KVS_EINVAL;
+    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    memset(out, 0, sizeof *out);
+    out->state = r->state;
+    out->priority = r->priority;
+    out->num_tokens = stbds_arrlenu(r->tokens);
+    out->num_computed = r->computed;
+    out->num_cached = r->cached;
+    out->num_lower_hit_tokens = r->lower_hit;
+    out->generated = r->generated;
+    out->preemptions = r->preemptions;
+    out->pending_transfers = r->state == KVS_SLOT_ONBOARD_STAGED || r->state == KVS_SLOT_ONBOARDING;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_sched_get_stats(kvs_sched *sched, kvs_sched_stats *out)
+{
+    if (!sched || !out) return KVS_EINVAL;
+    *out = sched->stats;
+    out->waiting = (uint32_t)stbds_arrlenu(sched->waiting);
+    out->running = (uint32_t)stbds_arrlenu(sched->running);
+    out->swapped = (uint32_t)stbds_arrlenu(sched->swapped);
+    out->onboarding = (uint32_t)stbds_arrlenu(sched->onboarding);
+    return KVS_OK;
+}
+
+KVS_API int kvs_sched_idle(kvs_sched *sched)
+{
+    return !sched || (!stbds_arrlen(sched->waiting) && !stbds_arrlen(sched->running) && !stbds_arrlen(sched->swapped) &&
+                      !stbds_arrlen(sched->onboarding));
+}
+
+KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched) { return sched ? sched->conn : NULL; }
+
+#ifdef KVS__DEFINED_TYPEOF
+#undef typeof
+#undef KVS__DEFINED_TYPEOF
+#endif
+
+#endif /* KVSCHED_IMPL_INCLUDED */
+#endif /* KVSCHED_IMPLEMENTATION || KVCACHE_IMPLEMENTATION */
