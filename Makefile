@@ -8,14 +8,14 @@ SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-fram
 CFLAGS_TEST  := $(BASE) -g -O1 $(SAN)
 CFLAGS_TSAN  := $(BASE) -g -O1 -fsanitize=thread
 CFLAGS_OPT   := $(BASE) -O2 -g
-HEADERS := kvblock.h kvoffload.h
+HEADERS := kvblock.h kvoffload.h kvsched.h
 TEST_HEADERS := $(wildcard tests/*.h)
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
-TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard
+TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress
 DEB_PACKAGES := libstb-dev libxxhash-dev
 
 .PHONY: all deps test tsan demo bench clean

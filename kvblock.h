@@ -68,6 +68,15 @@
  * first (last element first), so the tail blocks of a request are the first to go, as in vLLM.
  * KVB_EVICT_CUSTOM calls the kvb_evict_ops you give.
  *
+ * KVB_EVICT_FOL, frequency-offset LRU: the pool's clock counts block references. A release is one
+ * request touching its blocks (deepest first): every touched block gets last = clock, then the clock
+ * advances by the count. A touch within the horizon H of the previous one raises the block's count
+ * (saturating at 255), otherwise resets it to 1; the previous count and time come from the block, or
+ * from a ghost FIFO of the last G evicted hashes. Class 0 = seen once and the request's tail block;
+ * else class = min(count, 4). One LRU ring per class; the victim is the ring head with the smallest
+ * last + W[class], W = {-inf, 0, step, 2 step, 3 step}; ties go to the deeper block. A parent is touched
+ * whenever its child is, so it never scores below it: no block is evicted before its cached children.
+ *
  * Storage: KVB_STORAGE_NONE (metadata only, for schedulers and simulators: 10M blocks fit in about
  * 1 GiB), KVB_STORAGE_HOST (the pool allocates 4 KiB-aligned memory from the allocator) or
  * KVB_STORAGE_EXTERNAL (you give the memory, e.g. GPU memory from kvcuda). The layout says where
@@ -197,6 +206,7 @@ typedef enum kvb_evict_policy {
     KVB_EVICT_LINEAGE,     /* leaves first, least recently released first, per priority level */
     KVB_EVICT_LRU,         /* least recently released first, per priority level */
     KVB_EVICT_CUSTOM,      /* kvb_pool_config.custom_eviction decides */
+    KVB_EVICT_FOL,         /* frequency-offset LRU (see section 2) */
     KVB_EVICT__COUNT
 } kvb_evict_policy;
 
@@ -281,6 +291,9 @@ typedef struct kvb_pool_config {
     kvb_hash_fn hash_fn;        /* default kvb_hash_block */
     void *hash_user;
     kvb_evict_ops custom_eviction; /* with KVB_EVICT_CUSTOM */
+    uint32_t fol_horizon;       /* KVB_EVICT_FOL: H, default 40,000 block references */
+    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 40,000 */
+    uint32_t fol_class_step;    /* W[c] = (c - 1) * step for classes 1..4, default 10,000 */
 } kvb_pool_config;
 
 typedef struct kvb_pool_stats {
@@ -621,6 +634,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__MAX_BLOCK_TOKENS 32768
 #define KVB__STORAGE_ALIGN 4096
 #define KVB__LEAF_SCAN_LIMIT 1024
+#define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
 
 /* meta flags */
 #define KVB__F_INDEXED 1u  /* the block the index points to for its hash */
@@ -633,7 +647,7 @@ typedef struct kvb__meta { /* one cache line per block */
     kvb_hash hash;
     kvb_hash parent;
     uint32_t stamp;      /* which eviction-ring entry is current */
-    uint32_t spare_;
+    uint32_t last;       /* FOL: clock at the last touch */
     uint32_t refs;
     uint32_t gen;
     uint32_t dup_next;   /* next block with the same hash */
@@ -641,7 +655,9 @@ typedef struct kvb__meta { /* one cache line per block */
     uint8_t state;
     uint8_t prio;
     uint8_t flags;
-    uint8_t pad_[7];
+    uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 */
+    uint16_t depth;      /* FOL: position in the request that touched it last (ties: deeper first) */
+    uint8_t pad_[3];
 } kvb__meta;
 
 typedef struct kvb__slot { uint64_t lo; uint32_t hi32; uint32_t ref; } kvb__slot; /* ref = index + 1 */
@@ -666,6 +682,8 @@ typedef struct kvb__ring {
     uint32_t live;      /* inactive blocks at this level */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
+typedef struct kvb__ghost_value { uint32_t last, pos; uint8_t cnt; } kvb__ghost_value;
+typedef struct kvb__ghost_entry { kvb_hash key; kvb__ghost_value value; } kvb__ghost_entry;
 
 struct kvb_pool {
     kvb_pool_config cfg;
@@ -675,7 +693,11 @@ struct kvb_pool {
     uint32_t n_free, n_active, n_inactive, n_cached;
     kvb__slot *slots;
     uint64_t slot_mask;
-    kvb__ring rings[KVB__MAX_LEVELS]; /* eviction order per priority level */
+    kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
+    uint32_t clock;                  /* FOL: block references so far */
+    kvb__ghost_entry *ghost;         /* FOL: evicted hash -> (count, last) (stb_ds map) */
+    kvb_hash *ghost_fifo;            /* the same hashes in eviction order, a circle of fol_ghost */
+    uint32_t ghost_pos;
     kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
     kvb_event *events;      /* pending batch (stb_ds array) */
@@ -1022,20 +1044,22 @@ static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
-static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e, uint32_t lvl)
+static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
-    return (m->flags & KVB__F_INACTIVE) && m->prio == lvl && m->stamp == e->stamp;
+    return (m->flags & KVB__F_INACTIVE) && m->stamp == e->stamp;
 }
 
+static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
+
 /* Drop stale entries once they outnumber the live ones. */
-static void kvb__ring_compact(kvb_pool *p, uint32_t lvl)
+static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
 {
-    kvb__ring *r = &p->rings[lvl];
+    kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
     if (len - r->head < 2 * (size_t)r->live + 64) return;
     for (i = r->head; i < len; i++)
-        if (kvb__ring_valid(p, &r->e[i], lvl)) r->e[w++] = r->e[i];
+        if (kvb__ring_valid(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
 }
@@ -1043,12 +1067,13 @@ static void kvb__ring_compact(kvb_pool *p, uint32_t lvl)
 static void kvb__ring_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
+    uint32_t rid = kvb__ring_of(m);
     kvb__ring_entry e;
     e.idx = idx;
     e.stamp = ++m->stamp;
-    stbds_arrput(p->rings[m->prio].e, e);
-    p->rings[m->prio].live++;
-    kvb__ring_compact(p, m->prio);
+    stbds_arrput(p->rings[rid].e, e);
+    p->rings[rid].live++;
+    kvb__ring_compact(p, rid);
 }
 
 static void kvb__list_push(kvb_pool *p, uint32_t idx)
@@ -1072,7 +1097,7 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_removed(p->cfg.custom_eviction.user, idx);
         return;
     }
-    p->rings[m->prio].live--; /* its entry is stale from now on */
+    p->rings[kvb__ring_of(m)].live--; /* its entry is stale from now on */
 }
 
 static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
@@ -1083,29 +1108,49 @@ static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 }
 
 /* Prefetch the metadata of the next victims and the index slots of the ones after the first. */
-static void kvb__prefetch_victims(const kvb_pool *p, uint32_t lvl, size_t ahead)
+static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
 {
-    const kvb__ring *r = &p->rings[lvl];
+    const kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     for (i = r->head + 1; i < len && i <= r->head + ahead; i++) KVB__PREFETCH(&p->meta[r->e[i].idx]);
     for (i = r->head + 1; i < len && i <= r->head + 2; i++)
         KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
 }
 
-/* The oldest block of level lvl (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
+/* The oldest block of a ring (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
  * KVB__NIL. Stale entries at the head are dropped on the way. */
-static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t lvl, int want_leaf)
+static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
-    kvb__ring *r = &p->rings[lvl];
+    kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     uint32_t seen = 0;
-    while (r->head < len && !kvb__ring_valid(p, &r->e[r->head], lvl)) r->head++;
+    while (r->head < len && !kvb__ring_valid(p, &r->e[r->head])) r->head++;
     for (i = r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
-        if (!kvb__ring_valid(p, &r->e[i], lvl)) continue;
+        if (!kvb__ring_valid(p, &r->e[i])) continue;
         if (!want_leaf || kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
         seen++;
     }
     return KVB__NIL;
+}
+
+/* FOL: of the class heads of one level, the smallest last + W[class]; ties to the deeper block. Ages
+ * are measured back from the clock, so the 32-bit clock may wrap. */
+static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl)
+{
+    uint32_t cls, best = KVB__NIL;
+    int64_t best_key = 0;
+    for (cls = 0; cls < KVB__CLASSES; cls++) {
+        uint32_t rid = lvl * KVB__CLASSES + cls, v;
+        int64_t key;
+        if (!p->rings[rid].live || (v = kvb__ring_victim(p, rid, 0)) == KVB__NIL) continue;
+        if (cls == 0) return v; /* W[0] = -infinity */
+        key = (int64_t)(uint32_t)(p->clock - p->meta[v].last) - (int64_t)(cls - 1) * p->cfg.fol_class_step;
+        if (best == KVB__NIL || key > best_key || (key == best_key && p->meta[v].depth > p->meta[best].depth)) {
+            best = v;
+            best_key = key;
+        }
+    }
+    return best;
 }
 
 static uint32_t kvb__choose_victim(kvb_pool *p)
@@ -1117,14 +1162,60 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
         return (i < p->cfg.num_blocks && (p->meta[i].flags & KVB__F_INACTIVE)) ? i : KVB__NIL;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
-        if (!p->rings[lvl].live) continue;
-        kvb__prefetch_victims(p, lvl, 8);
-        if ((i = kvb__ring_victim(p, lvl, lineage)) != KVB__NIL) return i;
+        if (p->cfg.eviction == KVB_EVICT_FOL) {
+            if ((i = kvb__fol_victim(p, lvl)) != KVB__NIL) return i;
+            continue;
+        }
+        if (!p->rings[lvl * KVB__CLASSES].live) continue;
+        kvb__prefetch_victims(p, lvl * KVB__CLASSES, 8);
+        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
-        if ((i = kvb__ring_victim(p, lvl, 0)) != KVB__NIL) return i;
+        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, 0)) != KVB__NIL) return i;
     return KVB__NIL;
 }
+
+/* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
+
+static void kvb__ghost_put(kvb_pool *p, const kvb__meta *m)
+{
+    kvb_hash key = kvb__kid_key(&m->hash);
+    kvb__ghost_value v;
+    uint32_t pos = p->ghost_pos++ % p->cfg.fol_ghost;
+    if (stbds_arrlenu(p->ghost_fifo) < p->cfg.fol_ghost) {
+        stbds_arrput(p->ghost_fifo, key);
+    } else { /* the oldest ghost leaves, unless it was put again since */
+        kvb_hash old = p->ghost_fifo[pos];
+        ptrdiff_t at = stbds_hmgeti(p->ghost, old);
+        if (at >= 0 && p->ghost[at].value.pos == pos) (void)stbds_hmdel(p->ghost, old);
+        p->ghost_fifo[pos] = key;
+    }
+    v.last = m->last;
+    v.cnt = m->cnt;
+    v.pos = pos;
+    stbds_hmput(p->ghost, key, v);
+}
+
+/* One reference to a registered block by the request releasing it. */
+static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (!m->cnt) { /* first touch since it was registered: an evicted past may be in the ghost table */
+        kvb_hash key = kvb__kid_key(&m->hash);
+        ptrdiff_t at = stbds_hmgeti(p->ghost, key);
+        if (at >= 0) {
+            m->cnt = p->ghost[at].value.cnt;
+            m->last = p->ghost[at].value.last;
+            (void)stbds_hmdel(p->ghost, key);
+        }
+    }
+    m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
+                                                                              : 1;
+    m->last = p->clock;
+    m->cls = (uint8_t)((m->cnt == 1 && tail) ? 0 : (m->cnt < 4 ? m->cnt : 4));
+    m->depth = (uint16_t)(depth < UINT16_MAX ? depth : UINT16_MAX);
+}
+
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
 
@@ -1176,6 +1267,9 @@ static void kvb__make_free(kvb_pool *p, uint32_t idx)
     m->refs = 0;
     m->ntok = 0;
     m->prio = 0;
+    m->cnt = m->cls = 0;
+    m->depth = 0;
+    m->last = 0;
     memset(&m->hash, 0, sizeof m->hash);
     memset(&m->parent, 0, sizeof m->parent);
     p->free_stack[p->n_free++] = idx;
@@ -1191,6 +1285,7 @@ static uint32_t kvb__alloc_one(kvb_pool *p)
         idx = kvb__choose_victim(p);
         if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
         kvb__list_remove(p, idx);
+        if (p->cfg.eviction == KVB_EVICT_FOL && p->meta[idx].cnt) kvb__ghost_put(p, &p->meta[idx]);
         kvb__make_free(p, idx);
         p->n_free--;
         p->stats.evictions++;
@@ -1237,6 +1332,22 @@ static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     } else {
         kvb__make_free(p, idx);
     }
+}
+
+/* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them, then each drops
+ * one reference. */
+static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+{
+    size_t i, tail = n;
+    if (p->cfg.eviction == KVB_EVICT_FOL) {
+        for (i = n; i-- > 0;)
+            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) {
+                if (tail == n) tail = i;
+                kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
+            }
+        p->clock += (uint32_t)n;
+    }
+    for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
 }
 
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
@@ -1291,6 +1402,9 @@ static kvb_result kvb__resolve_config(const kvb_pool_config *in, kvb_pool_config
     if (c->eviction == KVB_EVICT_DEFAULT) c->eviction = KVB_EVICT_LINEAGE;
     if (c->duplicates == KVB_DUP_DEFAULT) c->duplicates = KVB_DUP_ALLOW;
     if (!c->priority_levels) c->priority_levels = 1;
+    if (!c->fol_horizon) c->fol_horizon = 40000;
+    if (!c->fol_ghost) c->fol_ghost = 40000;
+    if (!c->fol_class_step) c->fol_class_step = 10000;
     c->layout = kvb__layout_resolved(&c->layout);
     if (!c->num_blocks || c->num_blocks > INT32_MAX || c->block_tokens > KVB__MAX_BLOCK_TOKENS ||
         c->priority_levels > KVB__MAX_LEVELS || (unsigned)c->eviction >= KVB_EVICT__COUNT ||
@@ -1320,7 +1434,9 @@ static void kvb__pool_free_parts(kvb_pool *p)
     stbds_hmfree(p->muts);
     stbds_hmfree(p->kids);
     stbds_arrfree(p->events);
-    for (i = 0; i < KVB__MAX_LEVELS; i++) stbds_arrfree(p->rings[i].e);
+    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
+    stbds_hmfree(p->ghost);
+    stbds_arrfree(p->ghost_fifo);
     kvb__mem_free(a, p->meta, p->meta_bytes);
     kvb__mem_free(a, p->slots, p->slot_bytes);
     kvb__mem_free(a, p->free_stack, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
@@ -1435,6 +1551,9 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         m->state = KVB__S_FREE;
         m->ntok = 0;
         m->prio = 0;
+        m->cnt = m->cls = 0;
+        m->depth = 0;
+        m->last = 0;
         memset(&m->hash, 0, sizeof m->hash);
         memset(&m->parent, 0, sizeof m->parent);
         pool->free_stack[pool->n_free++] = i;
@@ -1443,7 +1562,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     pool->n_cached = 0;
     memset(pool->slots, 0, pool->slot_bytes);
     stbds_hmfree(pool->kids);
-    for (i = 0; i < KVB__MAX_LEVELS; i++) {
+    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
         pool->rings[i].live = 0;
@@ -1532,7 +1651,7 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
         return KVB_EDOUBLE;
     }
     for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
-    for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
+    kvb__release_request(p, idx, n, prio);
     return KVB_OK;
 }
 
@@ -1827,10 +1946,10 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
     uint32_t lvl;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
-    for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++) {
+    for (lvl = 0; lvl < pool->cfg.priority_levels * KVB__CLASSES && k < max; lvl++) { /* FOL: class order */
         const kvb__ring *r = &pool->rings[lvl];
         for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
-            if (kvb__ring_valid(pool, &r->e[i], lvl)) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
+            if (kvb__ring_valid(pool, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
     }
     pthread_mutex_unlock(&pool->lock);
     *out_n = k;
@@ -1961,13 +2080,15 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         KVB__FAIL("set sizes free %u/%u active %u/%u inactive %u/%u", n_free, pool->n_free, n_active,
                   pool->n_active, n_inactive, pool->n_inactive);
     if (pool->cfg.eviction != KVB_EVICT_CUSTOM) {
-        for (lvl = 0, cnt = 0; lvl < KVB__MAX_LEVELS; lvl++) {
+        for (lvl = 0, cnt = 0; lvl < KVB__MAX_LEVELS * KVB__CLASSES; lvl++) {
             const kvb__ring *rg = &pool->rings[lvl];
             uint32_t live = 0;
             size_t e;
             for (e = rg->head; e < stbds_arrlenu(rg->e); e++) {
                 if (rg->e[e].idx >= n) KVB__FAIL("eviction ring %u names block %u", lvl, rg->e[e].idx);
-                live += (uint32_t)kvb__ring_valid(pool, &rg->e[e], lvl);
+                if (!kvb__ring_valid(pool, &rg->e[e])) continue;
+                if (kvb__ring_of(&pool->meta[rg->e[e].idx]) != lvl) KVB__FAIL("block %u in the wrong ring", rg->e[e].idx);
+                live++;
             }
             if (live != rg->live) KVB__FAIL("eviction ring %u: %u live entries, counted %u", lvl, live, rg->live);
             cnt += live;
@@ -2032,8 +2153,15 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 /* Drop the sequence's references on table[from..), deepest first. Pool locked. */
 static void kvb__seq_drop_tail(kvb_seq *s, size_t from)
 {
-    size_t i;
-    for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
+    size_t i, n = stbds_arrlenu(s->table) - from;
+    uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(stack, n);
+    if (idx) {
+        for (i = 0; i < n; i++) idx[i] = kvb_block_index(s->table[from + i].id);
+        kvb__release_request(s->pool, idx, n, 0);
+        kvb__scratch_free(stack, idx);
+    } else {
+        for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
+    }
     KVB__ARR_SHRINK(s->table, from);
 }
 

@@ -16,7 +16,7 @@
  *     kvo_pipeline_config pc = { .src = device, .dst = host, .backend = copy, .mode = KVO_MODE_POLL };
  *     kvo_pipeline *down;  kvo_pipeline_create(&pc, &down);
  *     kvo_transfer t;      kvo_enqueue(down, weak_blocks, n, NULL, &t);
- *     kvo_pipeline_flush(down);                                          // or poll every step
+ *     kvo_pipeline_drain(down, -1);                                      // or poll every step
  *     kvo_transfer_info info; kvo_transfer_get_info(down, t, &info);     // info.status == COMPLETE
  *     kvo_transfer_release(down, t);
  *
@@ -1447,6 +1447,7 @@ struct kvo_pipeline {
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
+    uint32_t delivering;      /* threads running on_done callbacks right now */
     pthread_t thread;
     kvo_pipeline_stats stats;
     kvo__note *notes;
@@ -1620,13 +1621,22 @@ static void kvo__unlock(kvo_pipeline *pl)
 {
     kvo__note *notes = pl->notes;
     size_t i;
+    if (!notes) {
+        pthread_mutex_unlock(&pl->lock);
+        return;
+    }
     pl->notes = NULL;
+    pl->delivering++; /* a drain waits for callbacks in progress: they may start follow-up work */
     pthread_mutex_unlock(&pl->lock);
     for (i = 0; i < stbds_arrlenu(notes); i++) {
         pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
         KVB_FREE(notes[i].dst);
     }
     stbds_arrfree(notes);
+    pthread_mutex_lock(&pl->lock);
+    pl->delivering--;
+    pthread_cond_broadcast(&pl->cond);
+    pthread_mutex_unlock(&pl->lock);
 }
 
 static void kvo__batch_free(kvo__batch *b)
@@ -2051,7 +2061,8 @@ static int kvo__step(kvo_pipeline *pl)
 static int kvo__idle(kvo_pipeline *pl)
 {
     return !kvo_queue_len(pl->q_eval) && !kvo_queue_len(pl->q_pre) && !kvo_queue_len(pl->q_batch) &&
-           !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing;
+           !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing && !stbds_arrlen(pl->notes) &&
+           !pl->delivering;
 }
 
 /* How long the coordinator may sleep: short while anything is polled (policies, events, batches). */

@@ -1225,8 +1225,8 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
 static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
 {
     kvs__req *r = kvs__find(s, it->request);
-    const kvb_block *table;
-    size_t n, done;
+    const kvb_block *table = NULL;
+    size_t n = 0, done;
     if (!r || !r->seq) return;
     done = it->num_computed + it->num_new;
     kvb_seq_commit(r->seq, done);

@@ -86,7 +86,27 @@ static uint8_t expected_tier(tiers *t, kvb_hash h)
     return 0xff;
 }
 
-/* Eager: four blocks registered in G1 reach G2 (same bytes) and then G3; lookups follow evictions. */
+/* Records on_offloaded calls (poll mode: all on the test's thread). */
+typedef struct offloaded_log {
+    int calls;
+    uint32_t tier[8];
+    kvo_transfer t[8];
+    kvo_transfer_info info[8];
+} offloaded_log;
+
+static void record_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
+{
+    offloaded_log *log = (offloaded_log *)user;
+    if (log->calls < 8) {
+        log->tier[log->calls] = tier;
+        log->t[log->calls] = t;
+        log->info[log->calls] = *info;
+    }
+    log->calls++;
+}
+
+/* Eager: four blocks registered in G1 reach G2 (same bytes) and then G3, each hop told once through
+ * on_offloaded; lookups follow evictions. */
 static void test_eager_chain_and_lookup(void)
 {
     tiers t;
@@ -94,13 +114,26 @@ static void test_eager_chain_and_lookup(void)
     kvb_block b[4], held[8];
     uint8_t tier_of[8];
     size_t n = 0;
+    offloaded_log log;
+    kvo_transfer offer;
+    memset(&log, 0, sizeof log);
     tiers_open(&t, 8, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    KVT_EQ(kvo_manager_set_offloaded(t.m, record_offloaded, &log), KVO_OK);
     of_chain(61, 4, h);
     of_register(t.g1, h, 4, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, &offer), KVO_OK);
+    KVT_CHECK(offer.id != 0);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_holds_all(t.g2, h, 4), 4);
     KVT_EQ(of_present(t.g3, h, 4), 4);
+    KVT_EQ(log.calls, 2);
+    KVT_EQ(log.tier[0], 0);
+    KVT_EQ(log.t[0].id, offer.id);
+    KVT_EQ(log.info[0].status, KVO_STATUS_COMPLETE);
+    KVT_EQ(log.info[0].transferred, 4);
+    KVT_EQ(log.tier[1], 1);
+    KVT_EQ(log.info[1].status, KVO_STATUS_COMPLETE);
+    KVT_EQ(log.info[1].transferred, 4);
     kvo_manager_stats s = mstats(&t);
     KVT_EQ(s.down[0].transferred, 4);
     KVT_EQ(s.down[1].transferred, 4);
@@ -170,20 +203,29 @@ static void test_eager_chain_and_lookup(void)
     tiers_close(&t);
 }
 
-/* Every G2 block is held by the test: offering G1 blocks fails quietly (dest_full counted, nothing
- * lands, nothing held); once G2 has room, the next offer of the same blocks lands them. */
+/* Every G2 block is held by the test: offering G1 blocks fails quietly (dest_full counted, the offload
+ * reported Failed with KVO_EFULL, nothing lands, nothing held); once G2 has room, the next offer of the
+ * same blocks lands them. */
 static void test_full_destination_then_retry(void)
 {
     tiers t;
     kvb_hash h[2];
     kvb_block b[2], hog[4];
+    offloaded_log log;
+    kvo_transfer first, second;
+    memset(&log, 0, sizeof log);
     tiers_open(&t, 8, 4, 0, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    KVT_EQ(kvo_manager_set_offloaded(t.m, record_offloaded, &log), KVO_OK);
     KVT_EQ(kvb_alloc(t.g2, 4, hog), KVB_OK);
     of_chain(71, 2, h);
     of_register(t.g1, h, 2, b, NULL);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, &first), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_present(t.g2, h, 2), 0);
+    KVT_EQ(log.calls, 1);
+    KVT_EQ(log.t[0].id, first.id);
+    KVT_EQ(log.info[0].status, KVO_STATUS_FAILED);
+    KVT_EQ(log.info[0].error, KVO_EFULL);
     KVT_CHECK(mstats(&t).down[0].dest_full >= 1);
     KVT_EQ(mstats(&t).down[0].transferred, 0);
     KVT_EQ(of_active(t.g2), 4); /* only the test's */
@@ -192,9 +234,13 @@ static void test_full_destination_then_retry(void)
     OF_CHECK_POOL(t.g2);
 
     KVT_EQ(kvb_release(t.g2, hog, 4, NULL), KVB_OK);
-    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, &second), KVO_OK);
     KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
     KVT_EQ(of_holds_all(t.g2, h, 2), 2);
+    KVT_EQ(log.calls, 2);
+    KVT_EQ(log.t[1].id, second.id);
+    KVT_EQ(log.info[1].status, KVO_STATUS_COMPLETE);
+    KVT_EQ(log.info[1].transferred, 2);
     KVT_EQ(mstats(&t).down[0].transferred, 2);
     KVT_EQ(kvb_release(t.g1, b, 2, NULL), KVB_OK);
     tiers_close(&t);
