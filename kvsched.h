@@ -1033,6 +1033,7 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
     size_t have;
     kvb_seq_info info;
+    memset(&info, 0, sizeof info);
     kvb_seq_get_info(r->seq, &info);
     have = info.num_tokens;
     while (have < stbds_arrlenu(r->tokens)) {
