@@ -19,7 +19,7 @@ TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manage
 DEB_PACKAGES := libstb-dev libxxhash-dev
 
 .PHONY: all deps test tsan demo bench clean
-all: deps $(BUILD)/quickstart $(BUILD)/kvbench
+all: deps $(BUILD)/quickstart $(BUILD)/kvbench $(BUILD)/tiny_llm
 
 # Install missing Debian packages (apt-get as root; otherwise print the command and stop).
 deps:
@@ -43,13 +43,20 @@ $(BUILD)/tsan/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lm
 
-test: deps $(addprefix $(BUILD)/test/,$(TESTS))
-	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS))
+# programs whose own check mode is part of the suite
+CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check"
+
+test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm
+	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS)) $(CHECK_PROGRAMS)
 
 tsan: deps $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))
 	@TSAN_OPTIONS="halt_on_error=1" sh tests/run.sh $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))
 
 $(BUILD)/quickstart: examples/quickstart.c $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
+
+$(BUILD)/tiny_llm: examples/tiny_llm.c $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 

@@ -239,14 +239,16 @@ typedef struct kvs_request {
     size_t num_extra;
 } kvs_request;
 
-/* One request's part of a step. */
+/* One request's part of a step. The pointers stay valid until the next kvs_sched_ call that changes
+ * this request (step, append, finish, abort). */
 typedef struct kvs_sched_item {
     uint64_t request;
-    const kvb_block *blocks;      /* its block table (valid until the next step) */
+    const kvb_block *blocks;      /* its block table */
     size_t num_blocks;
     size_t num_computed;          /* tokens already in the cache */
     size_t num_new;               /* tokens to compute now: [num_computed, num_computed + num_new) */
     const uint32_t *tokens;       /* all of its tokens */
+    size_t num_tokens;            /* when num_computed + num_new reaches it, the item yields a token */
 } kvs_sched_item;
 
 typedef struct kvs_step {
@@ -908,12 +910,11 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     return KVS_OK;
 }
 
-/* Give back a request's device blocks and its connector state. */
+/* Give back a request's device blocks and its connector state (its counts stay readable). */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
     kvb_seq_destroy(r->seq);
     r->seq = NULL;
-    r->computed = r->cached = r->registered_blocks = 0;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
@@ -1001,6 +1002,7 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     kvs__queue_remove(s->running, v);
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
+    v->computed = v->cached = v->registered_blocks = 0; /* recomputed (or reloaded) from scratch */
     kvs__set_state(v, KVS_SLOT_PREEMPTED);
     v->preemptions++;
     v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
@@ -1022,6 +1024,7 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
     it.num_computed = num_computed;
     it.num_new = num_new;
     it.tokens = r->tokens;
+    it.num_tokens = stbds_arrlenu(r->tokens);
     r->scheduled = 1;
     if (decode) stbds_arrput(s->decode, it);
     else stbds_arrput(s->prefill, it);
@@ -1051,7 +1054,7 @@ static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, size_t *tokens_left,
 {
     size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
     int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
-    if (from >= len) from = len - 1; /* everything cached: recompute the last token for its logits */
+    if (from >= len) return 0;
     n = len - from;
     if (!*seqs_left || !*tokens_left || (decode && n > *tokens_left)) return 0;
     if (n > *tokens_left) n = *tokens_left; /* chunked prefill */
@@ -1116,9 +1119,14 @@ static int kvs__admit(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *se
     sc.extra = r->extra;
     sc.n_extra = r->num_extra;
     if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) return 0;
-    for (;;) {
+    for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
+                * computes at least one token (for its logits) in a block of its own, as in vLLM */
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens, stbds_arrlenu(r->tokens), &cached) == KVB_OK) break;
+        size_t len = stbds_arrlenu(r->tokens);
+        if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
+            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) break;
+            kvb_seq_truncate(r->seq, 0);
+        }
         v = kvs__victim(s, r->priority);
         if (!v) {
             kvb_seq_destroy(r->seq);

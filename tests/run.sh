@@ -4,7 +4,7 @@
 passed=0 failed=0 skipped=0
 for t in "$@"; do
     echo "== $t"
-    out=$("$t" 2>&1); rc=$?
+    out=$(sh -c "$t" 2>&1); rc=$?
     printf '%s\n' "$out" | grep -v -E '^[0-9]+ passed, [0-9]+ failed'
     line=$(printf '%s\n' "$out" | grep -E '^[0-9]+ passed, [0-9]+ failed' | tail -n 1)
     if [ -z "$line" ]; then
