@@ -2087,6 +2087,7 @@ static void *kvo__coordinator(void *arg)
             continue;
         }
         wait_us = kvo__coordinator_wait_us(pl);
+        if (pl->stopping) break; /* destroy may have signalled while submit ran unlocked */
         if (wait_us < 0) {
             pthread_cond_wait(&pl->cond, &pl->lock);
         } else {
