@@ -72,10 +72,11 @@
  * request touching its blocks (deepest first): every touched block gets last = clock, then the clock
  * advances by the count. A touch within the horizon H of the previous one raises the block's count
  * (saturating at 255), otherwise resets it to 1; the previous count and time come from the block, or
- * from a ghost FIFO of the last G evicted hashes. Class 0 = seen once and the request's tail block;
- * else class = min(count, 4). One LRU ring per class; the victim is the ring head with the smallest
- * last + W[class], W = {-inf, 0, step, 2 step, 3 step}; ties go to the deeper block. A parent is touched
- * whenever its child is, so it never scores below it: no block is evicted before its cached children.
+ * from a ghost FIFO of the last G evicted hashes. Class 0 = seen once and the request's tail block (and a
+ * leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of each
+ * ring, the one with the smallest last + W[class], W = {-inf, 0, step, 2 step, 3 step}; ties go to the
+ * deeper block. A parent is touched whenever its child is, so it scores no lower unless its count
+ * restarted (horizon); victims are leaves, so no block is evicted before its cached children.
  *
  * Storage: KVB_STORAGE_NONE (metadata only, for schedulers and simulators: 10M blocks fit in about
  * 1 GiB), KVB_STORAGE_HOST (the pool allocates 4 KiB-aligned memory from the allocator) or
@@ -1133,19 +1134,33 @@ static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
     return KVB__NIL;
 }
 
-/* FOL: of the class heads of one level, the smallest last + W[class]; ties to the deeper block. Ages
- * are measured back from the clock, so the 32-bit clock may wrap. */
-static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl)
+/* FOL: how far block v is from eviction in its class: age minus W[class]; larger goes first. Ages are
+ * measured back from the clock, so the 32-bit clock may wrap. */
+static int64_t kvb__fol_key(const kvb_pool *p, uint32_t v)
+{
+    const kvb__meta *m = &p->meta[v];
+    if (m->cls == 0) return INT64_MAX; /* W[0] = -infinity */
+    return (int64_t)(uint32_t)(p->clock - m->last) - (int64_t)(m->cls - 1) * p->cfg.fol_class_step;
+}
+
+static int kvb__fol_before(const kvb_pool *p, uint32_t a, int64_t ka, uint32_t b, int64_t kb)
+{
+    return ka > kb || (ka == kb && p->meta[a].depth > p->meta[b].depth); /* ties: the deeper block */
+}
+
+/* FOL: of the oldest leaf of each class ring of one level, the one with the smallest last + W[class].
+ * Only leaves: a parent whose count restarted may score below its children, and evicting it would
+ * orphan them (lineage_only = 0 takes the plain heads, the fallback when no leaf is found). */
+static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 {
     uint32_t cls, best = KVB__NIL;
     int64_t best_key = 0;
     for (cls = 0; cls < KVB__CLASSES; cls++) {
         uint32_t rid = lvl * KVB__CLASSES + cls, v;
         int64_t key;
-        if (!p->rings[rid].live || (v = kvb__ring_victim(p, rid, 0)) == KVB__NIL) continue;
-        if (cls == 0) return v; /* W[0] = -infinity */
-        key = (int64_t)(uint32_t)(p->clock - p->meta[v].last) - (int64_t)(cls - 1) * p->cfg.fol_class_step;
-        if (best == KVB__NIL || key > best_key || (key == best_key && p->meta[v].depth > p->meta[best].depth)) {
+        if (!p->rings[rid].live || (v = kvb__ring_victim(p, rid, leaves_only)) == KVB__NIL) continue;
+        key = kvb__fol_key(p, v);
+        if (best == KVB__NIL || kvb__fol_before(p, v, key, best, best_key)) {
             best = v;
             best_key = key;
         }
@@ -1163,7 +1178,7 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
         if (p->cfg.eviction == KVB_EVICT_FOL) {
-            if ((i = kvb__fol_victim(p, lvl)) != KVB__NIL) return i;
+            if ((i = kvb__fol_victim(p, lvl, 1)) != KVB__NIL || (i = kvb__fol_victim(p, lvl, 0)) != KVB__NIL) return i;
             continue;
         }
         if (!p->rings[lvl * KVB__CLASSES].live) continue;
@@ -1212,7 +1227,8 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
     m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
                                                                               : 1;
     m->last = p->clock;
-    m->cls = (uint8_t)((m->cnt == 1 && tail) ? 0 : (m->cnt < 4 ? m->cnt : 4));
+    /* Class 0 only for a leaf: a parent that restarted at count 1 still has its children cached. */
+    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? 0 : (m->cnt < 4 ? m->cnt : 4));
     m->depth = (uint16_t)(depth < UINT16_MAX ? depth : UINT16_MAX);
 }
 
@@ -1334,12 +1350,12 @@ static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     }
 }
 
-/* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them, then each drops
- * one reference. */
-static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+/* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them (unless the
+ * release only drops rejected tokens), then each drops one reference. */
+static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch)
 {
     size_t i, tail = n;
-    if (p->cfg.eviction == KVB_EVICT_FOL) {
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) {
         for (i = n; i-- > 0;)
             if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) {
                 if (tail == n) tail = i;
@@ -1651,7 +1667,7 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
         return KVB_EDOUBLE;
     }
     for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
-    kvb__release_request(p, idx, n, prio);
+    kvb__release_request(p, idx, n, prio, 1);
     return KVB_OK;
 }
 
@@ -1940,14 +1956,47 @@ KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n
     return KVB_OK;
 }
 
+/* FOL's eviction order of one level without evicting: merge the class rings by key. */
+static size_t kvb__fol_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_t max)
+{
+    size_t cur[KVB__CLASSES], k = 0, cls;
+    for (cls = 0; cls < KVB__CLASSES; cls++) cur[cls] = p->rings[lvl * KVB__CLASSES + cls].head;
+    while (k < max) {
+        size_t best = KVB__CLASSES;
+        uint32_t bv = 0;
+        int64_t bk = 0;
+        for (cls = 0; cls < KVB__CLASSES; cls++) {
+            const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + cls];
+            while (cur[cls] < stbds_arrlenu(r->e) && !kvb__ring_valid(p, &r->e[cur[cls]])) cur[cls]++;
+            if (cur[cls] < stbds_arrlenu(r->e)) {
+                uint32_t v = r->e[cur[cls]].idx;
+                int64_t key = kvb__fol_key(p, v);
+                if (best == KVB__CLASSES || kvb__fol_before(p, v, key, bv, bk)) {
+                    best = cls;
+                    bv = v;
+                    bk = key;
+                }
+            }
+        }
+        if (best == KVB__CLASSES) break;
+        out[k++] = kvb_weak_of(kvb__block_of(p, bv));
+        cur[best]++;
+    }
+    return k;
+}
+
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
 {
     size_t k = 0, i;
     uint32_t lvl;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
-    for (lvl = 0; lvl < pool->cfg.priority_levels * KVB__CLASSES && k < max; lvl++) { /* FOL: class order */
-        const kvb__ring *r = &pool->rings[lvl];
+    for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++) {
+        if (pool->cfg.eviction == KVB_EVICT_FOL) {
+            k += kvb__fol_candidates(pool, lvl, out + k, max - k);
+            continue;
+        }
+        const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES];
         for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
             if (kvb__ring_valid(pool, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
     }
@@ -2150,14 +2199,15 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
     return KVB_OK;
 }
 
-/* Drop the sequence's references on table[from..), deepest first. Pool locked. */
-static void kvb__seq_drop_tail(kvb_seq *s, size_t from)
+/* Drop the sequence's references on table[from..), deepest first; `touch`: the request ends (FOL counts
+ * it as a reference), not a truncation. Pool locked. */
+static void kvb__seq_drop_tail(kvb_seq *s, size_t from, int touch)
 {
     size_t i, n = stbds_arrlenu(s->table) - from;
     uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(stack, n);
     if (idx) {
         for (i = 0; i < n; i++) idx[i] = kvb_block_index(s->table[from + i].id);
-        kvb__release_request(s->pool, idx, n, 0);
+        kvb__release_request(s->pool, idx, n, 0, touch);
         kvb__scratch_free(stack, idx);
     } else {
         for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
@@ -2169,7 +2219,7 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq)
 {
     if (!seq) return;
     pthread_mutex_lock(&seq->pool->lock);
-    kvb__seq_drop_tail(seq, 0);
+    kvb__seq_drop_tail(seq, 0, 1);
     kvb__unlock(seq->pool);
     stbds_arrfree(seq->tokens);
     stbds_arrfree(seq->table);
@@ -2368,7 +2418,7 @@ KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
     for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
     if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
     if (r == KVB_OK) {
-        kvb__seq_drop_tail(seq, keep);
+        kvb__seq_drop_tail(seq, keep, 0);
         if (cow) {
             r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
         } else if (last != KVB__NIL) {

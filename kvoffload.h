@@ -1674,10 +1674,21 @@ static void kvo__sweep_on_deck(kvo_pipeline *pl, kvo__batch *b)
     KVB__ARR_SHRINK(b->cs, k);
 }
 
+/* P4: the batch about to be upgraded loses its cancelled containers first. */
+static void kvo__sweep_batch(kvo_pipeline *pl, kvo__batch *b)
+{
+    size_t j, w;
+    for (j = w = 0; j < stbds_arrlenu(b->cs); j++) {
+        if (kvo_token_is_cancelled(b->cs[j]->token)) kvo__on_drop(b->cs[j], pl);
+        else b->cs[w++] = b->cs[j];
+    }
+    KVB__ARR_SHRINK(b->cs, w);
+}
+
 /* CancelSweeper: drop cancelled containers from every queue and every batch not yet in the backend. */
 static void kvo__sweep_all(kvo_pipeline *pl)
 {
-    size_t i, j, w;
+    size_t i, w;
     for (i = w = 0; i < stbds_arrlenu(pl->on_deck); i++) {
         kvo__sweep_on_deck(pl, pl->on_deck[i]);
         if (stbds_arrlen(pl->on_deck[i]->cs)) pl->on_deck[w++] = pl->on_deck[i];
@@ -1687,14 +1698,7 @@ static void kvo__sweep_all(kvo_pipeline *pl)
     kvo_queue_sweep(pl->q_eval, NULL);
     kvo_queue_sweep(pl->q_pre, NULL);
     kvo_queue_sweep(pl->q_batch, NULL);
-    for (i = 0; i < stbds_arrlenu(pl->in_queue); i++) {
-        kvo__batch *b = pl->in_queue[i];
-        for (j = w = 0; j < stbds_arrlenu(b->cs); j++) {
-            if (kvo_token_is_cancelled(b->cs[j]->token)) kvo__on_drop(b->cs[j], pl);
-            else b->cs[w++] = b->cs[j];
-        }
-        KVB__ARR_SHRINK(b->cs, w);
-    }
+    for (i = 0; i < stbds_arrlenu(pl->in_queue); i++) kvo__sweep_batch(pl, pl->in_queue[i]);
     for (i = w = 0; i < stbds_arrlenu(pl->in_queue); i++) {
         if (stbds_arrlen(pl->in_queue[i]->cs)) pl->in_queue[w++] = pl->in_queue[i];
         else kvo__batch_free(pl->in_queue[i]);
@@ -1954,12 +1958,10 @@ static void kvo__batch_abort(kvo_pipeline *pl, kvo__batch *b, kvo_status st, int
 static void kvo__fill_on_deck(kvo_pipeline *pl)
 {
     while (stbds_arrlenu(pl->on_deck) < pl->cfg.on_deck && stbds_arrlen(pl->in_queue)) {
-        kvo__batch *b;
+        kvo__batch *b = pl->in_queue[0];
         int n;
-        kvo__sweep_all(pl);
-        if (!stbds_arrlen(pl->in_queue)) break;
-        b = pl->in_queue[0];
         stbds_arrdel(pl->in_queue, 0);
+        kvo__sweep_batch(pl, b);
         n = kvo__upgrade(pl, b);
         pl->moves++;
         if (n > 0) {

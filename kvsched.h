@@ -407,6 +407,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
 } kvs__plan;
 
 typedef struct kvs__active_load { kvs_load load; kvo_transfer t; } kvs__active_load;
+typedef struct kvs__id_entry { uint64_t key; int value; } kvs__id_entry;
 typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int done; } kvs__active_store;
 
 struct kvs_connector {
@@ -422,7 +423,7 @@ struct kvs_connector {
     kvs_store *bound_stores;
     kvs__active_load *loads;
     kvs__active_store *stores;
-    uint64_t *offloaded;       /* transfer ids reported by the manager */
+    kvs__id_entry *offloaded;  /* transfer ids reported by the manager (stb_ds set) */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -450,7 +451,7 @@ static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const k
     (void)info;
     if (tier != 0) return;
     pthread_mutex_lock(&c->lock);
-    stbds_arrput(c->offloaded, t.id);
+    stbds_hmput(c->offloaded, t.id, 1);
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -495,7 +496,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
-    stbds_arrfree(c->offloaded);
+    stbds_hmfree(c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
     pthread_mutex_destroy(&c->lock);
@@ -708,13 +709,9 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
 
 static int kvs__offloaded(kvs_connector *c, uint64_t id)
 {
-    size_t i;
-    for (i = 0; i < stbds_arrlenu(c->offloaded); i++)
-        if (c->offloaded[i] == id) {
-            stbds_arrdelswap(c->offloaded, i);
-            return 1;
-        }
-    return 0;
+    if (stbds_hmgeti(c->offloaded, id) < 0) return 0;
+    (void)stbds_hmdel(c->offloaded, id);
+    return 1;
 }
 
 KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out)

@@ -43,7 +43,8 @@
  */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
-#include "kvoffload.h" /* includes kvblock.h */
+#define KVSCHED_IMPLEMENTATION
+#include "kvsched.h" /* includes kvoffload.h and kvblock.h */
 
 #include <errno.h>
 #include <fcntl.h>
@@ -75,6 +76,9 @@
 #define GOAL_DISK_VS_SEQ_WRITE  0.8
 /* cancel_latency_ms: the pipeline's sweep interval + 1 ms (read from its resolved config) */
 #define GOAL_CANCEL_SLACK_MS    1.0
+#define GOAL_FOL_VS_LRU         1.5
+#define GOAL_SCHED_STEP_US      100.0
+#define GOAL_SCHED_SCALING      4.5
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
 
@@ -117,6 +121,10 @@
 #define REPS_COPY   9
 #define REPS_PIPE   15
 #define REPS_DISK   7
+#define REPS_EVICT  5
+#define REPS_SCHED  31
+#define EVICT_ITERATIONS 8192  /* x 16 evictions per repetition */
+#define SCHED_PROMPT_BLOCKS 2  /* each request: 2 full blocks + 0..15 tokens, so 1 in 16 crosses a block per step */
 
 /* ---- small utilities ---------------------------------------------------------------------------- */
 
@@ -1184,6 +1192,153 @@ static void usage(FILE *to)
                 "  Benchmarks kvblock.h and kvoffload.h; prints a table, or with --json one JSON object on stdout.\n");
 }
 
+
+/* ---- eviction policies: LRU vs FOL ----------------------------------------------------------------- */
+
+typedef struct evict_bench { kvb_pool *pool; kvb_hash *hashes; uint64_t *rng; } evict_bench;
+
+/* ns per eviction: only the kvb_alloc calls are timed (each of their 16 blocks evicts one); the register
+ * and release that keep the pool full are not. */
+static double evict_once(void *ctx)
+{
+    evict_bench *b = ctx;
+    kvb_block blocks[CYCLE_BATCH], registered[CYCLE_BATCH];
+    uint64_t spent = 0;
+    fill_random_hashes(b->hashes, (size_t)EVICT_ITERATIONS * CYCLE_BATCH, b->rng);
+    for (size_t i = 0; i < EVICT_ITERATIONS; i++) {
+        uint64_t t0 = now_ns();
+        expect_ok(kvb_alloc(b->pool, CYCLE_BATCH, blocks), "evict: kvb_alloc");
+        spent += now_ns() - t0;
+        expect_ok(kvb_register_hashed(b->pool, blocks, CYCLE_BATCH, b->hashes + i * CYCLE_BATCH, NULL, registered),
+                  "evict: kvb_register_hashed");
+        expect_ok(kvb_release(b->pool, registered, CYCLE_BATCH, NULL), "evict: kvb_release");
+    }
+    return (double)spent / ((double)EVICT_ITERATIONS * CYCLE_BATCH);
+}
+
+static double measure_evict(kvb_evict_policy policy, uint64_t *rng)
+{
+    kvb_pool_config cfg = { .num_blocks = BIG_POOL_BLOCKS, .block_tokens = BLOCK_TOKENS, .eviction = policy };
+    evict_bench b = { .rng = rng, .hashes = xmalloc((size_t)EVICT_ITERATIONS * CYCLE_BATCH * sizeof(kvb_hash)) };
+    expect_ok(kvb_pool_create(&cfg, &b.pool), "kvb_pool_create (evict)");
+    fill_with_inactive_blocks(b.pool, BIG_POOL_BLOCKS, rng);
+    double ns = summarize_runs(MEDIAN, REPS_EVICT, evict_once, &b);
+    check_pool(b.pool, "after the eviction bench");
+    kvb_pool_destroy(b.pool);
+    free(b.hashes);
+    return ns;
+}
+
+static void bench_evict(results *rs, uint64_t *rng)
+{
+    double lru = measure_evict(KVB_EVICT_LRU, rng), fol = measure_evict(KVB_EVICT_FOL, rng);
+    results_add(rs, "evict_lru_ns", lru, "ns/evict", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "evict_fol_ns", fol, "ns/evict", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "evict_fol_vs_lru", fol / lru, "ratio", GOAL_FOL_VS_LRU, GOAL_AT_MOST);
+}
+
+/* ---- scheduler step ------------------------------------------------------------------------------ */
+
+/* An engine's steady state: n requests decoding, one token each per step, with the connector, eager
+ * offload to a host tier through the memcpy backend (small pages: the copies are not what is measured). */
+typedef struct sched_bench {
+    kvb_pool *device, *host;
+    kvo_backend *copy;
+    kvo_manager *tiers;
+    kvs_sched *sched;
+    uint32_t token;
+} sched_bench;
+
+static kvb_pool *sched_pool(uint32_t blocks)
+{
+    kvb_pool_config cfg = { .num_blocks = blocks, .block_tokens = BLOCK_TOKENS, .storage = KVB_STORAGE_HOST,
+                            .layout = { .kind = KVB_LAYOUT_BLOCK_CONTIGUOUS, .num_layers = 1, .num_parts = 2,
+                                        .page_bytes = 64 } };
+    kvb_pool *p;
+    expect_ok(kvb_pool_create(&cfg, &p), "kvb_pool_create (sched)");
+    return p;
+}
+
+/* One step as the engine runs it: plan, (forward pass), complete, append the sampled tokens. */
+static size_t sched_step(sched_bench *b)
+{
+    kvs_step st;
+    size_t decoded = 0;
+    if (kvs_sched_step(b->sched, &st) != KVS_OK) die("kvs_sched_step failed");
+    if (kvs_sched_complete(b->sched, &st) != KVS_OK) die("kvs_sched_complete failed");
+    for (size_t i = 0; i < st.num_prefill + st.num_decode; i++) {
+        const kvs_sched_item *it = i < st.num_prefill ? &st.prefill[i] : &st.decode[i - st.num_prefill];
+        if (it->num_computed + it->num_new < it->num_tokens) continue;
+        uint32_t t = b->token++;
+        if (kvs_sched_append(b->sched, it->request, &t, 1) != KVS_OK) die("kvs_sched_append failed");
+        decoded += i >= st.num_prefill;
+    }
+    return decoded;
+}
+
+static void sched_setup(sched_bench *b, uint32_t requests)
+{
+    uint32_t blocks = requests * (SCHED_PROMPT_BLOCKS + 8);
+    memset(b, 0, sizeof *b);
+    b->device = sched_pool(blocks);
+    b->host = sched_pool(blocks);
+    expect_kvo(kvo_memcpy_backend_create(0, &b->copy), "kvo_memcpy_backend_create");
+    kvo_manager_config mc = { .num_tiers = 2, .pools = { b->device, b->host }, .down = { b->copy },
+                              .up = { NULL, b->copy }, .pipeline = { .mode = KVO_MODE_POLL } };
+    expect_kvo(kvo_manager_create(&mc, &b->tiers), "kvo_manager_create");
+    kvs_sched_config sc = { .device = b->device, .tiers = b->tiers, .max_seqs = requests };
+    if (kvs_sched_create(&sc, &b->sched) != KVS_OK) die("kvs_sched_create failed");
+    uint32_t *prompt = xmalloc((SCHED_PROMPT_BLOCKS + 1) * BLOCK_TOKENS * sizeof *prompt);
+    for (uint32_t r = 0; r < requests; r++) {
+        size_t n = SCHED_PROMPT_BLOCKS * BLOCK_TOKENS + r % BLOCK_TOKENS + 1;
+        for (size_t i = 0; i < n; i++) prompt[i] = r * 1000u + (uint32_t)i; /* no sharing between requests */
+        kvs_request rq = { .prompt = prompt, .num_prompt = n };
+        uint64_t id;
+        if (kvs_sched_add(b->sched, &rq, &id) != KVS_OK) die("kvs_sched_add failed");
+    }
+    free(prompt);
+    for (int i = 0; i < 64; i++) /* prefill until everyone decodes */
+        if (sched_step(b) == requests) return;
+    die("sched bench: requests did not all reach decoding");
+}
+
+static void sched_teardown(sched_bench *b)
+{
+    kvs_sched_destroy(b->sched);
+    kvo_manager_destroy(b->tiers);
+    kvo_backend_destroy(b->copy);
+    check_pool(b->device, "after the scheduler bench");
+    kvb_pool_destroy(b->device);
+    kvb_pool_destroy(b->host);
+}
+
+static double sched_step_once(void *ctx)
+{
+    sched_bench *b = ctx;
+    uint64_t t0 = now_ns();
+    size_t decoded = sched_step(b);
+    uint64_t t1 = now_ns();
+    if (!decoded) die("sched bench: a step decoded nothing");
+    return (double)(t1 - t0) / 1000.0;
+}
+
+static double measure_sched_step(uint32_t requests)
+{
+    sched_bench b;
+    sched_setup(&b, requests);
+    double us = summarize_runs(MEDIAN, REPS_SCHED, sched_step_once, &b);
+    sched_teardown(&b);
+    return us;
+}
+
+static void bench_sched(results *rs)
+{
+    double us1k = measure_sched_step(1000), us4k = measure_sched_step(4000);
+    results_add(rs, "sched_step_us_1000", us1k, "us", GOAL_SCHED_STEP_US, GOAL_AT_MOST);
+    results_add(rs, "sched_step_us_4000", us4k, "us", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "sched_step_scaling", us4k / us1k, "ratio", GOAL_SCHED_SCALING, GOAL_AT_MOST);
+}
+
 int main(int argc, char **argv)
 {
     int json = 0;
@@ -1234,6 +1389,10 @@ int main(int argc, char **argv)
     bench_disk(&rs, &rng);
     progress("cancel latency");
     bench_cancel(&rs, &rng);
+    progress("eviction: LRU vs FOL, 1M blocks");
+    bench_evict(&rs, &rng);
+    progress("scheduler step, 1000 and 4000 decoding requests");
+    bench_sched(&rs);
 
     if (json) print_json(&rs, &machine);
     else print_table(&rs, &machine);
