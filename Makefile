@@ -16,10 +16,10 @@ MAKEFLAGS += -j$(NPROC)
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
 TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress
-DEB_PACKAGES := libstb-dev libxxhash-dev
+DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev
 
 .PHONY: all deps test tsan demo bench clean
-all: deps $(BUILD)/quickstart $(BUILD)/kvbench $(BUILD)/tiny_llm
+all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm
 
 # Install missing Debian packages (apt-get as root; otherwise print the command and stop).
 deps:
@@ -44,9 +44,12 @@ $(BUILD)/tsan/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lm
 
 # programs whose own check mode is part of the suite
-CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check"
+CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
+  "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
+  "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru --eviction lineage" \
+  "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000"
 
-test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm
+test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim
 	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS)) $(CHECK_PROGRAMS)
 
 tsan: deps $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))
@@ -60,8 +63,12 @@ $(BUILD)/tiny_llm: examples/tiny_llm.c $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
-demo: deps $(BUILD)/quickstart
-	./$(BUILD)/quickstart
+$(BUILD)/serve_sim: examples/serve_sim.c $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lcjson -lm
+
+demo: deps $(BUILD)/serve_sim
+	./$(BUILD)/serve_sim
 
 XXH_FLAGS := $(shell [ -f /usr/include/xxhash.h ] && echo "-DKVBENCH_HAVE_XXHASH")
 XXH_LIBS  := $(shell [ -f /usr/include/xxhash.h ] && echo "-lxxhash")

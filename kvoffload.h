@@ -2577,14 +2577,18 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
     return r;
 }
 
-/* Lazy mode: keep the next blocks to be evicted from each tier backed by the tier below. */
+/* Lazy mode: keep lazy_reserve blocks of each tier ready to be taken without losing data: free ones,
+ * and for what free blocks do not cover, the next eviction candidates backed by the tier below. */
 static void kvo__manager_back_candidates(kvo_manager *m, uint32_t tier)
 {
-    kvb_weak *w = (kvb_weak *)KVB_MALLOC(m->cfg.lazy_reserve * sizeof *w);
-    size_t n = 0;
+    kvb_pool_stats st;
+    kvb_weak *w;
+    size_t n = 0, want;
     kvo_transfer t;
-    if (!w) return;
-    if (kvb_eviction_candidates(m->cfg.pools[tier], m->cfg.lazy_reserve, w, &n) == KVB_OK && n)
+    if (kvb_pool_get_stats(m->cfg.pools[tier], &st) != KVB_OK || st.free_blocks >= m->cfg.lazy_reserve) return;
+    want = m->cfg.lazy_reserve - st.free_blocks;
+    if (!(w = (kvb_weak *)KVB_MALLOC(want * sizeof *w))) return;
+    if (kvb_eviction_candidates(m->cfg.pools[tier], want, w, &n) == KVB_OK && n)
         kvo_enqueue(m->down[tier], w, n, NULL, &t);
     KVB_FREE(w);
 }

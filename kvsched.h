@@ -346,9 +346,8 @@ KVS_API const char *kvs_result_string(int result)
 
 static const unsigned char kvs__edges[][2] = {
     {KVS_SLOT_INITIALIZED, KVS_SLOT_ONBOARD_STAGED}, {KVS_SLOT_INITIALIZED, KVS_SLOT_PREFILLING},
-    {KVS_SLOT_ONBOARD_STAGED, KVS_SLOT_ONBOARDING},  {KVS_SLOT_ONBOARD_STAGED, KVS_SLOT_INITIALIZED},
-    {KVS_SLOT_ONBOARDING, KVS_SLOT_PREFILLING},      {KVS_SLOT_ONBOARDING, KVS_SLOT_DECODING},
-    {KVS_SLOT_ONBOARDING, KVS_SLOT_INITIALIZED},     {KVS_SLOT_PREFILLING, KVS_SLOT_DECODING},
+    {KVS_SLOT_ONBOARD_STAGED, KVS_SLOT_ONBOARDING},  {KVS_SLOT_ONBOARDING, KVS_SLOT_PREFILLING},
+    {KVS_SLOT_PREFILLING, KVS_SLOT_DECODING},
     {KVS_SLOT_PREFILLING, KVS_SLOT_SKIPPED_PREFILL}, {KVS_SLOT_PREFILLING, KVS_SLOT_PREEMPTED},
     {KVS_SLOT_SKIPPED_PREFILL, KVS_SLOT_PREFILLING}, {KVS_SLOT_SKIPPED_PREFILL, KVS_SLOT_PREEMPTED},
     {KVS_SLOT_DECODING, KVS_SLOT_PREFILLING},        {KVS_SLOT_DECODING, KVS_SLOT_SKIPPED_DECODE},
@@ -455,11 +454,23 @@ static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const k
     pthread_mutex_unlock(&c->lock);
 }
 
+/* The manager's G1 is `device`: its first offload pipeline starts there (or its onboards end there). */
+static int kvs__is_g1(kvo_manager *m, kvb_pool *device)
+{
+    kvo_pipeline_config pc;
+    uint32_t t;
+    if (kvo_pipeline_get_config(kvo_manager_pipeline(m, 0, 0), &pc) == KVO_OK) return pc.src == device;
+    for (t = 1; t < KVO_MAX_TIERS; t++)
+        if (kvo_pipeline_get_config(kvo_manager_pipeline(m, t, 1), &pc) == KVO_OK) return pc.dst == device;
+    return 0;
+}
+
 KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_connector **out)
 {
     kvs_connector *c;
     kvb_pool_config pc;
-    if (!config || !out || !config->device || !config->tiers || (unsigned)config->offload > KVS_OFFLOAD_LAZY)
+    if (!config || !out || !config->device || !config->tiers || (unsigned)config->offload > KVS_OFFLOAD_LAZY ||
+        !kvs__is_g1(config->tiers, config->device))
         return KVS_EINVAL;
     c = (kvs_connector *)KVB_MALLOC(sizeof *c);
     if (!c) return KVS_ENOMEM;
@@ -692,16 +703,17 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
     kvo_transfer_info info;
     kvs__plan *p = kvs__plan_of(c, a->load.request);
     if (a->t.id) {
-        kvb_block got[256];
+        kvb_block *got;
         size_t n = 0;
         if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
         if (info.status < KVO_STATUS_COMPLETE) return 0;
-        if (info.status == KVO_STATUS_COMPLETE && info.blocks <= 256 &&
-            kvo_transfer_take_blocks(up, a->t, got, 256, &n) == KVO_OK && p)
-            memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
-        else if (n)
-            kvb_release(c->cfg.device, got, n, NULL);
-        kvo_transfer_release(up, a->t);
+        got = (kvb_block *)KVB_MALLOC((info.blocks ? info.blocks : 1) * sizeof *got);
+        if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
+            if (p) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
+            else if (n) kvb_release(c->cfg.device, got, n, NULL);
+        }
+        KVB_FREE(got);
+        kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }
     if (p && p->loads_active && --p->loads_active == 0) stbds_arrput(c->fin_loads, p->request);
     return 1;
@@ -731,6 +743,7 @@ KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_outpu
         else c->stores[w++] = *s;
     }
     KVB__ARR_SHRINK(c->stores, w);
+    if (!w) stbds_hmfree(c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
     out->finished_loads = c->fin_loads;
     out->num_finished_loads = stbds_arrlenu(c->fin_loads);
     out->finished_stores = c->fin_stores;
@@ -808,7 +821,8 @@ typedef struct kvs__req {
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
-    int swapped, scheduled;
+    int swapped, scheduled, drop_after_step;
+    uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
 } kvs__req;
 
 typedef struct kvs__req_entry { uint64_t key; kvs__req *value; } kvs__req_entry;
@@ -821,6 +835,7 @@ struct kvs_sched {
     kvs__req **waiting, **running, **swapped, **onboarding;
     uint64_t next_id, next_arrival, step_id;
     int in_step;
+    size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
     uint64_t *preempted;
     kvs_sched_stats stats;
@@ -972,30 +987,58 @@ KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, u
 
 /* The running request to preempt for `for_r`: lowest priority, latest arrival, not scheduled this step,
  * of priority below `below` (INT32_MAX + 1 = any). */
-static kvs__req *kvs__victim(kvs_sched *s, int64_t below)
+/* The running request to preempt: lowest priority, latest arrival, priority below `below`, not `self`. */
+static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
 {
     size_t i = stbds_arrlenu(s->running);
     while (i-- > 0) {
         kvs__req *v = s->running[i];
-        if (!v->scheduled && v->priority < below) return v;
+        if (v != self && v->priority < below) return v;
     }
     return NULL;
 }
 
-/* Swap: its registered blocks go to G2 first (synchronously), so they come back when it resumes. */
+/* Take a request's item out of the step being planned and give its budget back. */
+static void kvs__unschedule(kvs_sched *s, kvs__req *v)
+{
+    kvs_sched_item **arrs[2];
+    size_t a, i;
+    arrs[0] = &s->prefill;
+    arrs[1] = &s->decode;
+    if (!v->scheduled) return;
+    for (a = 0; a < 2; a++)
+        for (i = 0; i < stbds_arrlenu(*arrs[a]); i++)
+            if ((*arrs[a])[i].request == v->id) {
+                s->tokens_left += (*arrs[a])[i].num_new;
+                s->seqs_left++;
+                memmove(&(*arrs[a])[i], &(*arrs[a])[i + 1], (stbds_arrlenu(*arrs[a]) - 1 - i) * sizeof **arrs[a]);
+                stbds_header(*arrs[a])->length--;
+                break;
+            }
+    v->scheduled = 0;
+}
+
+/* Swap: its registered blocks go to G2 first (synchronously, whatever the offload mode), so they come
+ * back when it resumes. */
 static void kvs__swap_out(kvs_sched *s, kvs__req *v)
 {
-    const kvb_block *table;
-    size_t n = 0, full;
+    const kvb_block *table = NULL;
+    size_t n = 0, full, i;
     kvo_pipeline *down = kvo_manager_pipeline(s->cfg.tiers, 0, 0);
+    kvb_weak *w;
+    kvo_transfer t;
     kvb_seq_blocks(v->seq, &table, &n);
     full = v->registered_blocks < n ? v->registered_blocks : n;
-    if (full && kvo_manager_offer(s->cfg.tiers, 0, table, full, NULL) == KVO_OK && down)
-        kvo_pipeline_drain(down, 5 * 1000000);
+    if (!full || !down || !(w = (kvb_weak *)KVB_MALLOC(full * sizeof *w))) return;
+    for (i = 0; i < full; i++) w[i] = kvb_weak_of(table[i]);
+    if (kvo_enqueue(down, w, full, NULL, &t) == KVO_OK) kvo_pipeline_drain(down, 5 * 1000000);
+    KVB_FREE(w);
 }
 
 static void kvs__preempt(kvs_sched *s, kvs__req *v)
 {
+    kvs__unschedule(s, v);
+    v->preempted_in = s->step_id + 1; /* the step being planned */
     kvs__queue_remove(s->running, v);
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
@@ -1039,7 +1082,7 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
     while (have < stbds_arrlenu(r->tokens)) {
         kvs__req *v;
         if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) return 1;
-        v = kvs__victim(s, preempt_below);
+        v = kvs__victim(s, preempt_below, NULL);
         if (!v || v == r) return 0;
         kvs__preempt(s, v);
     }
@@ -1047,8 +1090,9 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 }
 
 /* Schedule what `r` computes next within the budget: 1 when it got a share. */
-static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *seqs_left)
+static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
 {
+    size_t *tokens_left = &s->tokens_left, *seqs_left = &s->seqs_left;
     size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
     int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
     if (from >= len) return 0;
@@ -1061,26 +1105,42 @@ static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, size_t *tokens_left,
     return 1;
 }
 
-static void kvs__schedule_running(kvs_sched *s, size_t *tokens_left, size_t *seqs_left)
+static void kvs__schedule_running(kvs_sched *s)
 {
     kvs__req **order = NULL; /* a snapshot: preemption takes requests out of s->running meanwhile */
     size_t i;
     if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *order);
-    for (i = 0; i < stbds_arrlenu(order); i++) {
-        kvs__req *r = order[i];
+    for (i = 0; i < 2 * stbds_arrlenu(order); i++) { /* decodes first, then prefills */
+        kvs__req *r = order[i % stbds_arrlenu(order)];
         int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
-        if (r->state == KVS_SLOT_PREEMPTED) continue; /* a victim of an earlier request in this loop */
+        if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) continue; /* a victim meanwhile */
+        if (decoding != (i < stbds_arrlenu(order)) || r->scheduled) continue;
         if (decoding && stbds_arrlenu(r->tokens) <= r->computed) continue; /* waiting for its sampled token */
         if (!kvs__grow(s, r, (int64_t)INT32_MAX + 1)) { /* nobody else to preempt: r goes */
             kvs__preempt(s, r);
             continue;
         }
-        if (kvs__schedule_compute(s, r, tokens_left, seqs_left))
+        if (kvs__schedule_compute(s, r))
             kvs__set_state(r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
         else
             kvs__set_state(r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
     }
     stbds_arrfree(order);
+}
+
+/* The full-block hashes of r's tokens with the device pool's hash function. */
+static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, size_t n)
+{
+    kvb_pool_config pc;
+    size_t i;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(s->cfg.device, &pc);
+    for (i = 0; i < n; i++) {
+        const kvb_hash *parent = i ? &out[i - 1] : NULL;
+        const uint32_t *t = r->tokens + i * s->block_tokens;
+        if (pc.hash_fn) pc.hash_fn(parent, t, s->block_tokens, r->extra, r->num_extra, r->salt, &out[i], pc.hash_user);
+        else out[i] = kvb_hash_block(parent, t, s->block_tokens, r->extra, r->num_extra, r->salt);
+    }
 }
 
 /* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads. */
@@ -1089,10 +1149,11 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     kvb_hash *hashes;
     size_t nh = stbds_arrlenu(r->tokens) / s->block_tokens, dev = 0, ext = 0;
     int async = 0;
+    r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
     hashes = (kvb_hash *)KVB_MALLOC(nh * sizeof *hashes);
     if (!hashes) return 0;
-    kvb_hash_prompt(r->tokens, stbds_arrlenu(r->tokens), s->block_tokens, r->extra, r->num_extra, r->salt, hashes, nh, &nh);
+    kvs__prompt_hashes(s, r, hashes, nh);
     kvb_lookup(s->cfg.device, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
     KVB_FREE(hashes);
@@ -1108,7 +1169,7 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 }
 
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
-static int kvs__admit(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *seqs_left)
+static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
     kvb_seq_config sc;
     size_t cached = 0;
@@ -1124,7 +1185,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *se
             if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) break;
             kvb_seq_truncate(r->seq, 0);
         }
-        v = kvs__victim(s, r->priority);
+        v = kvs__victim(s, r->priority, r);
         if (!v) {
             kvb_seq_destroy(r->seq);
             r->seq = NULL;
@@ -1138,26 +1199,41 @@ static int kvs__admit(kvs_sched *s, kvs__req *r, size_t *tokens_left, size_t *se
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
     s->stats.admitted++;
-    if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(r, KVS_SLOT_INITIALIZED);
+    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(r, KVS_SLOT_INITIALIZED);
     kvs__set_state(r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
-    if (!kvs__schedule_compute(s, r, tokens_left, seqs_left)) kvs__set_state(r, KVS_SLOT_SKIPPED_PREFILL);
+    if (!kvs__schedule_compute(s, r)) kvs__set_state(r, KVS_SLOT_SKIPPED_PREFILL);
     return 1;
 }
 
+/* Whether the device has room (free or evictable blocks) for all of r's blocks. */
+static int kvs__fits(kvs_sched *s, const kvs__req *r)
+{
+    kvb_pool_stats st;
+    size_t need = (stbds_arrlenu(r->tokens) + s->block_tokens - 1) / s->block_tokens;
+    if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
+    return need <= (size_t)st.free_blocks + st.inactive_blocks;
+}
+
 /* Waiting (or swapped) requests in order, while the budgets last. */
-static void kvs__admit_queue(kvs_sched *s, kvs__req ***q, size_t *tokens_left, size_t *seqs_left)
+static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
 {
     size_t i = 0;
-    while (i < stbds_arrlenu(*q) && *tokens_left && *seqs_left) {
+    while (i < stbds_arrlenu(*q) && s->tokens_left && s->seqs_left) {
         kvs__req *r = (*q)[i];
-        if (r->state != KVS_SLOT_ONBOARDING && kvs__stage_onboard(s, r)) {
+        if (r->preempted_in == s->step_id + 1) { /* preempted while planning this step: not back yet */
+            i++;
+            continue;
+        }
+        if (!kvs__fits(s, r)) { /* loads would find no room: wait (a swapped request) or try preempting */
+            if (r->swapped) break;
+        } else if (r->state != KVS_SLOT_ONBOARDING && kvs__stage_onboard(s, r)) {
             kvs__queue_remove(*q, r);
             kvs__queue_insert(&s->onboarding, r);
             continue;
         }
         kvs__queue_remove(*q, r);
-        if (!kvs__admit(s, r, tokens_left, seqs_left)) { /* does not fit: it keeps its place */
+        if (!kvs__admit(s, r)) { /* does not fit: it keeps its place */
             kvs__queue_insert(q, r);
             break;
         }
@@ -1179,7 +1255,9 @@ static void kvs__collect_loads(kvs_sched *s)
     kvs_connector_update_output(s->conn, &out);
 }
 
-static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta, int loads)
+/* The step's connector work: loads before the forward pass, and the stores of blocks the previous
+ * forward pass registered. */
+static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta)
 {
     size_t i;
     if (!s->conn) {
@@ -1188,10 +1266,7 @@ static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta, int loa
     }
     kvs_connector_build_meta(s->conn, meta);
     kvs_connector_bind_meta(s->conn, meta);
-    if (!loads) {
-        kvs_connector_start_stores(s->conn);
-        return;
-    }
+    kvs_connector_start_stores(s->conn);
     kvs_connector_start_loads(s->conn);
     for (i = 0; i < stbds_arrlenu(s->onboarding); i++)
         if (s->onboarding[i]->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(s->onboarding[i], KVS_SLOT_ONBOARDING);
@@ -1199,27 +1274,27 @@ static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta, int loa
 
 KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
 {
-    size_t tokens_left, seqs_left, i;
+    size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
     KVB__ARR_SHRINK(sched->prefill, 0);
     KVB__ARR_SHRINK(sched->decode, 0);
     KVB__ARR_SHRINK(sched->preempted, 0);
     for (i = 0; i < stbds_arrlenu(sched->running); i++) sched->running[i]->scheduled = 0;
-    tokens_left = sched->cfg.max_tokens;
-    seqs_left = sched->cfg.max_seqs;
+    sched->tokens_left = sched->cfg.max_tokens;
+    sched->seqs_left = sched->cfg.max_seqs;
     kvs__collect_loads(sched);
-    kvs__schedule_running(sched, &tokens_left, &seqs_left);
-    kvs__admit_queue(sched, &sched->swapped, &tokens_left, &seqs_left);
-    if (!stbds_arrlen(sched->swapped)) kvs__admit_queue(sched, &sched->waiting, &tokens_left, &seqs_left);
+    kvs__schedule_running(sched);
+    kvs__admit_queue(sched, &sched->swapped);
+    if (!stbds_arrlen(sched->swapped)) kvs__admit_queue(sched, &sched->waiting);
     memset(out, 0, sizeof *out);
-    kvs__start_transfers(sched, &out->meta, 1);
+    kvs__start_transfers(sched, &out->meta);
     out->id = ++sched->step_id;
     out->prefill = sched->prefill;
     out->num_prefill = stbds_arrlenu(sched->prefill);
     out->decode = sched->decode;
     out->num_decode = stbds_arrlenu(sched->decode);
-    out->num_tokens = sched->cfg.max_tokens - tokens_left;
+    out->num_tokens = sched->cfg.max_tokens - sched->tokens_left;
     out->preempted = sched->preempted;
     out->num_preempted = stbds_arrlenu(sched->preempted);
     sched->in_step = 1;
@@ -1233,7 +1308,7 @@ static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
     kvs__req *r = kvs__find(s, it->request);
     const kvb_block *table = NULL;
     size_t n = 0, done;
-    if (!r || !r->seq) return;
+    if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) return; /* aborted during the step */
     done = it->num_computed + it->num_new;
     kvb_seq_commit(r->seq, done);
     if (done > r->computed) {
@@ -1250,14 +1325,22 @@ static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
 
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
 {
-    size_t i;
-    kvs_connector_meta meta;
+    size_t i, a;
     if (!sched || !step) return KVS_EINVAL;
     if (!sched->in_step || step->id != sched->step_id) return KVS_ESTEP;
     for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
     for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
-    kvs__start_transfers(sched, &meta, 0);
     sched->in_step = 0;
+    for (a = 0; a < 2; a++) { /* requests that ended during the step give their blocks back now */
+        kvs_sched_item *items = a ? sched->decode : sched->prefill;
+        for (i = 0; i < stbds_arrlenu(items); i++) {
+            kvs__req *r = kvs__find(sched, items[i].request);
+            if (r && r->drop_after_step) {
+                r->drop_after_step = 0;
+                kvs__drop_blocks(sched, r);
+            }
+        }
+    }
     return KVS_OK;
 }
 
@@ -1267,7 +1350,8 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     kvs_result res = kvs__set_state(r, KVS_SLOT_FINISHING);
     if (res != KVS_OK) return res;
     kvs__unqueue(s, r);
-    kvs__drop_blocks(s, r);
+    if (s->in_step && r->scheduled) r->drop_after_step = 1; /* the engine holds its block table */
+    else kvs__drop_blocks(s, r);
     kvs__set_state(r, KVS_SLOT_FINISHED);
     if (aborted) s->stats.aborted++;
     else s->stats.finished++;
@@ -1301,13 +1385,6 @@ KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request)
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
-    if (sched->in_step && r->scheduled) { /* its item is in the step in flight: drop it from there */
-        size_t i;
-        for (i = 0; i < stbds_arrlenu(sched->prefill); i++)
-            if (sched->prefill[i].request == request) sched->prefill[i].request = 0;
-        for (i = 0; i < stbds_arrlenu(sched->decode); i++)
-            if (sched->decode[i].request == request) sched->decode[i].request = 0;
-    }
     return kvs__end(sched, r, 1);
 }
 

@@ -246,15 +246,15 @@ static void test_full_destination_then_retry(void)
     tiers_close(&t);
 }
 
-/* Lazy: offered blocks stay in G1 alone while in use; once released, the next two eviction candidates
- * (lazy_reserve 2) are backed in G2, and the others are not yet; after G1 evicts those two they are
- * found in G2, and the next poll backs the next two. */
+/* Lazy: offered blocks stay in G1 alone while in use; once released into a full G1 (no free block), the
+ * next two eviction candidates (lazy_reserve 2) are backed in G2, and the others are not yet; after G1
+ * evicts those two they are found in G2, and the next poll backs the next two. */
 static void test_lazy_backs_eviction_candidates(void)
 {
     tiers t;
     kvb_hash h[6];
-    kvb_block b[6], held[4];
-    tiers_open(&t, 8, 16, 0, KVO_OFFLOAD_LAZY, 2, KVO_MODE_POLL);
+    kvb_block b[6], held[2];
+    tiers_open(&t, 6, 16, 0, KVO_OFFLOAD_LAZY, 2, KVO_MODE_POLL);
     of_chain(81, 6, h);
     of_register(t.g1, h, 6, b, NULL);
     KVT_EQ(kvo_manager_offer(t.m, 0, b, 6, NULL), KVO_OK);
@@ -275,7 +275,7 @@ static void test_lazy_backs_eviction_candidates(void)
     KVT_EQ(of_holds(t.g2, next[1]), 1);
     KVT_EQ(of_present(t.g2, &next[2], 4), 0);
 
-    KVT_EQ(kvb_alloc(t.g1, 4, held), KVB_OK); /* 2 free blocks, then next[0] and next[1] are evicted */
+    KVT_EQ(kvb_alloc(t.g1, 2, held), KVB_OK); /* no free block: next[0] and next[1] are evicted */
     KVT_CHECK(!of_has(t.g1, next[0]) && !of_has(t.g1, next[1]));
     uint8_t tier_of[2];
     size_t n = 0;
@@ -289,7 +289,7 @@ static void test_lazy_backs_eviction_candidates(void)
     KVT_EQ(of_holds(t.g2, next[2]), 1);
     KVT_EQ(of_holds(t.g2, next[3]), 1);
     KVT_EQ(of_present(t.g2, &next[4], 2), 0);
-    KVT_EQ(kvb_release(t.g1, held, 4, NULL), KVB_OK);
+    KVT_EQ(kvb_release(t.g1, held, 2, NULL), KVB_OK);
     tiers_close(&t);
 }
 

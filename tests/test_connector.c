@@ -1,0 +1,339 @@
+/* The connector of kvsched.h used directly, the way an engine with its own scheduler and worker would
+ * (manual section 4): the scheduler side asks for lower-tier hits after the device prefix, takes them,
+ * builds the step's metadata; the worker side binds it, starts loads and stores and reports what
+ * finished; the scheduler side accounts it. Loads land registered in the device pool with the host's
+ * bytes; eager stores of newly registered device blocks land in the host; lazy mode plans no stores;
+ * dropped and finished plans load nothing; nothing stays pinned or pending. */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#define KVSCHED_IMPLEMENTATION
+#include "kvsched.h"
+#include "kvtest.h"
+#include "sched_fixtures.h"
+
+typedef struct rig {
+    sf_env e;                 /* pools and manager only (no scheduler: the test is the scheduler) */
+    kvs_connector *c;
+} rig;
+
+static void rig_open(rig *r, kvs_offload_mode mode)
+{
+    sf_env *e = &r->e;
+    kvo_manager_config mc;
+    kvb_layout layout;
+    kvs_connector_config cc;
+    memset(r, 0, sizeof *r);
+    KVT_EQ(kvs_model_preset(KVS_MODEL_TINY, KVB_LAYOUT_BLOCK_CONTIGUOUS, &e->block_tokens, &layout), KVS_OK);
+    e->layers = layout.num_layers;
+    e->page_bytes = layout.page_bytes;
+    e->token_bytes = layout.page_bytes / e->block_tokens;
+    e->o.device_memory = 1;
+    e->dev = sf__pool(16, 1, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0);
+    e->host = sf__pool(32, 1, KVB_LAYOUT_LAYER_SEPARATE, 1);
+    KVT_EQ(kvo_memcpy_backend_create(0, &e->mem), KVO_OK);
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = e->dev;
+    mc.pools[1] = e->host;
+    mc.down[0] = e->mem;
+    mc.up[1] = e->mem;
+    mc.offload = mode == KVS_OFFLOAD_LAZY ? KVO_OFFLOAD_LAZY : KVO_OFFLOAD_EAGER;
+    mc.lazy_reserve = 4;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.pipeline.min_batch = 1;
+    KVT_EQ(kvo_manager_create(&mc, &e->m), KVO_OK);
+    memset(&cc, 0, sizeof cc);
+    cc.device = e->dev;
+    cc.tiers = e->m;
+    cc.offload = mode;
+    KVT_EQ(kvs_connector_create(&cc, &r->c), KVS_OK);
+}
+
+static void rig_close(rig *r)
+{
+    sf_env *e = &r->e;
+    KVT_EQ(kvo_manager_drain(e->m, 5000000), KVO_OK);
+    kvs_connector_destroy(r->c);
+    kvo_manager_destroy(e->m);
+    KVT_EQ(of_active(e->dev), 0);
+    KVT_EQ(of_active(e->host), 0);
+    OF_CHECK_POOL(e->dev);
+    OF_CHECK_POOL(e->host);
+    kvo_backend_destroy(e->mem);
+    kvb_pool_destroy(e->dev);
+    kvb_pool_destroy(e->host);
+}
+
+/* Writes the model's bytes of tokens [16k, 16k + 16) into a device or host block. */
+static void fill_block(sf_env *e, kvb_pool *pool, kvb_block b, const uint32_t *tokens, size_t k)
+{
+    for (uint32_t layer = 0; layer < e->layers; layer++)
+        for (uint32_t part = 0; part < 2; part++) {
+            unsigned char *page = NULL;
+            KVT_EQ(kvb_block_data(pool, b, layer, part, (void **)&page), KVB_OK);
+            if (!page) return;
+            for (size_t slot = 0; slot < e->block_tokens; slot++) {
+                size_t pos = k * e->block_tokens + slot;
+                for (size_t j = 0; j < e->token_bytes; j++)
+                    page[slot * e->token_bytes + j] = sf_kv_byte(tokens[pos], pos, layer, part, j);
+            }
+        }
+}
+
+/* Puts blocks 0 .. n-1 of `tokens` into the host, registered under their hashes with their bytes. */
+static void seed_host(sf_env *e, const uint32_t *tokens, const kvb_hash *h, size_t n)
+{
+    kvb_block b[16], out[16];
+    kvb_hash parents[16];
+    KVT_EQ(kvb_alloc(e->host, n, b), KVB_OK);
+    for (size_t i = 0; i < n; i++) {
+        fill_block(e, e->host, b[i], tokens, i);
+        if (i) parents[i] = h[i - 1];
+        else memset(&parents[0], 0, sizeof parents[0]);
+    }
+    KVT_EQ(kvb_register_hashed(e->host, b, n, h, parents, out), KVB_OK);
+    KVT_EQ(kvb_release(e->host, out, n, NULL), KVB_OK);
+}
+
+static int contains(const uint64_t *a, size_t n, uint64_t x)
+{
+    for (size_t i = 0; i < n; i++)
+        if (a[i] == x) return 1;
+    return 0;
+}
+
+/* Worker loop: get_finished / update_output until the loads of `request` (if any) and every store event
+ * of `events` were reported. Returns 1 when everything was seen. */
+static int pump(rig *r, uint64_t request, const uint64_t *events, size_t nev)
+{
+    int load_done = request == 0;
+    size_t seen = 0;
+    uint8_t got[64];
+    memset(got, 0, sizeof got);
+    for (int i = 0; i < 100 && (!load_done || seen < nev); i++) {
+        kvs_worker_output out;
+        memset(&out, 0, sizeof out);
+        KVT_EQ(kvo_manager_drain(r->e.m, 5000000), KVO_OK);
+        KVT_EQ(kvs_connector_get_finished(r->c, &out), KVS_OK);
+        if (request && contains(out.finished_loads, out.num_finished_loads, request)) load_done = 1;
+        for (size_t k = 0; k < nev && k < 64; k++)
+            if (!got[k] && contains(out.finished_stores, out.num_finished_stores, events[k])) {
+                got[k] = 1;
+                seen++;
+            }
+        KVT_EQ(kvs_connector_update_output(r->c, &out), KVS_OK);
+    }
+    return load_done && seen == nev;
+}
+
+/* Scheduler side asks, takes, plans; worker side loads; the device then holds the host's blocks. Then
+ * the request's own two new blocks are stored eagerly. */
+static void test_load_then_store(void)
+{
+    rig r;
+    uint32_t t[96], other[48];
+    kvb_hash h[6], ho[3];
+    size_t n = 0, tokens = 0;
+    int async = -1;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(1, t, 96);
+    sf_tokens(2, other, 48);
+    KVT_EQ(kvb_hash_prompt(t, 96, 16, NULL, 0, 0, h, 6, &n), KVB_OK);
+    KVT_EQ(kvb_hash_prompt(other, 48, 16, NULL, 0, 0, ho, 3, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+
+    /* matched tokens: the host's 4 blocks, after whatever the device already had */
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(async, 1);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 16, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 48);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 64, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 0);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 8, ho, 3, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 0);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 64), KVS_OK);
+
+    kvs_connector_meta meta;
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 1);
+    KVT_EQ(meta.num_stores, 0);
+    if (meta.num_loads == 1) {
+        KVT_EQ(meta.loads[0].request, 7);
+        KVT_EQ(meta.loads[0].tier, 1);
+        KVT_EQ(meta.loads[0].first_block, 0);
+        KVT_EQ(meta.loads[0].num_blocks, 4);
+    }
+    KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
+    KVT_CHECK(kvs_connector_pending(r.c) >= 1); /* started, not reported yet */
+    KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK); /* nothing to store this step */
+    KVT_CHECK(pump(&r, 7, NULL, 0));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    /* the device pool holds them, registered, with the host's bytes */
+    KVT_EQ(of_present(r.e.dev, h, 4), 4);
+    for (size_t k = 0; k < 4; k++) KVT_EQ(sf_pool_holds(&r.e, r.e.dev, h[k], t, k), 1);
+    int keep = -1;
+    KVT_EQ(kvs_connector_request_finished(r.c, 7, &keep), KVS_OK);
+    KVT_EQ(keep, 0);
+
+    /* the request (as the engine's sequence) reuses them and computes 2 more blocks */
+    kvb_seq *seq = NULL;
+    size_t cached = 0, nt = 0;
+    const kvb_block *table = NULL;
+    KVT_EQ(kvb_seq_create(r.e.dev, NULL, &seq), KVB_OK);
+    KVT_EQ(kvb_seq_append(seq, t, 96, &cached), KVB_OK);
+    KVT_EQ(cached, 64);
+    KVT_EQ(kvb_seq_blocks(seq, &table, &nt), KVB_OK);
+    KVT_EQ(nt, 6);
+    for (size_t k = 4; k < 6 && k < nt; k++) fill_block(&r.e, r.e.dev, table[k], t, k);
+    KVT_EQ(kvb_seq_commit(seq, 96), KVB_OK);
+    KVT_EQ(kvb_seq_blocks(seq, &table, &nt), KVB_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, table + 4, 2), KVS_OK);
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 0);
+    KVT_EQ(meta.num_stores, 2);
+    uint64_t ev[2] = {0, 0};
+    size_t nev = 0; /* distinct events (one may cover both stores) */
+    for (size_t i = 0; i < meta.num_stores && i < 2; i++) {
+        KVT_EQ(meta.stores[i].request, 9);
+        KVT_EQ(meta.stores[i].block.id, table[4 + i].id);
+        if (!contains(ev, nev, meta.stores[i].event)) ev[nev++] = meta.stores[i].event;
+    }
+    KVT_CHECK(nev >= 1);
+    KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
+    KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK);
+    KVT_CHECK(kvs_connector_pending(r.c) >= 1);
+    KVT_CHECK(pump(&r, 0, ev, nev));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(sf_pool_holds(&r.e, r.e.host, h[4], t, 4), 1);
+    KVT_EQ(sf_pool_holds(&r.e, r.e.host, h[5], t, 5), 1);
+    KVT_EQ(kvs_connector_request_finished(r.c, 9, &keep), KVS_OK);
+    KVT_EQ(keep, 0);
+    /* the stores held no reference: the sequence's end leaves nothing pinned */
+    kvb_seq_destroy(seq);
+    KVT_EQ(of_active(r.e.dev), 0);
+    KVT_EQ(of_active(r.e.host), 0);
+    /* the next plan is empty */
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 0);
+    KVT_EQ(meta.num_stores, 0);
+    rig_close(&r);
+}
+
+/* Plans dropped (update_state_after_alloc with 0) or abandoned (request_finished before the step) load
+ * nothing; nothing stays pending. */
+static void test_dropped_plans(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    size_t n = 0, tokens = 0;
+    int async = 0, keep = -1;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 1, 0), KVS_OK);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 2, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 2, 32), KVS_OK); /* takes only 2 of the 4 blocks */
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 3, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 3, 64), KVS_OK);
+    KVT_EQ(kvs_connector_request_finished(r.c, 3, &keep), KVS_OK);
+    KVT_EQ(keep, 0);
+
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 1);
+    if (meta.num_loads == 1) {
+        KVT_EQ(meta.loads[0].request, 2);
+        KVT_EQ(meta.loads[0].first_block, 0);
+        KVT_EQ(meta.loads[0].num_blocks, 2);
+    }
+    KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
+    KVT_CHECK(pump(&r, 2, NULL, 0));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(of_present(r.e.dev, h, 4), 2);
+    KVT_EQ(kvs_connector_request_finished(r.c, 2, &keep), KVS_OK);
+    KVT_EQ(kvs_connector_request_finished(r.c, 1, &keep), KVS_OK);
+    KVT_EQ(of_active(r.e.dev), 0);
+    rig_close(&r);
+}
+
+/* Lazy: newly registered blocks are not planned as stores. */
+static void test_lazy_plans_no_stores(void)
+{
+    rig r;
+    uint32_t t[32];
+    kvb_block b[2], out[2];
+    kvb_hash h[2];
+    size_t n = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_LAZY);
+    sf_tokens(4, t, 32);
+    KVT_EQ(kvb_hash_prompt(t, 32, 16, NULL, 0, 0, h, 2, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
+    kvb_hash parents[2];
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = h[0];
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, h, parents, out), KVB_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 5, out, 2), KVS_OK);
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_stores, 0);
+    KVT_EQ(meta.num_loads, 0);
+    KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK);
+    KVT_CHECK(pump(&r, 0, NULL, 0));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(of_present(r.e.host, h, 2), 0);
+    KVT_EQ(kvb_release(r.e.dev, out, 2, NULL), KVB_OK);
+    rig_close(&r);
+}
+
+static void test_connector_bad_input(void)
+{
+    rig r;
+    size_t tokens = 0;
+    int async = 0;
+    kvb_hash h = {1, 2};
+    kvs_worker_output out;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    KVT_EQ(kvs_connector_create(NULL, &r.c), KVS_EINVAL);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(NULL, 1, &h, 1, 0, &tokens, &async), KVS_EINVAL);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, NULL, 1, 0, &tokens, &async), KVS_EINVAL);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, &h, 1, 0, NULL, &async), KVS_EINVAL);
+    KVT_EQ(kvs_connector_build_meta(r.c, NULL), KVS_EINVAL);
+    KVT_EQ(kvs_connector_bind_meta(r.c, NULL), KVS_EINVAL);
+    KVT_EQ(kvs_connector_update_output(r.c, NULL), KVS_EINVAL);
+    KVT_EQ(kvs_connector_get_finished(r.c, NULL), KVS_EINVAL);
+    KVT_EQ(kvs_connector_note_registered(r.c, 1, NULL, 1), KVS_EINVAL);
+    memset(&out, 0, sizeof out);
+    KVT_EQ(kvs_connector_get_finished(r.c, &out), KVS_OK);
+    KVT_EQ(out.num_finished_loads, 0);
+    KVT_EQ(out.num_finished_stores, 0);
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    rig_close(&r);
+}
+
+int main(void)
+{
+    of_watchdog(60);
+    KVT_RUN(test_load_then_store);
+    KVT_RUN(test_dropped_plans);
+    KVT_RUN(test_lazy_plans_no_stores);
+    KVT_RUN(test_connector_bad_input);
+    return kvt_summary();
+}
