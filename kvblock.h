@@ -657,9 +657,10 @@ typedef struct kvb__meta { /* one cache line per block */
     uint8_t prio;
     uint8_t flags;
     uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 */
-    uint16_t depth;      /* FOL: position in the request that touched it last (ties: deeper first) */
-    uint8_t pad_[3];
+    uint8_t depth;       /* FOL: position in the request that touched it last, up to 255 (ties) */
+    uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (= the map) */
 } kvb__meta;
+typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
 typedef struct kvb__slot { uint64_t lo; uint32_t hi32; uint32_t ref; } kvb__slot; /* ref = index + 1 */
 
@@ -1028,19 +1029,27 @@ static uint32_t kvb__kids(kvb_pool *p, const kvb_hash *h)
     return i < 0 ? 0 : p->kids[i].value;
 }
 
+static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
+
+/* Count a child in or out of its parent's hash, and keep the count on the parent's indexed block too,
+ * so eviction reads leafness from the block it already looks at. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
     kvb_hash key = kvb__kid_key(parent);
     ptrdiff_t i;
+    uint32_t count = 0, holder;
     if (kvb__hash_is_root(parent)) return;
     i = stbds_hmgeti(p->kids, key);
     if (i < 0) {
+        if (delta < 0) return;
         stbds_hmput(p->kids, key, 1u);
+        count = 1;
     } else if (delta > 0) {
-        p->kids[i].value++;
-    } else if (--p->kids[i].value == 0) {
+        count = ++p->kids[i].value;
+    } else if ((count = --p->kids[i].value) == 0) {
         (void)stbds_hmdel(p->kids, key);
     }
+    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids = count;
 }
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
@@ -1105,7 +1114,7 @@ static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     if (stbds_hmlen(p->kids) == 0) return 1;
-    return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || kvb__kids(p, &m->hash) == 0;
+    return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
 }
 
 /* Prefetch the metadata of the next victims and the index slots of the ones after the first. */
@@ -1229,7 +1238,7 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
     m->last = p->clock;
     /* Class 0 only for a leaf: a parent that restarted at count 1 still has its children cached. */
     m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? 0 : (m->cnt < 4 ? m->cnt : 4));
-    m->depth = (uint16_t)(depth < UINT16_MAX ? depth : UINT16_MAX);
+    m->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
 }
 
 
@@ -1258,6 +1267,7 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
         if (m->dup_next != KVB__NIL) {
             s->ref = m->dup_next + 1;
             p->meta[m->dup_next].flags = (uint8_t)((p->meta[m->dup_next].flags & ~KVB__F_DUP) | KVB__F_INDEXED);
+            p->meta[m->dup_next].kids = m->kids;
         } else {
             kvb__emit(p, KVB_EVENT_REMOVED, m);
             kvb__index_delete(p, s);
@@ -1269,6 +1279,7 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
     }
     m->flags &= (uint8_t)~(KVB__F_INDEXED | KVB__F_DUP);
     m->dup_next = KVB__NIL;
+    m->kids = 0;
     kvb__kids_add(p, &m->parent, -1);
 }
 
@@ -1286,6 +1297,7 @@ static void kvb__make_free(kvb_pool *p, uint32_t idx)
     m->cnt = m->cls = 0;
     m->depth = 0;
     m->last = 0;
+    m->kids = 0;
     memset(&m->hash, 0, sizeof m->hash);
     memset(&m->parent, 0, sizeof m->parent);
     p->free_stack[p->n_free++] = idx;
@@ -1391,6 +1403,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
         kvb__index_insert(p, idx);
+        m->kids = stbds_hmlen(p->kids) ? kvb__kids(p, &m->hash) : 0; /* children cached before it */
         kvb__emit(p, KVB_EVENT_STORED, m);
     } else { /* keep the first block matchable; chain this one behind it */
         m->flags |= KVB__F_DUP;
@@ -1570,6 +1583,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         m->cnt = m->cls = 0;
         m->depth = 0;
         m->last = 0;
+        m->kids = 0;
         memset(&m->hash, 0, sizeof m->hash);
         memset(&m->parent, 0, sizeof m->parent);
         pool->free_stack[pool->n_free++] = i;
@@ -2113,6 +2127,8 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (m->ntok > pool->cfg.block_tokens) KVB__FAIL("block %u holds %u tokens", i, m->ntok);
         if ((m->state == KVB_STATE_REGISTERED) != !!(m->flags & (KVB__F_INDEXED | KVB__F_DUP)))
             KVB__FAIL("block %u: registered but neither indexed nor duplicate", i);
+        if ((m->flags & KVB__F_INDEXED) && m->kids != kvb__kids(pool, &m->hash))
+            KVB__FAIL("block %u: child count %u, the parent map says %u", i, m->kids, kvb__kids(pool, &m->hash));
         if (m->state == KVB_STATE_REGISTERED) {
             uint32_t c = kvb__find(pool, &m->hash);
             while (c != KVB__NIL && c != i) c = pool->meta[c].dup_next;
