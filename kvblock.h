@@ -1283,24 +1283,25 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
     kvb__kids_add(p, &m->parent, -1);
 }
 
-/* Any block back to the free set: a new generation invalidates every handle to it. */
-static void kvb__make_free(kvb_pool *p, uint32_t idx)
+/* A block onto the free stack as new, keeping only its eviction-ring stamp; a new generation
+ * invalidates every handle to it. */
+static void kvb__push_free(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
-    if (m->state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
-    else kvb__mut_drop(p, idx);
-    m->gen = (m->gen + 1) & KVB__GEN_MASK;
-    m->state = KVB__S_FREE;
-    m->refs = 0;
-    m->ntok = 0;
-    m->prio = 0;
-    m->cnt = m->cls = 0;
-    m->depth = 0;
-    m->last = 0;
-    m->kids = 0;
-    memset(&m->hash, 0, sizeof m->hash);
-    memset(&m->parent, 0, sizeof m->parent);
+    uint32_t gen = (m->gen + 1) & KVB__GEN_MASK, stamp = m->stamp;
+    memset(m, 0, sizeof *m);
+    m->gen = gen;
+    m->stamp = stamp;
+    m->dup_next = KVB__NIL;
     p->free_stack[p->n_free++] = idx;
+}
+
+/* Any block back to the free set. */
+static void kvb__make_free(kvb_pool *p, uint32_t idx)
+{
+    if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
+    else kvb__mut_drop(p, idx);
+    kvb__push_free(p, idx);
 }
 
 static uint32_t kvb__alloc_one(kvb_pool *p)
@@ -1574,19 +1575,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         kvb__meta *m = &pool->meta[i];
         if (!(m->flags & KVB__F_INACTIVE)) continue;
         if (c->eviction == KVB_EVICT_CUSTOM) c->custom_eviction.on_removed(c->custom_eviction.user, i);
-        m->flags = 0;
-        m->dup_next = KVB__NIL;
-        m->gen = (m->gen + 1) & KVB__GEN_MASK;
-        m->state = KVB__S_FREE;
-        m->ntok = 0;
-        m->prio = 0;
-        m->cnt = m->cls = 0;
-        m->depth = 0;
-        m->last = 0;
-        m->kids = 0;
-        memset(&m->hash, 0, sizeof m->hash);
-        memset(&m->parent, 0, sizeof m->parent);
-        pool->free_stack[pool->n_free++] = i;
+        kvb__push_free(pool, i);
     }
     pool->n_inactive = 0;
     pool->n_cached = 0;
