@@ -1,0 +1,912 @@
+/* test_cuda.c — the GPU tier (kvcuda.h / kvcuda.cu).
+ *
+ * Without a device every GPU test prints one line "skip ...: skipped: no CUDA device" and counts as
+ * skipped; the error-path tests (no device, NULL arguments, result strings) run everywhere.
+ * With a device: round trips device -> pinned -> device for both layouts (and a mix) with random block
+ * ids, byte-compared, by DMA, by the kernel and by the automatic choice; an offload waiting on a CUDA
+ * event behind a slow kernel; cancel before the upgrade copies nothing; many small scattered copies in
+ * one kernel job equal the same copies done one job each; per-copy errors. */
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#include "kvoffload.h"
+#include "kvcuda.h"
+#include "../kvtest.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <time.h>
+#include <unistd.h>
+
+/* from test_kernels.cu */
+unsigned char kvct_byte(unsigned seed, unsigned long long i);
+int kvct_slow_fill(void *dst, unsigned long long bytes, unsigned seed, long long spin_cycles, void *stream);
+int kvct_clock_khz(void);
+
+static void watchdog_fired(int sig)
+{
+    static const char msg[] = "watchdog: test_cuda hung; giving up\n";
+    ssize_t r = write(2, msg, sizeof msg - 1);
+    (void)r;
+    (void)sig;
+    _exit(3);
+}
+
+static kvc_context *gpu_or_null(void)
+{
+    kvc_context *ctx = NULL;
+    if (kvc_context_create(0, &ctx) == KVC_OK) return ctx;
+    kvc_context_destroy(ctx);
+    return NULL;
+}
+
+#define NEED_GPU(ctx)                                 \
+    kvc_context *ctx = gpu_or_null();                 \
+    if (!ctx) KVT_SKIP("no CUDA device")
+
+/* xorshift: reproducible random ids and bytes */
+static uint64_t rng_next(uint64_t *s)
+{
+    *s ^= *s << 13;
+    *s ^= *s >> 7;
+    *s ^= *s << 17;
+    return *s;
+}
+
+/* k arrays of n distinct random ids (ids[j][i] < limits[j]) with the same run structure: chunks of 1..4
+ * pairs that are consecutive in every array (about a third of the chunks are longer than 1), so merging
+ * has something to merge. Returns the number of chunks. */
+static size_t random_runs(uint64_t *seed, const uint32_t *limits, uint32_t **ids, int k, size_t n)
+{
+    unsigned char *used[3];
+    size_t filled = 0, chunks = 0;
+    for (int j = 0; j < k; j++) used[j] = (unsigned char *)calloc(limits[j], 1);
+    while (filled < n) {
+        size_t r = rng_next(seed) % 3 == 0 ? 2 + rng_next(seed) % 3 : 1;
+        uint32_t start[3];
+        if (r > n - filled) r = n - filled;
+        for (int j = 0; j < k; j++) {
+            for (int tries = 0;; tries++) {
+                if (tries > 1000) r = 1; /* crowded: a single free id always exists (n < limit) */
+                uint32_t s0 = (uint32_t)(rng_next(seed) % (limits[j] - r + 1));
+                size_t f = 0;
+                while (f < r && !used[j][s0 + f]) f++;
+                if (f == r) {
+                    start[j] = s0;
+                    break;
+                }
+            }
+        }
+        for (int j = 0; j < k; j++) /* r may have shrunk after earlier arrays chose: still free */
+            for (size_t f = 0; f < r; f++) {
+                used[j][start[j] + f] = 1;
+                ids[j][filled + f] = start[j] + (uint32_t)f;
+            }
+        filled += r;
+        chunks++;
+    }
+    for (int j = 0; j < k; j++) free(used[j]);
+    return chunks;
+}
+
+/* ---- waiting for a job ------------------------------------------------------------------------- */
+
+typedef struct waiter {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int done, result, calls;
+    char message[256];
+} waiter;
+
+static void job_done(kvo_copy_job *job, int result, const char *message)
+{
+    waiter *w = (waiter *)job->user;
+    pthread_mutex_lock(&w->m);
+    w->done = 1;
+    w->calls++;
+    w->result = result;
+    snprintf(w->message, sizeof w->message, "%s", message ? message : "");
+    pthread_cond_signal(&w->c);
+    pthread_mutex_unlock(&w->m);
+}
+
+/* Submit a job src -> dst and wait for its done; returns the job's overall result. */
+static int run_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n,
+                   int *results, uint64_t *bytes, char *message)
+{
+    waiter w;
+    kvo_copy_job job;
+    memset(&w, 0, sizeof w);
+    pthread_mutex_init(&w.m, NULL);
+    pthread_cond_init(&w.c, NULL);
+    memset(&job, 0, sizeof job);
+    job.src = src;
+    job.dst = dst;
+    job.src_idx = si;
+    job.dst_idx = di;
+    job.n = n;
+    job.results = results;
+    job.done = job_done;
+    job.user = &w;
+    for (size_t i = 0; i < n; i++) results[i] = KVO_EBACKEND;
+    int r = be->submit(be, &job);
+    KVT_EQ(r, KVO_OK);
+    if (r == KVO_OK) {
+        pthread_mutex_lock(&w.m);
+        while (!w.done) pthread_cond_wait(&w.c, &w.m);
+        pthread_mutex_unlock(&w.m);
+        KVT_EQ(w.calls, 1);
+        r = w.result;
+    }
+    if (bytes) *bytes = job.bytes;
+    if (message) snprintf(message, 256, "%s", w.message);
+    pthread_mutex_destroy(&w.m);
+    pthread_cond_destroy(&w.c);
+    return r;
+}
+
+/* ---- pools ------------------------------------------------------------------------------------- */
+
+static kvb_layout layout_of(kvb_layout_kind kind, uint32_t layers, uint64_t page)
+{
+    kvb_layout l;
+    memset(&l, 0, sizeof l);
+    l.kind = kind;
+    l.num_layers = layers;
+    l.num_parts = 2;
+    l.page_bytes = page;
+    return l;
+}
+
+static kvb_pool *make_pool(kvc_context *ctx, kvc_memory where, uint32_t blocks, kvb_layout layout)
+{
+    kvb_pool_config c;
+    kvb_pool *p = NULL;
+    memset(&c, 0, sizeof c);
+    c.num_blocks = blocks;
+    c.block_tokens = 16;
+    c.layout = layout;
+    kvc_result r = kvc_pool_create(ctx, where, &c, &p);
+    if (r != KVC_OK) fprintf(stderr, "  kvc_pool_create: %s: %s\n", kvc_result_string(r), kvc_last_error_message(ctx));
+    KVT_EQ(r, KVC_OK);
+    return p;
+}
+
+/* The whole storage of a pool, copied to a new host buffer. */
+static unsigned char *snapshot(kvc_context *ctx, kvb_pool *pool, uint64_t *bytes)
+{
+    void *base = NULL;
+    KVT_EQ(kvb_pool_storage(pool, &base, bytes, NULL, NULL), KVB_OK);
+    unsigned char *h = (unsigned char *)malloc((size_t)*bytes);
+    KVT_EQ(kvc_memcpy(ctx, h, base, (size_t)*bytes), KVC_OK);
+    return h;
+}
+
+static uint32_t num_blocks_of(kvb_pool *pool)
+{
+    kvb_pool_config c;
+    memset(&c, 0, sizeof c);
+    kvb_pool_get_config(pool, &c);
+    return c.num_blocks;
+}
+
+/* Every (layer, part) page of src block si in snapshot a equals dst block di in snapshot b. */
+static int same_block(const unsigned char *a, kvb_pool *pa, uint32_t si, const unsigned char *b, kvb_pool *pb,
+                      uint32_t di)
+{
+    kvb_layout la, lb;
+    kvb_pool_storage(pa, NULL, NULL, NULL, &la);
+    kvb_pool_storage(pb, NULL, NULL, NULL, &lb);
+    uint32_t na = num_blocks_of(pa), nb = num_blocks_of(pb);
+    for (uint32_t l = 0; l < la.num_layers; l++)
+        for (uint32_t q = 0; q < la.num_parts; q++)
+            if (memcmp(a + kvb_layout_offset(&la, na, si, l, q), b + kvb_layout_offset(&lb, nb, di, l, q),
+                       (size_t)la.page_bytes) != 0)
+                return 0;
+    return 1;
+}
+
+/* Fill a device pool's storage with random bytes. */
+static void fill_random(kvc_context *ctx, kvb_pool *pool, uint64_t seed)
+{
+    void *base = NULL;
+    uint64_t bytes = 0;
+    KVT_EQ(kvb_pool_storage(pool, &base, &bytes, NULL, NULL), KVB_OK);
+    unsigned char *h = (unsigned char *)malloc((size_t)bytes);
+    for (uint64_t i = 0; i < bytes; i++) h[i] = (unsigned char)(rng_next(&seed) >> 29);
+    KVT_EQ(kvc_memcpy(ctx, base, h, (size_t)bytes), KVC_OK);
+    free(h);
+}
+
+/* ---- tests that run everywhere ----------------------------------------------------------------- */
+
+static void test_result_strings(void)
+{
+    KVT_CHECK(strcmp(kvc_result_string(KVC_OK), "ok") == 0);
+    KVT_CHECK(strcmp(kvc_result_string(KVC_ENODEVICE), "no CUDA device") == 0);
+    KVT_CHECK(strstr(kvc_result_string(KVC_ENODRIVER), "driver") != NULL);
+    KVT_CHECK(strstr(kvc_result_string(KVC_ENOMEM), "memory") != NULL);
+    for (int r = KVC__RESULT_MIN + 1; r <= KVC_EINVAL; r++)
+        KVT_CHECK(strcmp(kvc_result_string(r), kvo_result_string(0x7fff)) != 0);
+    KVT_CHECK(strcmp(kvc_result_string(KVO_EPRECOND), kvo_result_string(KVO_EPRECOND)) == 0);
+    KVT_CHECK(strcmp(kvc_result_string(KVB_ERANGE), kvb_result_string(KVB_ERANGE)) == 0);
+}
+
+/* Where there is no device, kvc_context_create says so with a message; where there is one, an index
+ * past the last device does. Either way the failed context answers every call with its error. */
+static void test_no_device_error(void)
+{
+    kvc_probe_info p;
+    kvc_result pr = kvc_probe(&p);
+    KVT_CHECK(pr == KVC_OK || pr == KVC_ENODRIVER || pr == KVC_ENODEVICE);
+    KVT_CHECK(p.runtime_version > 0);
+    if (pr != KVC_OK) {
+        KVT_EQ(p.device_count, 0);
+        KVT_CHECK(p.message[0] != 0);
+    }
+    int indices[2] = {pr == KVC_OK ? p.device_count : 0, -1};
+    for (int k = 0; k < 2; k++) {
+        kvc_context *ctx = NULL;
+        KVT_EQ(kvc_context_create(indices[k], &ctx), KVC_ENODEVICE);
+        KVT_CHECK(ctx != NULL);
+        if (!ctx) continue;
+        const char *msg = kvc_last_error_message(ctx);
+        KVT_CHECK(strstr(msg, "no CUDA device") != NULL);
+        if (pr != KVC_OK && k == 0) KVT_CHECK(strstr(msg, p.message) != NULL); /* the cause is named */
+        char copy[512];
+        KVT_EQ(kvc_copy_error_message(ctx, copy, sizeof copy), strlen(msg));
+        KVT_CHECK(strcmp(copy, msg) == 0);
+        KVT_EQ(kvc_context_status(ctx), KVC_ENODEVICE);
+        void *ptr = NULL;
+        kvo_backend *be = NULL;
+        kvc_event *ev = NULL;
+        kvc_device_info info;
+        kvc_memory kind;
+        KVT_EQ(kvc_device_alloc(ctx, 4096, &ptr), KVC_ENODEVICE);
+        KVT_EQ(kvc_pinned_alloc(ctx, 4096, &ptr), KVC_ENODEVICE);
+        KVT_CHECK(ptr == NULL);
+        KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_ENODEVICE);
+        KVT_CHECK(be == NULL);
+        KVT_EQ(kvc_event_create(ctx, &ev), KVC_ENODEVICE);
+        KVT_EQ(kvc_get_device_info(ctx, &info), KVC_ENODEVICE);
+        KVT_EQ(kvc_memory_kind(ctx, copy, &kind), KVC_ENODEVICE);
+        KVT_EQ(kvc_synchronize(ctx), KVC_ENODEVICE);
+        KVT_CHECK(kvc_stream(ctx, KVC_D2H) == NULL);
+        kvb_pool_config c;
+        memset(&c, 0, sizeof c);
+        c.num_blocks = 4;
+        c.layout = layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 1, 256);
+        kvb_pool *pool = NULL;
+        KVT_EQ(kvc_pool_create(ctx, KVC_MEMORY_DEVICE, &c, &pool), KVC_ENODEVICE);
+        KVT_EQ(kvc_device_free(ctx, copy), KVC_ENOTFOUND);
+        KVT_CHECK(strstr(kvc_last_error_message(ctx), "not device memory") != NULL);
+        kvc_context_destroy(ctx);
+    }
+}
+
+static void test_null_arguments(void)
+{
+    kvc_context *failed = NULL;
+    void *ptr = NULL;
+    kvo_backend *be = NULL;
+    kvc_event *ev = NULL;
+    kvb_pool *pool = NULL;
+    kvb_pool_config c;
+    kvc_backend_stats st;
+    kvc_device_info info;
+    kvc_memory kind;
+    memset(&c, 0, sizeof c);
+    c.num_blocks = 4;
+    c.layout = layout_of(KVB_LAYOUT_LAYER_SEPARATE, 2, 256);
+    KVT_EQ(kvc_probe(NULL), KVC_EINVAL);
+    KVT_EQ(kvc_context_create(0, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_context_status(NULL), KVC_EINVAL);
+    KVT_CHECK(strcmp(kvc_last_error_message(NULL), "no context") == 0);
+    kvc_context_destroy(NULL);
+    KVT_EQ(kvc_get_device_info(NULL, &info), KVC_EINVAL);
+    KVT_CHECK(kvc_stream(NULL, KVC_H2D) == NULL);
+    KVT_EQ(kvc_synchronize(NULL), KVC_EINVAL);
+    KVT_EQ(kvc_device_alloc(NULL, 4096, &ptr), KVC_EINVAL);
+    KVT_EQ(kvc_device_free(NULL, &c), KVC_EINVAL);
+    KVT_EQ(kvc_pinned_alloc(NULL, 4096, &ptr), KVC_EINVAL);
+    KVT_EQ(kvc_pinned_free(NULL, &c), KVC_EINVAL);
+    KVT_EQ(kvc_memory_kind(NULL, &c, &kind), KVC_EINVAL);
+    KVT_EQ(kvc_memcpy(NULL, &c, &c, sizeof c), KVC_EINVAL);
+    KVT_EQ(kvc_pool_storage_alloc(NULL, KVC_MEMORY_DEVICE, &c), KVC_EINVAL);
+    KVT_EQ(kvc_pool_create(NULL, KVC_MEMORY_DEVICE, &c, &pool), KVC_EINVAL);
+    KVT_EQ(kvc_pool_destroy(NULL, pool), KVC_EINVAL);
+    KVT_EQ(kvc_event_create(NULL, &ev), KVC_EINVAL);
+    KVT_EQ(kvc_event_record(NULL, NULL), KVC_EINVAL);
+    KVT_CHECK(kvc_event_query(NULL) < 0);
+    KVT_CHECK(kvc_event_precondition(NULL) == NULL);
+    kvc_event_destroy(NULL);
+    KVT_EQ(kvc_backend_create(NULL, NULL, &be), KVC_EINVAL);
+    KVT_EQ(kvc_backend_get_stats(NULL, &st), KVC_EINVAL);
+    kvo_backend *mc = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mc), KVO_OK);
+    KVT_EQ(kvc_backend_get_stats(mc, &st), KVC_EINVAL); /* not a kvcuda backend */
+    kvo_backend_destroy(mc);
+
+    /* with a context (usable or failed): NULL outs and bad values are KVC_EINVAL, with a message */
+    kvc_context_create(0, &failed);
+    KVT_CHECK(failed != NULL);
+    KVT_EQ(kvc_device_alloc(failed, 4096, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_device_alloc(failed, 0, &ptr), KVC_EINVAL);
+    KVT_EQ(kvc_pinned_alloc(failed, 4096, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_backend_create(failed, NULL, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_event_create(failed, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_memcpy(failed, NULL, &c, 1), KVC_EINVAL);
+    KVT_EQ(kvc_pool_storage_alloc(failed, KVC_MEMORY_HOST, &c), KVC_EINVAL);
+    KVT_EQ(kvc_pool_storage_alloc(failed, KVC_MEMORY_DEVICE, NULL), KVC_EINVAL);
+    KVT_EQ(kvc_pool_create(failed, KVC_MEMORY_PINNED, NULL, &pool), KVC_EINVAL);
+    KVT_CHECK(strlen(kvc_last_error_message(failed)) > 0);
+    KVT_EQ(kvc_pool_destroy(failed, NULL), KVC_OK);
+    kvc_context_destroy(failed);
+}
+
+static kvb_pool *host_pool(uint32_t blocks, kvb_layout layout)
+{
+    kvb_pool_config c;
+    kvb_pool *p = NULL;
+    void *base = NULL;
+    uint64_t bytes = 0;
+    memset(&c, 0, sizeof c);
+    c.num_blocks = blocks;
+    c.block_tokens = 16;
+    c.storage = KVB_STORAGE_HOST;
+    c.layout = layout;
+    KVT_EQ(kvb_pool_create(&c, &p), KVB_OK);
+    if (p && kvb_pool_storage(p, &base, &bytes, NULL, NULL) == KVB_OK) memset(base, 0, (size_t)bytes);
+    return p;
+}
+
+static kvo_copy_job job_of(kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n, int *results)
+{
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = src;
+    job.dst = dst;
+    job.src_idx = si;
+    job.dst_idx = di;
+    job.n = n;
+    job.results = results;
+    return job;
+}
+
+/* The copy plan carried out on the CPU (kvc_copy_on_host): for every pair of layouts, DMA, kernel and
+ * automatic plans, pages below and above the kernel's 64 KiB chunk and one that is not a multiple of
+ * 16, random ids with runs: the destination equals, byte for byte, what the memcpy backend makes of
+ * the same job (so blocks not named stay zero), and merging leaves at most one copy per run of
+ * consecutive ids (per (layer, part) page array when a pool is layer-separate). Runs without a GPU. */
+static void test_plan_on_host(void)
+{
+    enum { NS = 40, ND = 56, N = 24, LAYERS = 3 };
+    const uint64_t pages[3] = {4096 + 512, 48 * 1024, 1000};
+    const kvb_layout_kind kinds[2] = {KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE};
+    const kvc_copy_method methods[3] = {KVC_COPY_DMA, KVC_COPY_KERNEL, KVC_COPY_AUTO};
+    kvo_backend *mc = NULL;
+    uint64_t seed = 4242;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mc), KVO_OK);
+    if (!mc) return;
+    for (int pg = 0; pg < 3; pg++)
+        for (int sk = 0; sk < 2; sk++)
+            for (int dk = 0; dk < 2; dk++)
+                for (int m = 0; m < 3; m++) {
+                    kvb_pool *src = host_pool(NS, layout_of(kinds[sk], LAYERS, pages[pg]));
+                    kvb_pool *d1 = host_pool(ND, layout_of(kinds[dk], LAYERS, pages[pg]));
+                    kvb_pool *d2 = host_pool(ND, layout_of(kinds[dk], LAYERS, pages[pg]));
+                    if (!src || !d1 || !d2) return;
+                    void *sb = NULL, *b1 = NULL, *b2 = NULL;
+                    uint64_t sbytes = 0, dbytes = 0, block_bytes = 0;
+                    kvb_pool_storage(src, &sb, &sbytes, &block_bytes, NULL);
+                    kvb_pool_storage(d1, &b1, &dbytes, NULL, NULL);
+                    kvb_pool_storage(d2, &b2, NULL, NULL, NULL);
+                    for (uint64_t j = 0; j < sbytes; j++) ((unsigned char *)sb)[j] = (unsigned char)(rng_next(&seed) >> 31);
+                    uint32_t si[N], di[N], limits[2] = {NS, ND}, *ids[2] = {si, di};
+                    int res[N], res2[N];
+                    size_t chunks = random_runs(&seed, limits, ids, 2, N);
+                    kvc_backend_config cfg;
+                    memset(&cfg, 0, sizeof cfg);
+                    cfg.method = methods[m];
+                    kvc_backend_stats plan;
+                    kvo_copy_job job = job_of(src, d1, si, di, N, res);
+                    KVT_EQ(kvc_copy_on_host(&cfg, &job, &plan), KVC_OK);
+                    for (size_t i = 0; i < N; i++) KVT_EQ(res[i], KVC_OK);
+                    KVT_EQ(job.bytes, N * block_bytes);
+                    KVT_EQ(run_job(mc, src, d2, si, di, N, res2, NULL, NULL), KVO_OK);
+                    int same = memcmp(b1, b2, (size_t)dbytes) == 0;
+                    if (!same)
+                        fprintf(stderr, "  page %llu, layouts %d -> %d, method %d: bytes differ\n",
+                                (unsigned long long)pages[pg], sk, dk, (int)methods[m]);
+                    KVT_CHECK(same);
+                    KVT_EQ(plan.jobs, 1);
+                    KVT_EQ(plan.copies, N);
+                    KVT_EQ(plan.bytes, N * block_bytes);
+                    KVT_EQ(plan.failed_jobs, 0);
+                    uint64_t units = sk == 0 && dk == 0 ? 1 : 2 * LAYERS;
+                    if (sk == dk) KVT_CHECK(plan.runs <= chunks * units);
+                    KVT_CHECK(plan.runs <= (uint64_t)N * units);
+                    if (methods[m] == KVC_COPY_KERNEL) KVT_EQ(plan.kernel_jobs, 1);
+                    if (methods[m] == KVC_COPY_DMA) KVT_EQ(plan.dma_jobs, 1);
+                    if (methods[m] == KVC_COPY_AUTO) /* kernel below 256 KiB average runs: all but 288 KiB blocks */
+                        KVT_EQ(plan.kernel_jobs, !(sk == 0 && dk == 0 && pages[pg] == 48 * 1024));
+                    kvb_pool_destroy(src);
+                    kvb_pool_destroy(d1);
+                    kvb_pool_destroy(d2);
+                }
+    kvo_backend_destroy(mc);
+
+    /* per-copy and per-job errors */
+    kvb_pool *a = host_pool(8, layout_of(KVB_LAYOUT_LAYER_SEPARATE, 2, 512));
+    kvb_pool *b = host_pool(8, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 512));
+    kvb_pool *c = host_pool(8, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvb_pool_config mc_cfg;
+    memset(&mc_cfg, 0, sizeof mc_cfg);
+    mc_cfg.num_blocks = 8;
+    kvb_pool *meta = NULL;
+    KVT_EQ(kvb_pool_create(&mc_cfg, &meta), KVB_OK);
+    uint32_t si[3] = {1, 8, 2}, di[3] = {3, 4, 9};
+    int res[3];
+    kvc_backend_stats plan;
+    kvo_copy_job job = job_of(a, b, si, di, 3, res);
+    KVT_EQ(kvc_copy_on_host(NULL, &job, &plan), KVB_ERANGE);
+    KVT_EQ(res[0], KVC_OK);
+    KVT_EQ(res[1], KVB_ERANGE);
+    KVT_EQ(res[2], KVB_ERANGE);
+    KVT_EQ(job.bytes, 2 * 2 * 512);
+    KVT_EQ(plan.failed_jobs, 1);
+    job = job_of(a, c, si, di, 1, res);
+    KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_ELAYOUT);
+    KVT_EQ(res[0], KVC_ELAYOUT);
+    job = job_of(meta, b, si, di, 1, res);
+    KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_ESTORAGE);
+    KVT_EQ(res[0], KVC_ESTORAGE);
+    KVT_EQ(kvc_copy_on_host(NULL, NULL, NULL), KVC_EINVAL);
+    job = job_of(a, b, NULL, di, 1, res);
+    KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_EINVAL);
+    kvb_pool_destroy(a);
+    kvb_pool_destroy(b);
+    kvb_pool_destroy(c);
+    kvb_pool_destroy(meta);
+}
+
+/* ---- GPU tests --------------------------------------------------------------------------------- */
+
+/* device A -> pinned H -> device B with random ids; every block byte-compared at each hop. */
+static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kind host_kind, kvc_copy_method method,
+                      uint64_t seed)
+{
+    enum { NA = 96, NH = 160, NB = 80, N = 48, LAYERS = 3 };
+    const uint64_t page = 4096 + 512; /* 16-byte multiple, not a power of two */
+    kvb_pool *a = make_pool(ctx, KVC_MEMORY_DEVICE, NA, layout_of(dev_kind, LAYERS, page));
+    kvb_pool *h = make_pool(ctx, KVC_MEMORY_PINNED, NH, layout_of(host_kind, LAYERS, page));
+    kvb_pool *b = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(dev_kind, LAYERS, page));
+    if (!a || !h || !b) return;
+    kvc_backend_config bc;
+    memset(&bc, 0, sizeof bc);
+    bc.method = method;
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, &bc, &be), KVC_OK);
+    if (!be) return;
+    fill_random(ctx, a, seed);
+    uint32_t ai[N], hi[N], bi[N];
+    int res[N];
+    uint64_t bytes = 0, block_bytes = 0;
+    char msg[256];
+    uint32_t limits[3] = {NA, NH, NB}, *ids[3] = {ai, hi, bi};
+    size_t chunks = random_runs(&seed, limits, ids, 3, N);
+    KVT_EQ(kvb_pool_storage(a, NULL, NULL, &block_bytes, NULL), KVB_OK);
+
+    KVT_EQ(run_job(be, a, h, ai, hi, N, res, &bytes, msg), KVO_OK);
+    for (size_t i = 0; i < N; i++) KVT_EQ(res[i], KVO_OK);
+    KVT_EQ(bytes, N * block_bytes);
+    KVT_EQ(run_job(be, h, b, hi, bi, N, res, &bytes, msg), KVO_OK);
+    for (size_t i = 0; i < N; i++) KVT_EQ(res[i], KVO_OK);
+
+    uint64_t sa, sh, sb;
+    unsigned char *ha = snapshot(ctx, a, &sa), *hh = snapshot(ctx, h, &sh), *hb = snapshot(ctx, b, &sb);
+    size_t bad_h = 0, bad_b = 0;
+    for (size_t i = 0; i < N; i++) {
+        bad_h += !same_block(ha, a, ai[i], hh, h, hi[i]);
+        bad_b += !same_block(ha, a, ai[i], hb, b, bi[i]);
+    }
+    KVT_EQ(bad_h, 0);
+    KVT_EQ(bad_b, 0);
+    /* blocks not named stay zero in B */
+    unsigned char *named = (unsigned char *)calloc(NB, 1);
+    for (size_t i = 0; i < N; i++) named[bi[i]] = 1;
+    unsigned char *zero = (unsigned char *)calloc((size_t)page, 1);
+    size_t nonzero = 0;
+    kvb_layout lb;
+    kvb_pool_storage(b, NULL, NULL, NULL, &lb);
+    for (uint32_t k = 0; k < NB; k++) {
+        if (named[k]) continue;
+        for (uint32_t l = 0; l < LAYERS; l++)
+            for (uint32_t q = 0; q < 2; q++)
+                nonzero += memcmp(hb + kvb_layout_offset(&lb, NB, k, l, q), zero, (size_t)page) != 0;
+    }
+    KVT_EQ(nonzero, 0);
+
+    kvc_backend_stats st;
+    KVT_EQ(kvc_backend_get_stats(be, &st), KVC_OK);
+    KVT_EQ(st.jobs, 2);
+    KVT_EQ(st.copies, 2 * N);
+    KVT_EQ(st.failed_jobs, 0);
+    KVT_EQ(st.bytes, 2 * N * block_bytes);
+    KVT_CHECK(st.runs > 0);
+    if (dev_kind == host_kind) { /* merged: at most one run per chunk (per page array when layer-separate) */
+        uint64_t units = dev_kind == KVB_LAYOUT_BLOCK_CONTIGUOUS ? 1 : 2 * LAYERS;
+        KVT_CHECK(st.runs <= 2 * chunks * units);
+        KVT_CHECK(chunks < N);
+    } else {
+        KVT_CHECK(st.runs <= 2 * (uint64_t)N * 2 * LAYERS);
+    }
+    if (method == KVC_COPY_KERNEL) KVT_EQ(st.kernel_jobs, 2);
+    if (method == KVC_COPY_DMA) KVT_EQ(st.dma_jobs, 2);
+    free(named);
+    free(zero);
+    free(ha);
+    free(hh);
+    free(hb);
+    kvo_backend_destroy(be);
+    KVT_EQ(kvc_pool_destroy(ctx, a), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, h), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, b), KVC_OK);
+}
+
+static void test_roundtrip_block_contiguous(void)
+{
+    NEED_GPU(ctx);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_AUTO, 11);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 12);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 13);
+    kvc_context_destroy(ctx);
+}
+
+static void test_roundtrip_layer_separate(void)
+{
+    NEED_GPU(ctx);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 21);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_DMA, 22);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_KERNEL, 23);
+    kvc_context_destroy(ctx);
+}
+
+/* vLLM-style per-layer device tensors against a block-contiguous host tier, and the reverse. */
+static void test_roundtrip_mixed_layouts(void)
+{
+    NEED_GPU(ctx);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 31);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 32);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 33);
+    kvc_context_destroy(ctx);
+}
+
+/* Register n blocks of a pool under synthetic hashes; strong handles kept in out. */
+static void register_blocks(kvb_pool *pool, size_t n, uint64_t salt, kvb_block *out, kvb_weak *weak, kvb_hash *hashes)
+{
+    kvb_block b[64];
+    KVT_CHECK(n <= 64);
+    KVT_EQ(kvb_alloc(pool, n, b), KVB_OK);
+    for (size_t i = 0; i < n; i++) {
+        hashes[i].lo = salt * 1000003u + i + 1;
+        hashes[i].hi = salt;
+    }
+    KVT_EQ(kvb_register_hashed(pool, b, n, hashes, NULL, out), KVB_OK);
+    for (size_t i = 0; i < n; i++) weak[i] = kvb_weak_of(out[i]);
+}
+
+typedef struct landed {
+    pthread_mutex_t m;
+    kvb_weak dst[64];
+    size_t n;
+    int calls;
+} landed;
+
+static void on_transfer_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    landed *l = (landed *)user;
+    (void)t;
+    (void)info;
+    pthread_mutex_lock(&l->m);
+    for (size_t i = 0; i < n && i < 64; i++) l->dst[i] = dst[i];
+    l->n = n;
+    l->calls++;
+    pthread_mutex_unlock(&l->m);
+}
+
+/* A slow kernel writes the device blocks; the offload waits on the CUDA event recorded after it, so
+ * the host copy holds the kernel's bytes (without the wait the copy stream would read zeros). */
+static void test_precondition_event(void)
+{
+    NEED_GPU(ctx);
+    enum { NB = 32, N = 24 };
+    const uint64_t page = 2048;
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, 4, page));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, NB, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 4, page));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    kvc_event *ev = NULL;
+    KVT_EQ(kvc_event_create(ctx, &ev), KVC_OK);
+    if (!dev || !host || !be || !ev) return;
+    KVT_EQ(kvc_event_query(ev), 1); /* never recorded: done */
+    landed l;
+    memset(&l, 0, sizeof l);
+    pthread_mutex_init(&l.m, NULL);
+    kvo_pipeline_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.src = dev;
+    pc.dst = host;
+    pc.backend = be;
+    pc.mode = KVO_MODE_THREADS;
+    pc.min_batch = 1;
+    pc.on_done = on_transfer_done;
+    pc.done_user = &l;
+    kvo_pipeline *pl = NULL;
+    KVT_EQ(kvo_pipeline_create(&pc, &pl), KVO_OK);
+    kvb_block strong[N];
+    kvb_weak weak[N];
+    kvb_hash hashes[N];
+    register_blocks(dev, N, 7, strong, weak, hashes);
+
+    void *base = NULL;
+    uint64_t bytes = 0;
+    kvb_pool_storage(dev, &base, &bytes, NULL, NULL);
+    long long spin = (long long)kvct_clock_khz() * 300; /* about 300 ms */
+    KVT_EQ(kvct_slow_fill(base, bytes, 5, spin, NULL), 0);
+    KVT_EQ(kvc_event_record(ev, NULL), KVC_OK);
+    KVT_EQ(kvc_event_query(ev), 0); /* the kernel is still spinning */
+    kvo_enqueue_opts o;
+    memset(&o, 0, sizeof o);
+    o.precondition = kvc_event_precondition(ev);
+    kvo_transfer t;
+    KVT_EQ(kvo_enqueue(pl, weak, N, &o, &t), KVO_OK);
+    kvo_status status = 0;
+    KVT_EQ(kvo_transfer_wait(pl, t, 10 * 1000 * 1000, &status), KVO_OK);
+    KVT_EQ(status, KVO_STATUS_COMPLETE);
+    kvo_transfer_info info;
+    KVT_EQ(kvo_transfer_get_info(pl, t, &info), KVO_OK);
+    KVT_EQ(info.transferred, N);
+    KVT_EQ(kvc_event_query(ev), 1);
+    KVT_EQ(kvo_pipeline_drain(pl, 5 * 1000 * 1000), KVO_OK);
+
+    /* each landed host block equals the kernel's bytes of its source block */
+    kvb_layout ld, lh;
+    void *hbase = NULL;
+    kvb_pool_storage(dev, NULL, NULL, NULL, &ld);
+    kvb_pool_storage(host, &hbase, NULL, NULL, &lh);
+    pthread_mutex_lock(&l.m);
+    KVT_EQ(l.calls, 1);
+    KVT_EQ(l.n, N);
+    size_t bad = 0;
+    for (size_t i = 0; i < l.n; i++) {
+        uint32_t si = kvb_block_index(strong[i].id), hi = kvb_block_index(l.dst[i].id);
+        KVT_CHECK(hi < NB);
+        if (hi >= NB) continue;
+        for (uint32_t la = 0; la < 4; la++)
+            for (uint32_t q = 0; q < 2; q++) {
+                uint64_t so = kvb_layout_offset(&ld, NB, si, la, q);
+                const unsigned char *hp = (const unsigned char *)hbase + kvb_layout_offset(&lh, NB, hi, la, q);
+                for (uint64_t j = 0; j < page; j++) bad += hp[j] != kvct_byte(5, so + j);
+            }
+    }
+    pthread_mutex_unlock(&l.m);
+    KVT_EQ(bad, 0);
+    KVT_EQ(kvo_transfer_release(pl, t), KVO_OK);
+    kvo_pipeline_destroy(pl);
+    kvc_event_destroy(ev);
+    kvo_backend_destroy(be);
+    KVT_EQ(kvb_release(dev, strong, N, NULL), KVB_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, host), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, dev), KVC_OK);
+    pthread_mutex_destroy(&l.m);
+    kvc_context_destroy(ctx);
+}
+
+/* A transfer cancelled while it waits on its CUDA precondition never reaches the backend: no job, no
+ * bytes in the host pool, nothing registered there. */
+static void test_cancel_before_upgrade(void)
+{
+    NEED_GPU(ctx);
+    enum { NB = 16, N = 12 };
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, NB, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    kvc_event *ev = NULL;
+    KVT_EQ(kvc_event_create(ctx, &ev), KVC_OK);
+    if (!dev || !host || !be || !ev) return;
+    kvo_pipeline_config pc;
+    memset(&pc, 0, sizeof pc);
+    pc.src = dev;
+    pc.dst = host;
+    pc.backend = be;
+    pc.mode = KVO_MODE_THREADS;
+    pc.min_batch = 1;
+    kvo_pipeline *pl = NULL;
+    KVT_EQ(kvo_pipeline_create(&pc, &pl), KVO_OK);
+    kvb_block strong[N];
+    kvb_weak weak[N];
+    kvb_hash hashes[N];
+    register_blocks(dev, N, 9, strong, weak, hashes);
+    void *base = NULL, *hbase = NULL;
+    uint64_t bytes = 0, hbytes = 0;
+    kvb_pool_storage(dev, &base, &bytes, NULL, NULL);
+    kvb_pool_storage(host, &hbase, &hbytes, NULL, NULL);
+    KVT_EQ(kvct_slow_fill(base, bytes, 3, (long long)kvct_clock_khz() * 200, NULL), 0);
+    KVT_EQ(kvc_event_record(ev, NULL), KVC_OK);
+    kvo_token *tok = NULL;
+    KVT_EQ(kvo_token_create(&tok), KVO_OK);
+    kvo_enqueue_opts o;
+    memset(&o, 0, sizeof o);
+    o.precondition = kvc_event_precondition(ev);
+    o.token = tok;
+    kvo_transfer t;
+    KVT_EQ(kvo_enqueue(pl, weak, N, &o, &t), KVO_OK);
+    KVT_EQ(kvc_event_query(ev), 0);
+    kvo_status status = 0;
+    KVT_EQ(kvo_transfer_cancel(pl, t, &status), KVO_OK);
+    KVT_EQ(status, KVO_STATUS_CANCELLED);
+    KVT_EQ(kvc_synchronize(ctx), KVC_OK);
+    while (kvc_event_query(ev) == 0) usleep(1000); /* the kernel has finished: nothing may follow it */
+    KVT_EQ(kvo_pipeline_drain(pl, 5 * 1000 * 1000), KVO_OK);
+    kvc_backend_stats st;
+    KVT_EQ(kvc_backend_get_stats(be, &st), KVC_OK);
+    KVT_EQ(st.jobs, 0);
+    KVT_EQ(st.bytes, 0);
+    kvb_pool_stats hs;
+    KVT_EQ(kvb_pool_get_stats(host, &hs), KVB_OK);
+    KVT_EQ(hs.cached_hashes, 0);
+    KVT_EQ(hs.registrations, 0);
+    size_t nonzero = 0;
+    for (uint64_t j = 0; j < hbytes; j++) nonzero += ((const unsigned char *)hbase)[j] != 0;
+    KVT_EQ(nonzero, 0);
+    kvo_transfer_info info;
+    KVT_EQ(kvo_transfer_get_info(pl, t, &info), KVO_OK);
+    KVT_EQ(info.transferred, 0);
+    KVT_EQ(kvo_transfer_release(pl, t), KVO_OK);
+    kvo_token_release(tok);
+    kvo_pipeline_destroy(pl);
+    kvc_event_destroy(ev);
+    kvo_backend_destroy(be);
+    KVT_EQ(kvb_release(dev, strong, N, NULL), KVB_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, host), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, dev), KVC_OK);
+    kvc_context_destroy(ctx);
+}
+
+/* Many small scattered blocks in one job (the automatic choice takes the kernel) give the same host
+ * pool, byte for byte, as the same copies done one job each by DMA; both directions. */
+static void test_scattered_equals_one_by_one(void)
+{
+    NEED_GPU(ctx);
+    enum { NB = 1024, NH = 700, N = 400, LAYERS = 8 };
+    const uint64_t page = 256; /* 16 tokens x 8 bytes: tiny pages, the kernel's case */
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvb_pool *h1 = make_pool(ctx, KVC_MEMORY_PINNED, NH, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvb_pool *h2 = make_pool(ctx, KVC_MEMORY_PINNED, NH, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvb_pool *d1 = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvb_pool *d2 = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvo_backend *many = NULL, *one = NULL;
+    kvc_backend_config bc;
+    memset(&bc, 0, sizeof bc);
+    KVT_EQ(kvc_backend_create(ctx, &bc, &many), KVC_OK);
+    bc.method = KVC_COPY_DMA;
+    bc.sync = 1;
+    KVT_EQ(kvc_backend_create(ctx, &bc, &one), KVC_OK);
+    if (!dev || !h1 || !h2 || !d1 || !d2 || !many || !one) return;
+    fill_random(ctx, dev, 77);
+    uint64_t seed = 99;
+    static uint32_t si[N], hi[N], di[N];
+    static int res[N];
+    uint32_t limits[3] = {NB, NH, NB}, *ids[3] = {si, hi, di};
+    random_runs(&seed, limits, ids, 3, N);
+    KVT_EQ(run_job(many, dev, h1, si, hi, N, res, NULL, NULL), KVO_OK);
+    for (size_t i = 0; i < N; i++) {
+        int r1 = KVO_EBACKEND;
+        KVT_EQ(run_job(one, dev, h2, &si[i], &hi[i], 1, &r1, NULL, NULL), KVO_OK);
+        KVT_EQ(r1, KVO_OK);
+    }
+    KVT_EQ(run_job(many, h1, d1, hi, di, N, res, NULL, NULL), KVO_OK);
+    for (size_t i = 0; i < N; i++) {
+        int r1 = KVO_EBACKEND;
+        KVT_EQ(run_job(one, h2, d2, &hi[i], &di[i], 1, &r1, NULL, NULL), KVO_OK);
+    }
+    uint64_t b1, b2, c1, c2;
+    unsigned char *s1 = snapshot(ctx, h1, &b1), *s2 = snapshot(ctx, h2, &b2);
+    unsigned char *e1 = snapshot(ctx, d1, &c1), *e2 = snapshot(ctx, d2, &c2);
+    KVT_EQ(b1, b2);
+    KVT_CHECK(memcmp(s1, s2, (size_t)b1) == 0);
+    KVT_CHECK(memcmp(e1, e2, (size_t)c1) == 0);
+    uint64_t sd;
+    unsigned char *sdev = snapshot(ctx, dev, &sd);
+    size_t bad = 0;
+    for (size_t i = 0; i < N; i++) bad += !same_block(sdev, dev, si[i], e1, d1, di[i]);
+    KVT_EQ(bad, 0);
+    kvc_backend_stats st;
+    KVT_EQ(kvc_backend_get_stats(many, &st), KVC_OK);
+    KVT_EQ(st.kernel_jobs, 2); /* automatic: average run far below 256 KiB */
+    KVT_EQ(st.dma_jobs, 0);
+    KVT_EQ(kvc_backend_get_stats(one, &st), KVC_OK);
+    KVT_EQ(st.dma_jobs, 2 * N);
+    free(s1);
+    free(s2);
+    free(e1);
+    free(e2);
+    free(sdev);
+    kvo_backend_destroy(many);
+    kvo_backend_destroy(one);
+    kvc_pool_destroy(ctx, dev);
+    kvc_pool_destroy(ctx, h1);
+    kvc_pool_destroy(ctx, h2);
+    kvc_pool_destroy(ctx, d1);
+    kvc_pool_destroy(ctx, d2);
+    kvc_context_destroy(ctx);
+}
+
+/* Errors with a device: an index out of range fails that copy alone; pools without device memory or
+ * with different pages fail the job with a message; an impossible allocation is KVC_ENOMEM. */
+static void test_copy_errors(void)
+{
+    NEED_GPU(ctx);
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, 8, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 512));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, 8, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 512));
+    kvb_pool *other = make_pool(ctx, KVC_MEMORY_PINNED, 8, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    if (!dev || !host || !other || !be) return;
+    uint32_t si[3] = {1, 9, 2}, di[3] = {0, 1, 50};
+    int res[3];
+    uint64_t bytes = 0, bb = 0;
+    char msg[256];
+    kvb_pool_storage(dev, NULL, NULL, &bb, NULL);
+    KVT_EQ(run_job(be, dev, host, si, di, 3, res, &bytes, msg), KVB_ERANGE);
+    KVT_EQ(res[0], KVO_OK);
+    KVT_EQ(res[1], KVB_ERANGE);
+    KVT_EQ(res[2], KVB_ERANGE);
+    KVT_EQ(bytes, bb);
+    KVT_CHECK(strstr(msg, "out of range") != NULL);
+    KVT_EQ(run_job(be, host, host, si, di, 1, res, NULL, msg), KVC_ESTORAGE);
+    KVT_EQ(res[0], KVC_ESTORAGE);
+    KVT_CHECK(strstr(msg, "device memory") != NULL);
+    KVT_EQ(run_job(be, dev, other, si, di, 1, res, NULL, msg), KVC_ELAYOUT);
+    KVT_EQ(res[0], KVC_ELAYOUT);
+    void *p = NULL;
+    KVT_EQ(kvc_device_alloc(ctx, (size_t)1 << 60, &p), KVC_ENOMEM);
+    KVT_CHECK(strstr(kvc_last_error_message(ctx), "cudaMalloc") != NULL);
+    kvc_memory kind = KVC_MEMORY_UNKNOWN;
+    void *hb = NULL, *db = NULL;
+    kvb_pool_storage(host, &hb, NULL, NULL, NULL);
+    kvb_pool_storage(dev, &db, NULL, NULL, NULL);
+    KVT_EQ(kvc_memory_kind(ctx, hb, &kind), KVC_OK);
+    KVT_EQ(kind, KVC_MEMORY_PINNED);
+    KVT_EQ(kvc_memory_kind(ctx, db, &kind), KVC_OK);
+    KVT_EQ(kind, KVC_MEMORY_DEVICE);
+    KVT_EQ(kvc_memory_kind(ctx, msg, &kind), KVC_OK);
+    KVT_EQ(kind, KVC_MEMORY_HOST);
+    kvc_device_info info;
+    KVT_EQ(kvc_get_device_info(ctx, &info), KVC_OK);
+    KVT_CHECK(info.name[0] != 0 && info.sm_count > 0);
+    kvo_backend_destroy(be);
+    kvc_pool_destroy(ctx, dev);
+    kvc_pool_destroy(ctx, host);
+    kvc_pool_destroy(ctx, other);
+    kvc_context_destroy(ctx);
+}
+
+int main(void)
+{
+    signal(SIGALRM, watchdog_fired);
+    alarm(300);
+    KVT_RUN(test_result_strings);
+    KVT_RUN(test_no_device_error);
+    KVT_RUN(test_null_arguments);
+    KVT_RUN(test_plan_on_host);
+    KVT_RUN(test_roundtrip_block_contiguous);
+    KVT_RUN(test_roundtrip_layer_separate);
+    KVT_RUN(test_roundtrip_mixed_layouts);
+    KVT_RUN(test_precondition_event);
+    KVT_RUN(test_cancel_before_upgrade);
+    KVT_RUN(test_scattered_equals_one_by_one);
+    KVT_RUN(test_copy_errors);
+    return kvt_summary();
+}

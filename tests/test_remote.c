@@ -1,0 +1,989 @@
+/* The G4 tier of kvremote.h against real Redis servers on loopback (started and stopped here, free
+ * ports, one temp directory each, killed by a watchdog if anything hangs):
+ * - two engine processes: A offloads a conversation G1 -> G2 -> G4; B, started fresh, finds the
+ *   prefix in Redis (kvo_redis_manager_lookup), onboards it, and its bytes equal A's;
+ * - a 3-node Redis Cluster: blocks spread over the nodes (routing checked against CLUSTER KEYSLOT), all
+ *   read back; a slot resharded by hand is followed through ASK (while migrating) and MOVED (after);
+ * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
+ *   keep working; after a restart transfers resume;
+ * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
+ *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses;
+ * - tenants with different salts do not see each other's blocks;
+ * - AUTH: no password and a wrong one fail create with KVO_EAUTH and a clear message that never holds
+ *   the password; the right one from an environment variable works.
+ * Without redis-server the server tests are skipped with one line. */
+#define KVO_WITH_REDIS
+#define KVCACHE_IMPLEMENTATION
+#include "kvremote.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+#include "redis_fixtures.h"
+
+#include <sys/stat.h>
+
+enum { MAXN = 64 };
+
+/* ---- log capture: keeps the output clean and lets tests look for a leaked password -------------- */
+
+typedef struct log_buf {
+    pthread_mutex_t mu;
+    int lines;
+    char text[8192];
+} log_buf;
+
+static log_buf g_log = {PTHREAD_MUTEX_INITIALIZER, 0, ""};
+
+static void capture_log(void *user, const char *message)
+{
+    log_buf *lb = (log_buf *)user;
+    pthread_mutex_lock(&lb->mu);
+    size_t len = strlen(lb->text);
+    if (len + strlen(message) + 2 < sizeof lb->text) snprintf(lb->text + len, sizeof lb->text - len, "%s\n", message);
+    lb->lines++;
+    pthread_mutex_unlock(&lb->mu);
+}
+
+static int log_has(const char *s)
+{
+    pthread_mutex_lock(&g_log.mu);
+    int has = strstr(g_log.text, s) != NULL;
+    pthread_mutex_unlock(&g_log.mu);
+    return has;
+}
+
+/* ---- backends and pipelines --------------------------------------------------------------------- */
+
+static char g_err[512];
+
+static kvo_redis_config rconfig(const char *servers, kvb_pool *g4, uint32_t threads)
+{
+    kvo_redis_config rc;
+    memset(&rc, 0, sizeof rc);
+    rc.servers = servers;
+    rc.namespace_prefix = "kvtest";
+    rc.salt = 42;
+    rc.pool = g4;
+    rc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    rc.threads = threads;
+    rc.connect_timeout_ms = 1000;
+    rc.command_timeout_ms = 3000;
+    rc.reconnect_min_ms = 50;
+    rc.reconnect_max_ms = 200;
+    rc.log = capture_log;
+    rc.log_user = &g_log;
+    rc.error = g_err;
+    rc.error_size = sizeof g_err;
+    return rc;
+}
+
+static kvo_backend *redis_open(const char *servers, kvb_pool *g4, uint32_t threads)
+{
+    kvo_redis_config rc = rconfig(servers, g4, threads);
+    kvo_backend *b = NULL;
+    g_err[0] = 0;
+    kvo_result r = kvo_redis_backend_create(&rc, &b);
+    if (r != KVO_OK) fprintf(stderr, "  redis backend: %s: %s\n", kvo_redis_result_string(r), g_err);
+    KVT_EQ(r, KVO_OK);
+    return b;
+}
+
+static kvo_redis_stats rstats(kvo_backend *b)
+{
+    kvo_redis_stats s;
+    memset(&s, 0, sizeof s);
+    KVT_EQ(kvo_redis_backend_stats(b, &s), KVO_OK);
+    return s;
+}
+
+static void server_addr(int port, char *buf, size_t size) { snprintf(buf, size, "127.0.0.1:%d", port); }
+
+/* Offloads the blocks of `hashes` (registered in from) into `to` (poll mode) until final. */
+static kvo_transfer_info offload(kvb_pool *from, kvb_pool *to, kvo_backend *backend, const kvb_hash *hashes, size_t n)
+{
+    of_clock clock = {1000000};
+    kvb_block strong[MAXN];
+    kvb_weak weak[MAXN];
+    size_t found = 0;
+    kvo_transfer_info info;
+    memset(&info, 0, sizeof info);
+    kvo_pipeline_config pc = of_config(from, to, backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return info;
+    KVT_EQ(kvb_match(from, hashes, n, strong, &found), KVB_OK);
+    KVT_EQ(found, n);
+    for (size_t i = 0; i < found; i++) weak[i] = kvb_weak_of(strong[i]);
+    kvo_transfer t = of_enqueue(p, weak, found, NULL);
+    KVT_EQ(kvb_release(from, strong, found, NULL), KVB_OK);
+    of_pump(p, &clock, t, 1000, 500);
+    info = of_info(p, t);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    return info;
+}
+
+/* Onboards `hashes` from `from` into `to`; the taken blocks (Complete only) go to got, released by the
+ * caller. */
+static kvo_transfer_info load(kvb_pool *from, kvb_pool *to, kvo_backend *backend, const kvb_hash *hashes, size_t n,
+                              kvb_block *got, size_t *n_got)
+{
+    of_clock clock = {1000000};
+    kvo_transfer t;
+    kvo_transfer_info info;
+    memset(&info, 0, sizeof info);
+    *n_got = 0;
+    kvo_pipeline_config pc = of_config(from, to, backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return info;
+    KVT_EQ(kvo_onboard(p, hashes, n, NULL, &t), KVO_OK);
+    of_pump(p, &clock, t, 1000, 500);
+    info = of_info(p, t);
+    if (info.status == KVO_STATUS_COMPLETE) KVT_EQ(kvo_transfer_take_blocks(p, t, got, MAXN, n_got), KVO_OK);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    return info;
+}
+
+/* Onboards into a fresh pool and counts the blocks that arrived with the right bytes. */
+static size_t read_back(kvb_pool *g4, kvo_backend *b, const kvb_hash *hashes, size_t n, kvo_transfer_info *out)
+{
+    kvb_pool *g1 = of_mem_pool(MAXN, KVB_LAYOUT_LAYER_SEPARATE);
+    kvb_block got[MAXN];
+    size_t ngot = 0, good = 0;
+    kvo_transfer_info info = load(g4, g1, b, hashes, n, got, &ngot);
+    for (size_t i = 0; i < ngot; i++) good += of_bytes_ok(g1, got[i], hashes[i]);
+    if (ngot) KVT_EQ(kvb_release(g1, got, ngot, NULL), KVB_OK);
+    if (!ngot) good = of_holds_all(g1, hashes, n); /* a Failed transfer leaves what arrived cached */
+    OF_CHECK_POOL(g1);
+    kvb_pool_destroy(g1);
+    if (out) *out = info;
+    return good;
+}
+
+/* ---- pure functions ----------------------------------------------------------------------------- */
+
+static void test_crc16_and_slots(void)
+{
+    KVT_EQ(kvo_redis_crc16("123456789", 9), 0x31c3);
+    KVT_EQ(kvo_redis_crc16("", 0), 0);
+    KVT_EQ(kvo_redis_key_slot("foo", 3), 12182);
+    KVT_EQ(kvo_redis_key_slot("bar", 3), 5061);
+    KVT_EQ(kvo_redis_key_slot("{user1000}.following", 20), kvo_redis_key_slot("user1000", 8));
+    KVT_EQ(kvo_redis_key_slot("{user1000}.followers", 20), kvo_redis_key_slot("user1000", 8));
+    KVT_EQ(kvo_redis_key_slot("foo{}{bar}", 10), kvo_redis_crc16("foo{}{bar}", 10) & 16383);
+    KVT_EQ(kvo_redis_key_slot("foo{{bar}}zap", 13), kvo_redis_crc16("{bar", 4) & 16383);
+    KVT_EQ(kvo_redis_key_slot("foo{bar}{zap}", 13), kvo_redis_key_slot("bar", 3));
+    KVT_EQ(kvo_redis_key_slot("{", 1), kvo_redis_crc16("{", 1) & 16383);
+}
+
+static void test_key_format(void)
+{
+    kvb_hash h = {0x85eed2fee4858a4cull, 0x7de4593b80f59852ull};
+    char key[KVO_REDIS_KEY_MAX], tiny[8], prefix[KVO_REDIS_MAX_PREFIX + 2];
+    size_t len = kvo_redis_format_key("kvcache", 7, &h, key, sizeof key);
+    KVT_CHECK(!strcmp(key, "kvcache:0000000000000007:7de4593b80f5985285eed2fee4858a4c"));
+    KVT_EQ(len, strlen(key));
+    KVT_EQ(kvo_redis_format_key(NULL, 0, &h, key, sizeof key), strlen("kvcache:") + 16 + 1 + 32);
+    KVT_EQ(kvo_redis_format_key("kvcache", 7, &h, tiny, sizeof tiny), 0);
+    memset(prefix, 'p', sizeof prefix - 1);
+    prefix[sizeof prefix - 1] = 0;
+    KVT_EQ(kvo_redis_format_key(prefix, 7, &h, key, sizeof key), 0); /* 129 characters */
+    prefix[KVO_REDIS_MAX_PREFIX] = 0;
+    KVT_EQ(kvo_redis_format_key(prefix, 7, &h, key, sizeof key), KVO_REDIS_MAX_PREFIX + 50);
+    KVT_CHECK(kvo_redis_key_slot(key, strlen(key)) < 16384);
+    KVT_CHECK(strstr(kvo_redis_result_string(KVO_EAUTH), "AUTH") != NULL);
+    KVT_CHECK(!strcmp(kvo_redis_result_string(KVO_EIO), kvo_result_string(KVO_EIO)));
+}
+
+/* No server: create fails fast and says where it looked; bad configs are refused with a reason. */
+static void test_no_server(void)
+{
+    kvb_pool *g4 = of_meta_pool(16);
+    char addr[64];
+    kvo_backend *b = (kvo_backend *)1;
+    int port = rf_free_port();
+    server_addr(port, addr, sizeof addr);
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    uint64_t t0 = of_now_us();
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_ECONNECT);
+    KVT_CHECK(b == NULL);
+    KVT_CHECK(of_now_us() - t0 < 2000000);
+    KVT_CHECK(strstr(g_err, "cannot reach") != NULL);
+    KVT_CHECK(strstr(g_err, addr) != NULL);
+
+    rc = rconfig("no-port-here", g4, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(strstr(g_err, "bad server list") != NULL);
+    rc = rconfig(addr, NULL, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    rc = rconfig(addr, g4, 0);
+    rc.password_env = "KVTEST_REDIS_PASSWORD_NOT_SET";
+    unsetenv(rc.password_env);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(strstr(g_err, "KVTEST_REDIS_PASSWORD_NOT_SET") != NULL);
+    kvb_pool_destroy(g4);
+}
+
+/* ---- two engine processes ----------------------------------------------------------------------- */
+
+enum { CONV_BLOCKS = 8 };
+
+/* The conversation: B's prompt continues A's by two blocks. */
+static size_t conversation(size_t blocks, uint32_t extra_tokens, kvb_hash *out)
+{
+    uint32_t tokens[(CONV_BLOCKS + 2) * OF_TOKENS + OF_TOKENS];
+    size_t n = blocks * OF_TOKENS + extra_tokens, got = 0;
+    for (size_t i = 0; i < n; i++) tokens[i] = (uint32_t)(1000 + (i * 7919u) % 30011u);
+    KVT_EQ(kvb_hash_prompt(tokens, n, OF_TOKENS, NULL, 0, 42, out, CONV_BLOCKS + 2, &got), KVB_OK);
+    return got;
+}
+
+typedef struct engine {
+    kvb_pool *g1, *g2, *g4;
+    kvo_backend *mem, *redis;
+    kvo_manager *m;
+} engine;
+
+static int engine_open(engine *e, int port)
+{
+    char addr[64];
+    memset(e, 0, sizeof *e);
+    server_addr(port, addr, sizeof addr);
+    e->g1 = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    e->g2 = of_mem_pool(32, KVB_LAYOUT_LAYER_SEPARATE);
+    e->g4 = of_meta_pool(128);
+    KVT_EQ(kvo_memcpy_backend_create(0, &e->mem), KVO_OK);
+    e->redis = redis_open(addr, e->g4, 1);
+    if (!e->redis) return 0;
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    mc.pools[0] = e->g1;
+    mc.pools[1] = e->g2;
+    mc.pools[2] = e->g4;
+    mc.down[0] = e->mem;
+    mc.down[1] = e->redis;
+    mc.up[1] = e->mem;
+    mc.up[2] = e->redis;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    KVT_EQ(kvo_manager_create(&mc, &e->m), KVO_OK);
+    return e->m != NULL;
+}
+
+static void engine_close(engine *e)
+{
+    kvo_manager_destroy(e->m);
+    kvo_backend_destroy(e->redis);
+    kvo_backend_destroy(e->mem);
+    kvb_pool *pools[3] = {e->g1, e->g2, e->g4};
+    for (int i = 0; i < 3; i++) {
+        KVT_EQ(of_active(pools[i]), 0);
+        OF_CHECK_POOL(pools[i]);
+        kvb_pool_destroy(pools[i]);
+    }
+}
+
+/* Block b of pool in canonical order (layer, part) into buf (OF_BLOCK_BYTES). */
+static void block_bytes(kvb_pool *pool, kvb_block b, unsigned char *buf)
+{
+    for (uint32_t l = 0; l < OF_LAYERS; l++)
+        for (uint32_t q = 0; q < 2; q++, buf += OF_PAGE_BYTES) {
+            void *page = NULL;
+            KVT_EQ(kvb_block_data(pool, b, l, q, &page), KVB_OK);
+            if (page) memcpy(buf, page, OF_PAGE_BYTES);
+        }
+}
+
+/* Engine A: computes a conversation (random K/V bytes, saved to `file`), offers it to the manager,
+ * which moves it G1 -> G2 -> G4 (Redis). */
+static void engine_a(int port, const char *file)
+{
+    engine e;
+    kvb_hash h[CONV_BLOCKS + 2], parents[CONV_BLOCKS];
+    kvb_block b[CONV_BLOCKS];
+    static unsigned char bytes[CONV_BLOCKS][OF_BLOCK_BYTES];
+    uint64_t seed = (uint64_t)getpid() * 0x9e3779b97f4a7c15ull ^ of_now_us();
+    if (!engine_open(&e, port)) return;
+    KVT_EQ(conversation(CONV_BLOCKS, 5, h), CONV_BLOCKS); /* 8 full blocks and 5 tokens */
+    KVT_EQ(kvb_alloc(e.g1, CONV_BLOCKS, b), KVB_OK);
+    for (size_t i = 0; i < CONV_BLOCKS; i++) {
+        for (uint32_t l = 0; l < OF_LAYERS; l++)
+            for (uint32_t q = 0; q < 2; q++) {
+                unsigned char *page = NULL;
+                KVT_EQ(kvb_block_data(e.g1, b[i], l, q, (void **)&page), KVB_OK);
+                for (size_t j = 0; page && j < OF_PAGE_BYTES; j++) {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    page[j] = (unsigned char)seed;
+                }
+            }
+        block_bytes(e.g1, b[i], bytes[i]);
+        if (i) parents[i] = h[i - 1];
+        else memset(&parents[0], 0, sizeof parents[0]);
+    }
+    KVT_EQ(kvb_register_hashed(e.g1, b, CONV_BLOCKS, h, parents, b), KVB_OK);
+    KVT_EQ(kvo_manager_offer(e.m, 0, b, CONV_BLOCKS, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(e.m, 10000000), KVO_OK);
+    KVT_EQ(kvb_release(e.g1, b, CONV_BLOCKS, NULL), KVB_OK);
+    kvo_manager_stats ms;
+    KVT_EQ(kvo_manager_get_stats(e.m, &ms), KVO_OK);
+    KVT_EQ(ms.down[0].transferred, CONV_BLOCKS);
+    KVT_EQ(ms.down[1].transferred, CONV_BLOCKS);
+    KVT_EQ(rstats(e.redis).puts, CONV_BLOCKS);
+    KVT_EQ(of_present(e.g4, h, CONV_BLOCKS), CONV_BLOCKS);
+    FILE *f = fopen(file, "wb");
+    KVT_CHECK(f != NULL);
+    if (f) {
+        KVT_EQ(fwrite(bytes, 1, sizeof bytes, f), sizeof bytes);
+        fclose(f);
+    }
+    printf("engine A (pid %d): offloaded %d blocks G1 -> G2 -> G4\n", (int)getpid(), CONV_BLOCKS);
+    engine_close(&e);
+}
+
+/* Engine B: fresh pools; its prompt continues A's. The longest prefix comes from G4, is onboarded, and
+ * the bytes are A's. */
+static void engine_b(int port, const char *file)
+{
+    engine e;
+    kvb_hash h[CONV_BLOCKS + 2];
+    uint8_t tier_of[CONV_BLOCKS + 2];
+    static unsigned char want[CONV_BLOCKS][OF_BLOCK_BYTES];
+    unsigned char have[OF_BLOCK_BYTES];
+    size_t found = 99, ngot = 0;
+    kvb_block got[CONV_BLOCKS + 2];
+    kvo_transfer t;
+    FILE *f = fopen(file, "rb");
+    KVT_CHECK(f != NULL);
+    if (!f) return;
+    KVT_EQ(fread(want, 1, sizeof want, f), sizeof want);
+    fclose(f);
+    if (!engine_open(&e, port)) return;
+    KVT_EQ(conversation(CONV_BLOCKS + 2, 3, h), CONV_BLOCKS + 2);
+    KVT_EQ(kvo_manager_lookup(e.m, h, CONV_BLOCKS + 2, tier_of, &found), KVO_OK);
+    KVT_EQ(found, 0); /* cold local tiers */
+    KVT_EQ(kvo_redis_manager_lookup(e.m, e.redis, h, CONV_BLOCKS + 2, tier_of, &found), KVO_OK);
+    KVT_EQ(found, CONV_BLOCKS);
+    for (size_t i = 0; i < found; i++) KVT_EQ(tier_of[i], 2);
+    KVT_EQ(rstats(e.redis).imported, CONV_BLOCKS);
+    KVT_EQ(kvo_manager_onboard(e.m, 2, h, found, &t), KVO_OK);
+    kvo_pipeline *up = kvo_manager_pipeline(e.m, 2, 1);
+    KVT_EQ(kvo_transfer_wait(up, t, 10000000, NULL), KVO_OK);
+    kvo_transfer_info info = of_info(up, t);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, CONV_BLOCKS);
+    KVT_EQ(kvo_transfer_take_blocks(up, t, got, CONV_BLOCKS + 2, &ngot), KVO_OK);
+    KVT_EQ(ngot, CONV_BLOCKS);
+    size_t equal = 0;
+    for (size_t i = 0; i < ngot; i++) {
+        block_bytes(e.g1, got[i], have);
+        equal += !memcmp(have, want[i], OF_BLOCK_BYTES);
+    }
+    KVT_EQ(equal, CONV_BLOCKS);
+    KVT_EQ(kvo_transfer_release(up, t), KVO_OK);
+    if (ngot) KVT_EQ(kvb_release(e.g1, got, ngot, NULL), KVB_OK);
+    kvo_redis_stats rs = rstats(e.redis);
+    KVT_EQ(rs.gets, CONV_BLOCKS);
+    KVT_EQ(rs.checksum_errors, 0);
+    printf("engine B (pid %d): prefix hit %zu of %d blocks from G4, onboarded, %zu equal to A's bytes\n",
+           (int)getpid(), found, CONV_BLOCKS + 2, equal);
+    engine_close(&e);
+}
+
+/* Runs this program again as an engine; its exit status. */
+static int run_engine(const char *role, int port, const char *file)
+{
+    char portbuf[16];
+    snprintf(portbuf, sizeof portbuf, "%d", port);
+    fflush(stdout);
+    pid_t pid = fork();
+    if (pid < 0) return -1;
+    if (pid == 0) {
+        char *argv[] = {(char *)"/proc/self/exe", (char *)role, portbuf, (char *)file, NULL};
+        execv("/proc/self/exe", argv);
+        _exit(127);
+    }
+    int status = 0;
+    rf__track(pid, 1);
+    waitpid(pid, &status, 0);
+    rf__track(pid, 0);
+    return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+static void test_two_processes(void)
+{
+    rf_server s;
+    char file[128];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    snprintf(file, sizeof file, "%s/a.bytes", s.dir);
+    KVT_EQ(run_engine("engine-a", s.port, file), 0);
+    KVT_EQ(rf_int(s.port, NULL, "DBSIZE"), CONV_BLOCKS);
+    KVT_EQ(run_engine("engine-b", s.port, file), 0);
+    unlink(file);
+    rf_stop(&s);
+}
+
+/* ---- Redis Cluster ------------------------------------------------------------------------------ */
+
+static redisReply *cmd_argv(int port, int argc, const char **argv)
+{
+    redisContext *c = rf_connect(port, NULL);
+    redisReply *r;
+    if (!c) return NULL;
+    r = (redisReply *)redisCommandArgv(c, argc, argv, NULL);
+    redisFree(c);
+    return r;
+}
+
+static int reply_ok(redisReply *r)
+{
+    int ok = r && r->type == REDIS_REPLY_STATUS;
+    if (r && !ok) fprintf(stderr, "  redis: %s\n", r->type == REDIS_REPLY_ERROR ? r->str : "unexpected reply");
+    if (r) freeReplyObject(r);
+    return ok;
+}
+
+static void node_id(int port, char *buf, size_t size)
+{
+    redisReply *r = rf_cmd(port, NULL, "CLUSTER MYID");
+    snprintf(buf, size, "%s", r && r->type == REDIS_REPLY_STRING ? r->str : "");
+    if (r) freeReplyObject(r);
+}
+
+enum { CHAINS = 6, CHAIN_LEN = 8, ALL = CHAINS * CHAIN_LEN };
+
+static void test_cluster(void)
+{
+    rf_server n[3];
+    char seeds[128], key[KVO_REDIS_KEY_MAX];
+    kvb_hash h[ALL];
+    memset(n, 0, sizeof n);
+    if (!rf_cluster_start(n)) {
+        KVT_CHECK(!"the 3-node cluster did not come up");
+        for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+        return;
+    }
+    /* two of the three nodes as seeds: the third is found through CLUSTER SLOTS */
+    snprintf(seeds, sizeof seeds, "redis://127.0.0.1:%d, 127.0.0.1:%d", n[1].port, n[2].port);
+    kvb_pool *g1 = of_mem_pool(ALL, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(128);
+    kvo_backend *b = redis_open(seeds, g4, 1); /* one worker: its slot map is the one that goes stale */
+    if (!b) goto out;
+    KVT_EQ(rstats(b).cluster, 1);
+    for (int c = 0; c < CHAINS; c++) {
+        of_chain(100 + (uint64_t)c, CHAIN_LEN, &h[c * CHAIN_LEN]);
+        of_register(g1, &h[c * CHAIN_LEN], CHAIN_LEN, NULL, NULL);
+    }
+    kvo_transfer_info info = offload(g1, g4, b, h, ALL);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, ALL);
+
+    /* spread: every node holds some, together all; our slots are the server's */
+    long long total = 0;
+    for (int i = 0; i < 3; i++) {
+        long long keys = rf_int(n[i].port, NULL, "DBSIZE");
+        KVT_CHECK(keys > 0);
+        total += keys;
+    }
+    KVT_EQ(total, ALL);
+    KVT_EQ(rstats(b).nodes, 3);
+    size_t same_slot = 0;
+    for (size_t i = 0; i < ALL; i++) {
+        kvo_redis_key(b, &h[i], key, sizeof key);
+        redisReply *r = rf_cmd(n[0].port, NULL, "CLUSTER KEYSLOT %s", key);
+        same_slot += r && r->type == REDIS_REPLY_INTEGER && r->integer == kvo_redis_key_slot(key, strlen(key));
+        if (r) freeReplyObject(r);
+    }
+    KVT_EQ(same_slot, ALL);
+    KVT_EQ(read_back(g4, b, h, ALL, &info), ALL);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    size_t prefix = 0;
+    KVT_EQ(kvo_redis_lookup(b, h, CHAIN_LEN, &prefix), KVO_OK);
+    KVT_EQ(prefix, CHAIN_LEN);
+
+    /* reshard the slot of block 0 to another node, by hand */
+    kvo_redis_key(b, &h[0], key, sizeof key);
+    int slot = kvo_redis_key_slot(key, strlen(key)), from = -1;
+    for (int i = 0; i < 3; i++) {
+        if (rf_int(n[i].port, NULL, "CLUSTER COUNTKEYSINSLOT %d", slot) > 0) from = i;
+    }
+    KVT_CHECK(from >= 0);
+    if (from < 0) goto out;
+    int to = (from + 1) % 3;
+    char id_from[64], id_to[64], slotbuf[16], portbuf[16];
+    node_id(n[from].port, id_from, sizeof id_from);
+    node_id(n[to].port, id_to, sizeof id_to);
+    snprintf(slotbuf, sizeof slotbuf, "%d", slot);
+    snprintf(portbuf, sizeof portbuf, "%d", n[to].port);
+    const char *importing[] = {"CLUSTER", "SETSLOT", slotbuf, "IMPORTING", id_from};
+    const char *migrating[] = {"CLUSTER", "SETSLOT", slotbuf, "MIGRATING", id_to};
+    KVT_CHECK(reply_ok(cmd_argv(n[to].port, 5, importing)));
+    KVT_CHECK(reply_ok(cmd_argv(n[from].port, 5, migrating)));
+    redisReply *keys = rf_cmd(n[from].port, NULL, "CLUSTER GETKEYSINSLOT %d 1000", slot);
+    KVT_CHECK(keys && keys->type == REDIS_REPLY_ARRAY && keys->elements >= 1);
+    if (keys && keys->type == REDIS_REPLY_ARRAY && keys->elements >= 1) {
+        const char *mig[64] = {"MIGRATE", "127.0.0.1", portbuf, "", "0", "5000", "KEYS"};
+        int argc = 7;
+        for (size_t i = 0; i < keys->elements && argc < 64; i++) mig[argc++] = keys->element[i]->str;
+        KVT_CHECK(reply_ok(cmd_argv(n[from].port, argc, mig)));
+    }
+    if (keys) freeReplyObject(keys);
+
+    /* while migrating: the old owner answers ASK, the backend asks the new one */
+    kvo_redis_stats before = rstats(b);
+    KVT_EQ(read_back(g4, b, h, ALL, &info), ALL);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_CHECK(rstats(b).ask > before.ask);
+
+    /* migration done: every node says the new owner; the backend's map is stale and MOVED fixes it */
+    const char *node_cmd[] = {"CLUSTER", "SETSLOT", slotbuf, "NODE", id_to};
+    KVT_CHECK(reply_ok(cmd_argv(n[to].port, 5, node_cmd)));
+    KVT_CHECK(reply_ok(cmd_argv(n[from].port, 5, node_cmd)));
+    KVT_CHECK(reply_ok(cmd_argv(n[3 - from - to].port, 5, node_cmd)));
+    before = rstats(b);
+    KVT_EQ(read_back(g4, b, h, ALL, &info), ALL);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    kvo_redis_stats after = rstats(b);
+    KVT_CHECK(after.moved > before.moved);
+    KVT_CHECK(after.slot_refreshes > before.slot_refreshes);
+    /* and the control connections (lookups) follow too */
+    KVT_EQ(kvo_redis_lookup(b, h, CHAIN_LEN, &prefix), KVO_OK);
+    KVT_EQ(prefix, CHAIN_LEN);
+    KVT_EQ(after.checksum_errors + after.io_errors + after.misses, 0);
+out:
+    kvo_backend_destroy(b);
+    KVT_EQ(of_active(g4), 0);
+    OF_CHECK_POOL(g4);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+}
+
+/* ---- faults ------------------------------------------------------------------------------------- */
+
+static kvo_status wait_final(kvo_pipeline *p, kvo_transfer t, uint64_t timeout_us)
+{
+    kvo_status st = KVO_STATUS_EVALUATING;
+    kvo_result r = kvo_transfer_wait(p, t, (int64_t)timeout_us, &st);
+    KVT_EQ(r, KVO_OK);
+    return st;
+}
+
+static kvo_transfer enqueue_all(kvo_pipeline *p, kvb_pool *from, const kvb_hash *hashes, size_t n)
+{
+    kvb_block strong[MAXN];
+    kvb_weak weak[MAXN];
+    size_t found = 0;
+    KVT_EQ(kvb_match(from, hashes, n, strong, &found), KVB_OK);
+    KVT_EQ(found, n);
+    for (size_t i = 0; i < found; i++) weak[i] = kvb_weak_of(strong[i]);
+    kvo_transfer t = of_enqueue(p, weak, found, NULL);
+    KVT_EQ(kvb_release(from, strong, found, NULL), KVB_OK);
+    return t;
+}
+
+static void test_kill_and_restart(void)
+{
+    rf_server s;
+    char addr[64], portstr[16];
+    kvb_hash warm[4], h[16], local[4];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    snprintf(portstr, sizeof portstr, ":%d", s.port);
+    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvb_pool *g2 = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(64);
+    kvo_backend *b = redis_open(addr, g4, 1), *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvo_pipeline *down = NULL, *local_p = NULL;
+    if (!b) goto out;
+    of_chain(7, 4, warm);
+    of_chain(8, 16, h);
+    of_chain(9, 4, local);
+    of_register(g2, warm, 4, NULL, NULL);
+    of_register(g2, h, 16, NULL, NULL);
+    of_register(g1, local, 4, NULL, NULL);
+    kvo_pipeline_config pc = of_config(g2, g4, b, KVO_MODE_THREADS, NULL);
+    pc.min_batch = 1;
+    pc.flush_interval_us = 1000;
+    down = of_pipeline(&pc);
+    kvo_pipeline_config lc = of_config(g1, g2, mem, KVO_MODE_THREADS, NULL);
+    lc.min_batch = 1;
+    lc.flush_interval_us = 1000;
+    local_p = of_pipeline(&lc);
+    if (!down || !local_p) goto out;
+
+    /* warm: the connection is up */
+    kvo_transfer t = enqueue_all(down, g2, warm, 4);
+    KVT_EQ(wait_final(down, t, 5000000), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(down, t), KVO_OK);
+
+    /* the server freezes, the batch goes out, the server dies with it in flight */
+    kill(s.pid, SIGSTOP);
+    t = enqueue_all(down, g2, h, 16);
+    uint64_t end = of_now_us() + 3000000;
+    while (of_status(down, t) != KVO_STATUS_TRANSFERRING && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(of_status(down, t), KVO_STATUS_TRANSFERRING);
+    of_sleep_us(100000);
+    rf_kill(&s);
+    uint64_t t0 = of_now_us();
+    KVT_EQ(wait_final(down, t, 5000000), KVO_STATUS_FAILED);
+    KVT_CHECK(of_now_us() - t0 < 2000000); /* no hang: the loss is seen at once */
+    kvo_transfer_info info = of_info(down, t);
+    KVT_EQ(info.failed, 16);
+    KVT_EQ(info.transferred, 0);
+    KVT_EQ(info.error, KVO_EIO);
+    KVT_CHECK(strstr(info.message, "connection lost mid-batch") != NULL);
+    KVT_CHECK(strstr(info.message, portstr) != NULL);
+    KVT_EQ(kvo_transfer_release(down, t), KVO_OK);
+    KVT_EQ(of_present(g4, h, 16), 0);
+    KVT_CHECK(log_has("connection lost"));
+
+    /* local tiers keep working: G2 intact, G1 -> G2 still copies */
+    KVT_EQ(of_holds_all(g2, h, 16), 16);
+    t = enqueue_all(local_p, g1, local, 4);
+    KVT_EQ(wait_final(local_p, t, 5000000), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(local_p, t), KVO_OK);
+    KVT_EQ(of_holds_all(g2, local, 4), 4);
+
+    /* while down: jobs and lookups fail fast, with a reason */
+    t0 = of_now_us();
+    t = enqueue_all(down, g2, h, 16);
+    KVT_EQ(wait_final(down, t, 5000000), KVO_STATUS_FAILED);
+    info = of_info(down, t);
+    KVT_CHECK(strstr(info.message, portstr) != NULL);
+    KVT_EQ(kvo_transfer_release(down, t), KVO_OK);
+    size_t prefix = 99;
+    KVT_EQ(kvo_redis_lookup(b, warm, 4, &prefix), KVO_EIO);
+    KVT_EQ(prefix, 0);
+    KVT_CHECK(of_now_us() - t0 < 2000000);
+
+    /* restart on the same port: after the backoff, transfers resume */
+    KVT_CHECK(rf_start_on(&s, s.port, 0, NULL));
+    int attempts = 0;
+    kvo_status st = KVO_STATUS_FAILED;
+    for (end = of_now_us() + 5000000; st != KVO_STATUS_COMPLETE && of_now_us() < end; attempts++) {
+        t = enqueue_all(down, g2, h, 16);
+        st = wait_final(down, t, 5000000);
+        KVT_EQ(kvo_transfer_release(down, t), KVO_OK);
+        if (st != KVO_STATUS_COMPLETE) of_sleep_us(50000);
+    }
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_CHECK(attempts <= 10);
+    KVT_EQ(of_present(g4, h, 16), 16);
+    KVT_EQ(read_back(g4, b, h, 16, NULL), 16);
+    KVT_CHECK(log_has("connected again"));
+    kvo_redis_stats rs = rstats(b);
+    KVT_CHECK(rs.io_errors >= 16);
+    KVT_CHECK(rs.disconnects >= 1);
+    KVT_CHECK(rs.connects >= 2);
+    /* the warm blocks went with the old server: known in G4, gone in Redis: a miss, not a hang */
+    kvo_transfer_info li;
+    KVT_EQ(read_back(g4, b, warm, 4, &li), 0);
+    KVT_EQ(li.status, KVO_STATUS_FAILED);
+    KVT_EQ(li.error, KVO_ENOTFOUND);
+out:
+    kvo_pipeline_destroy(down);
+    kvo_pipeline_destroy(local_p);
+    kvo_backend_destroy(b);
+    kvo_backend_destroy(mem);
+    OF_CHECK_POOL(g2);
+    OF_CHECK_POOL(g4);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
+static int cli(int port, const char *a1, const char *a2, const char *a3, const char *a4)
+{
+    char portbuf[16];
+    snprintf(portbuf, sizeof portbuf, "%d", port);
+    const char *argv[] = {"redis-cli", "-h", "127.0.0.1", "-p", portbuf, a1, a2, a3, a4, NULL};
+    return rf_run(argv, NULL, 5000);
+}
+
+static long long exists(int port, const char *key)
+{
+    redisReply *r = rf_cmd(port, NULL, "EXISTS %s", key);
+    long long v = r && r->type == REDIS_REPLY_INTEGER ? r->integer : -1;
+    if (r) freeReplyObject(r);
+    return v;
+}
+
+/* Values damaged with redis-cli, a deleted entry; then tenants. */
+static void test_corrupt_and_tenants(void)
+{
+    rf_server s;
+    char addr[64], k2[KVO_REDIS_KEY_MAX], k4[KVO_REDIS_KEY_MAX], k5[KVO_REDIS_KEY_MAX];
+    kvb_hash h[6];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(64);
+    kvo_backend *b = redis_open(addr, g4, 0), *other = NULL;
+    if (!b) goto out;
+    of_chain(11, 6, h);
+    of_register(g1, h, 6, NULL, NULL);
+    kvo_transfer_info info = offload(g1, g4, b, h, 6);
+    KVT_EQ(info.transferred, 6);
+    kvo_redis_key(b, &h[2], k2, sizeof k2);
+    kvo_redis_key(b, &h[4], k4, sizeof k4);
+    kvo_redis_key(b, &h[5], k5, sizeof k5);
+    KVT_EQ(cli(s.port, "SETRANGE", k2, "100", "XYZ"), 0); /* in the data */
+    KVT_EQ(cli(s.port, "SETRANGE", k4, "0", "JUNK"), 0);  /* in the header */
+    KVT_EQ(cli(s.port, "DEL", k5, NULL, NULL), 0);        /* as if Redis evicted it */
+
+    /* lookups read headers: the junk header ends the prefix there and counts */
+    size_t prefix = 0;
+    KVT_EQ(kvo_redis_lookup(b, h, 6, &prefix), KVO_OK);
+    KVT_EQ(prefix, 4);
+    KVT_EQ(rstats(b).checksum_errors, 1);
+
+    /* reads: damaged values and the missing one are misses; what arrives is right */
+    kvb_pool *dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    info = load(g4, dst, b, h, 6, got, &ngot);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.transferred, 3);
+    KVT_EQ(info.failed, 3);
+    KVT_CHECK(strstr(info.message, "checksum") != NULL);
+    KVT_EQ(of_holds(dst, h[0]), 1);
+    KVT_EQ(of_holds(dst, h[1]), 1);
+    KVT_EQ(of_holds(dst, h[3]), 1);
+    KVT_EQ(of_has(dst, h[2]), 0);
+    KVT_EQ(of_has(dst, h[4]), 0);
+    KVT_EQ(of_has(dst, h[5]), 0);
+    OF_CHECK_POOL(dst);
+    kvb_pool_destroy(dst);
+    kvo_redis_stats rs = rstats(b);
+    KVT_EQ(rs.checksum_errors, 3);
+    KVT_EQ(rs.misses, 1);
+    KVT_EQ(rs.gets, 3);
+    KVT_CHECK(log_has("failed its header or checksum check"));
+    /* the damaged entries are gone, so no reader meets them again */
+    KVT_EQ(exists(s.port, k2), 0);
+    KVT_EQ(exists(s.port, k4), 0);
+    KVT_EQ(kvo_redis_lookup(b, h, 6, &prefix), KVO_OK);
+    KVT_EQ(prefix, 2);
+
+    /* import: a fresh G4 view learns the prefix Redis holds */
+    kvb_pool *fresh = of_meta_pool(8);
+    size_t known = 0;
+    KVT_EQ(kvo_redis_import(b, fresh, h, NULL, 6, &known), KVO_OK);
+    KVT_EQ(known, 2);
+    KVT_EQ(of_present(fresh, h, 6), 2);
+    KVT_EQ(kvo_redis_import(b, fresh, h, NULL, 6, &known), KVO_OK); /* again: nothing new */
+    KVT_EQ(of_stats(fresh).registrations, 2);
+    OF_CHECK_POOL(fresh);
+    kvb_pool_destroy(fresh);
+
+    /* tenants: another salt, same server, same hashes: nothing */
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    rc.salt = 43;
+    KVT_EQ(kvo_redis_backend_create(&rc, &other), KVO_OK);
+    if (other) {
+        KVT_EQ(kvo_redis_lookup(other, h, 2, &prefix), KVO_OK);
+        KVT_EQ(prefix, 0);
+        char ko[KVO_REDIS_KEY_MAX], kb[KVO_REDIS_KEY_MAX];
+        kvo_redis_key(other, &h[0], ko, sizeof ko);
+        kvo_redis_key(b, &h[0], kb, sizeof kb);
+        KVT_CHECK(strcmp(ko, kb) != 0);
+    }
+    KVT_EQ(kvo_redis_lookup(b, h, 2, &prefix), KVO_OK);
+    KVT_EQ(prefix, 2);
+out:
+    kvo_backend_destroy(other);
+    kvo_backend_destroy(b);
+    OF_CHECK_POOL(g4);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
+typedef struct job_wait {
+    pthread_mutex_t mu;
+    int done, result;
+} job_wait;
+
+static void job_done(kvo_copy_job *job, int result, const char *message)
+{
+    job_wait *w = (job_wait *)job->user;
+    (void)message;
+    pthread_mutex_lock(&w->mu);
+    w->done = 1;
+    w->result = result;
+    pthread_mutex_unlock(&w->mu);
+}
+
+/* One backend job (inline backend: done before submit returns). */
+static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t *src_idx, const uint32_t *dst_idx,
+                   const kvb_hash *hashes, size_t n, int *results)
+{
+    job_wait w = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = src;
+    job.dst = dst;
+    job.src_idx = src_idx;
+    job.dst_idx = dst_idx;
+    job.hashes = hashes;
+    job.n = n;
+    job.results = results;
+    job.done = job_done;
+    job.user = &w;
+    KVT_EQ(b->submit(b, &job), KVO_OK);
+    KVT_EQ(w.done, 1);
+    return w.result;
+}
+
+/* Redis's own eviction (maxmemory, allkeys-lru): the entries it dropped are misses. */
+static void test_server_eviction(void)
+{
+    enum { N = 3000 };
+    rf_server s;
+    char addr[64];
+    const char *extra[] = {"--maxmemory", "3mb", NULL};
+    if (!rf_start(&s, extra)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(N, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16);
+    kvb_pool *back = of_mem_pool(N, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *b = redis_open(addr, g4, 0);
+    static kvb_hash h[N];
+    static uint32_t idx[N];
+    static int results[N];
+    kvb_block blocks[1];
+    if (!b) goto out;
+    for (uint32_t i = 0; i < N; i++) {
+        h[i].lo = 0x1234567ull * (i + 1);
+        h[i].hi = ~(uint64_t)i;
+        idx[i] = i;
+        KVT_EQ(kvb_alloc(mem, 1, blocks), KVB_OK);
+        KVT_EQ(kvb_block_index(blocks[0].id), i);
+        of_fill(mem, blocks[0], h[i]);
+    }
+    KVT_EQ(run_job(b, mem, g4, idx, idx, h, N, results), KVO_OK);
+    redisReply *r = rf_cmd(s.port, NULL, "INFO stats");
+    const char *ev = r && r->type == REDIS_REPLY_STRING ? strstr(r->str, "evicted_keys:") : NULL;
+    long long evicted = ev ? atoll(ev + 13) : 0;
+    if (r) freeReplyObject(r);
+    KVT_CHECK(evicted > 0);
+    int res = run_job(b, g4, back, idx, idx, h, N, results);
+    KVT_EQ(res, KVO_ENOTFOUND);
+    size_t ok = 0, missing = 0, right = 0;
+    for (uint32_t i = 0; i < N; i++) {
+        if (results[i] == KVO_OK) {
+            ok++;
+            for (uint32_t l = 0; l < OF_LAYERS; l++) {
+                unsigned char *page = (unsigned char *)0;
+                void *base = NULL;
+                kvb_layout lay;
+                KVT_EQ(kvb_pool_storage(back, &base, NULL, NULL, &lay), KVB_OK);
+                page = (unsigned char *)base + kvb_layout_offset(&lay, N, i, l, 1);
+                right += page[7] == of_pattern(h[i], l, 1, 7);
+            }
+        } else {
+            missing += results[i] == KVO_ENOTFOUND;
+        }
+    }
+    KVT_EQ(ok + missing, N);
+    KVT_EQ(right, ok * OF_LAYERS);
+    KVT_CHECK(ok > 0);
+    KVT_CHECK(missing > 0);
+    KVT_EQ(rstats(b).misses, missing);
+    KVT_EQ(rstats(b).checksum_errors, 0);
+out:
+    kvo_backend_destroy(b);
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(back);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
+static void test_auth(void)
+{
+    rf_server s;
+    char addr[64], pw[64];
+    snprintf(pw, sizeof pw, "kv-secret-%d", (int)getpid());
+    const char *extra[] = {"--requirepass", pw, NULL};
+    if (!rf_start(&s, extra)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(8);
+    kvo_backend *b = (kvo_backend *)1;
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EAUTH);
+    KVT_CHECK(b == NULL);
+    KVT_CHECK(strstr(g_err, "requires a password") != NULL);
+    KVT_CHECK(strstr(g_err, addr) != NULL);
+
+    rc.password = "wrong-guess-1234";
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EAUTH);
+    KVT_CHECK(strstr(g_err, "AUTH refused") != NULL);
+    KVT_CHECK(strstr(g_err, "wrong-guess-1234") == NULL);
+    KVT_CHECK(!log_has("wrong-guess-1234"));
+
+    rc.password = NULL;
+    rc.password_env = "KVCACHE_REDIS_PASSWORD";
+    setenv("KVCACHE_REDIS_PASSWORD", pw, 1);
+    b = NULL;
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    unsetenv("KVCACHE_REDIS_PASSWORD");
+    if (b) {
+        kvb_hash h[4];
+        of_chain(21, 4, h);
+        of_register(g1, h, 4, NULL, NULL);
+        KVT_EQ(offload(g1, g4, b, h, 4).transferred, 4);
+        size_t prefix = 0;
+        KVT_EQ(kvo_redis_lookup(b, h, 4, &prefix), KVO_OK);
+        KVT_EQ(prefix, 4);
+        KVT_EQ(read_back(g4, b, h, 4, NULL), 4);
+        kvo_backend_destroy(b);
+    }
+    KVT_CHECK(!log_has(pw));
+    KVT_CHECK(strstr(g_err, pw) == NULL);
+    OF_CHECK_POOL(g4);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
+static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && (!strcmp(argv[1], "engine-a") || !strcmp(argv[1], "engine-b"))) {
+        rf_watchdog(30);
+        if (!strcmp(argv[1], "engine-a")) engine_a(atoi(argv[2]), argv[3]);
+        else engine_b(atoi(argv[2]), argv[3]);
+        return kvt__cur_failed ? 1 : 0;
+    }
+    rf_watchdog(90);
+    KVT_RUN(test_crc16_and_slots);
+    KVT_RUN(test_key_format);
+    KVT_RUN(test_no_server);
+    if (!rf_have_redis()) {
+        KVT_RUN(test_servers_skipped);
+        return kvt_summary();
+    }
+    KVT_RUN(test_two_processes);
+    KVT_RUN(test_cluster);
+    KVT_RUN(test_kill_and_restart);
+    KVT_RUN(test_corrupt_and_tenants);
+    KVT_RUN(test_server_eviction);
+    KVT_RUN(test_auth);
+    rf_kill_all();
+    return kvt_summary();
+}
