@@ -684,8 +684,7 @@ typedef struct kvb__ring {
     uint32_t live;      /* inactive blocks at this level */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
-typedef struct kvb__ghost_value { uint32_t last, pos; uint8_t cnt; } kvb__ghost_value;
-typedef struct kvb__ghost_entry { kvb_hash key; kvb__ghost_value value; } kvb__ghost_entry;
+typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live; } kvb__ghost;
 
 struct kvb_pool {
     kvb_pool_config cfg;
@@ -697,8 +696,9 @@ struct kvb_pool {
     uint64_t slot_mask;
     kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
     uint32_t clock;                  /* FOL: block references so far */
-    kvb__ghost_entry *ghost;         /* FOL: evicted hash -> (count, last) (stb_ds map) */
-    kvb_hash *ghost_fifo;            /* the same hashes in eviction order, a circle of fol_ghost */
+    kvb__ghost *ghosts;              /* FOL: the last fol_ghost evicted hashes, a circle in eviction order */
+    uint32_t *ghost_index;           /* open addressing on the hash: circle position + 1, 0 = empty */
+    uint64_t ghost_mask;
     uint32_t ghost_pos;
     kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
@@ -1164,6 +1164,11 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 {
     uint32_t cls, best = KVB__NIL;
     int64_t best_key = 0;
+    for (cls = 0; cls < KVB__CLASSES; cls++) { /* the heads' misses overlap */
+        const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + cls];
+        if (r->live) kvb__prefetch_victims(p, lvl * KVB__CLASSES + cls, 2);
+        if (r->live && r->head < stbds_arrlenu(r->e)) KVB__PREFETCH(&p->meta[r->e[r->head].idx]);
+    }
     for (cls = 0; cls < KVB__CLASSES; cls++) {
         uint32_t rid = lvl * KVB__CLASSES + cls, v;
         int64_t key;
@@ -1201,36 +1206,86 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
 
 /* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
 
+/* The ghost table: a circle of the last G evicted hashes with their (count, last), found through an
+ * open-addressing index on the (uniform) hash, like the prefix index. */
+static int kvb__ghost_init(kvb_pool *p)
+{
+    uint64_t cap = 1;
+    if (p->ghosts) return 1;
+    while (cap < 2 * (uint64_t)p->cfg.fol_ghost) cap <<= 1;
+    p->ghosts = (kvb__ghost *)KVB_MALLOC(p->cfg.fol_ghost * sizeof *p->ghosts);
+    p->ghost_index = (uint32_t *)KVB_MALLOC(cap * sizeof *p->ghost_index);
+    if (!p->ghosts || !p->ghost_index) {
+        KVB_FREE(p->ghosts);
+        KVB_FREE(p->ghost_index);
+        p->ghosts = NULL;
+        p->ghost_index = NULL;
+        return 0;
+    }
+    memset(p->ghosts, 0, p->cfg.fol_ghost * sizeof *p->ghosts);
+    memset(p->ghost_index, 0, cap * sizeof *p->ghost_index);
+    p->ghost_mask = cap - 1;
+    return 1;
+}
+
+/* The index slot naming h, or the empty slot where it would go. */
+static uint64_t kvb__ghost_slot(const kvb_pool *p, const kvb_hash *h)
+{
+    uint64_t s = h->lo & p->ghost_mask;
+    while (p->ghost_index[s]) {
+        const kvb__ghost *g = &p->ghosts[p->ghost_index[s] - 1];
+        if (g->hash.lo == h->lo && g->hash.hi == h->hi) break;
+        s = (s + 1) & p->ghost_mask;
+    }
+    return s;
+}
+
+/* Forget the ghost named at index slot s (backward-shift deletion). */
+static void kvb__ghost_drop(kvb_pool *p, uint64_t s)
+{
+    uint64_t i = s, j = s, k, m = p->ghost_mask;
+    p->ghosts[p->ghost_index[s] - 1].live = 0;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!p->ghost_index[j]) break;
+        k = p->ghosts[p->ghost_index[j] - 1].hash.lo & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        p->ghost_index[i] = p->ghost_index[j];
+        i = j;
+    }
+    p->ghost_index[i] = 0;
+}
+
 static void kvb__ghost_put(kvb_pool *p, const kvb__meta *m)
 {
-    kvb_hash key = kvb__kid_key(&m->hash);
-    kvb__ghost_value v;
-    uint32_t pos = p->ghost_pos++ % p->cfg.fol_ghost;
-    if (stbds_arrlenu(p->ghost_fifo) < p->cfg.fol_ghost) {
-        stbds_arrput(p->ghost_fifo, key);
-    } else { /* the oldest ghost leaves, unless it was put again since */
-        kvb_hash old = p->ghost_fifo[pos];
-        ptrdiff_t at = stbds_hmgeti(p->ghost, old);
-        if (at >= 0 && p->ghost[at].value.pos == pos) (void)stbds_hmdel(p->ghost, old);
-        p->ghost_fifo[pos] = key;
+    uint32_t pos;
+    uint64_t s;
+    if (!kvb__ghost_init(p)) return;
+    pos = p->ghost_pos++ % p->cfg.fol_ghost;
+    if (p->ghosts[pos].live) kvb__ghost_drop(p, kvb__ghost_slot(p, &p->ghosts[pos].hash)); /* the oldest leaves */
+    s = kvb__ghost_slot(p, &m->hash);
+    if (p->ghost_index[s]) { /* put again: the older entry goes */
+        kvb__ghost_drop(p, s);
+        s = kvb__ghost_slot(p, &m->hash);
     }
-    v.last = m->last;
-    v.cnt = m->cnt;
-    v.pos = pos;
-    stbds_hmput(p->ghost, key, v);
+    p->ghosts[pos].hash = m->hash;
+    p->ghosts[pos].last = m->last;
+    p->ghosts[pos].cnt = m->cnt;
+    p->ghosts[pos].live = 1;
+    p->ghost_index[s] = pos + 1;
 }
 
 /* One reference to a registered block by the request releasing it. */
 static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 {
     kvb__meta *m = &p->meta[idx];
-    if (!m->cnt) { /* first touch since it was registered: an evicted past may be in the ghost table */
-        kvb_hash key = kvb__kid_key(&m->hash);
-        ptrdiff_t at = stbds_hmgeti(p->ghost, key);
-        if (at >= 0) {
-            m->cnt = p->ghost[at].value.cnt;
-            m->last = p->ghost[at].value.last;
-            (void)stbds_hmdel(p->ghost, key);
+    if (!m->cnt && p->ghosts) { /* first touch since it was registered: an evicted past may be a ghost */
+        uint64_t s = kvb__ghost_slot(p, &m->hash);
+        if (p->ghost_index[s]) {
+            const kvb__ghost *g = &p->ghosts[p->ghost_index[s] - 1];
+            m->cnt = g->cnt;
+            m->last = g->last;
+            kvb__ghost_drop(p, s);
         }
     }
     m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
@@ -1465,8 +1520,8 @@ static void kvb__pool_free_parts(kvb_pool *p)
     stbds_hmfree(p->kids);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
-    stbds_hmfree(p->ghost);
-    stbds_arrfree(p->ghost_fifo);
+    KVB_FREE(p->ghosts);
+    KVB_FREE(p->ghost_index);
     kvb__mem_free(a, p->meta, p->meta_bytes);
     kvb__mem_free(a, p->slots, p->slot_bytes);
     kvb__mem_free(a, p->free_stack, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
