@@ -38,8 +38,10 @@
  * known in the G4 pool until that pool evicts it, and reading it fails that copy with KVO_ENOTFOUND,
  * a miss like any other; kvo_redis_lookup always asks the servers.
  * Every batch is one round trip: the commands of a job go out pipelined (to each node its share), then
- * the replies are read. Writes go straight from the pool's memory to the socket when the block is one
- * contiguous run (BLOCK_CONTIGUOUS), and are gathered first otherwise.
+ * the replies are read (reads of more than window_bytes of values per node take a round trip per
+ * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight
+ * into the destination block, when the block is one contiguous run (BLOCK_CONTIGUOUS); other layouts
+ * go through one gather buffer.
  *
  * 3. KEYS AND VALUES
  * Key:   <namespace_prefix>:<salt as 16 hex digits>:<hash.hi as 16 hex><hash.lo as 16 hex>
@@ -51,7 +53,9 @@
  *        48 u64 kvo_checksum(data)  56 u64 kvo_checksum(header bytes 0..55)
  *        Layers, parts and page bytes are the layout code: a reader with another layout sees a miss.
  * Every read checks the whole header and the data checksum: a mismatch fails that copy with
- * KVO_ECHECKSUM, counts a checksum error, deletes the bad entry, and never lets wrong bytes through.
+ * KVO_ECHECKSUM (a miss), counts a checksum error, and never lets wrong bytes through (a destination
+ * block that received them is never registered). A damaged entry is deleted; an intact one written
+ * with another layout is left alone.
  *
  * 4. REDIS CLUSTER
  * `servers` is a seed list "host:port,host:port" (a leading "redis://" is accepted). At create the first
@@ -97,11 +101,11 @@
 
 #include "kvoffload.h"
 
-#define KVO_EAUTH (-141)     /* the server refused the credentials, or wants some */
-#define KVO_ECONNECT (-142)  /* no server of the seed list could be reached */
-#define KVO_ENOTFOUND (-143) /* the entry is not in Redis (evicted, expired, never written): a miss */
-#define KVO_EREMOTE (-144)   /* an error reply from the server, or a slot no node serves */
-#define KVO_ENOREMOTE (-145) /* built without KVO_WITH_REDIS */
+#define KVO_EAUTH (-121)     /* the server refused the credentials, or wants some */
+#define KVO_ECONNECT (-122)  /* no server of the seed list could be reached */
+#define KVO_ENOTFOUND (-123) /* the entry is not in Redis (evicted, expired, never written): a miss */
+#define KVO_EREMOTE (-124)   /* an error reply from the server, or a slot no node serves */
+#define KVO_ENOREMOTE (-125) /* built without KVO_WITH_REDIS */
 
 #define KVO_REDIS_HEADER_BYTES 64
 #define KVO_REDIS_MAX_PREFIX 128                          /* namespace prefix length */
@@ -128,6 +132,9 @@ typedef struct kvo_redis_config {
     uint32_t reconnect_min_ms;    /* backoff after a failed connect, default 100, doubling ... */
     uint32_t reconnect_max_ms;    /* ... up to this, default 5000 */
     uint32_t max_redirects;       /* per key, default 5 */
+    uint64_t window_bytes;        /* values asked of one node per round trip, default 64 MiB: Redis holds
+                                     pending replies in memory that counts against maxmemory, so a
+                                     bigger read batch takes more round trips instead */
     uint32_t ttl_s;               /* 0 = no expiry (default), else SET ... EX ttl_s */
     uint32_t threads;             /* worker threads, 0 = inline in submit; at most 64 */
     kvo_log_fn log;               /* connection lost / back, bad values; default stderr */
@@ -199,12 +206,16 @@ KVO_API const char *kvo_redis_result_string(int result);
 #if defined(KVREMOTE_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
 #ifndef KVREMOTE_IMPL_INCLUDED
 #define KVREMOTE_IMPL_INCLUDED
+#if defined(KVO_STATIC) && (defined(__GNUC__) || defined(__clang__))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wunused-function" /* a program uses only some of the API */
+#define KVO__R_POP_DIAGNOSTICS
+#endif
 
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-#include <stdarg.h>
 
 /* snprintf for messages: cut to fit, on purpose (a host name or a reply may be long). */
 static int kvo__rmsg(char *buf, size_t size, const char *fmt, ...)
@@ -658,11 +669,13 @@ static int kvo__rnode_parse(kvo__rclient *cl, const char *s, size_t len)
     return kvo__rnode_find(cl, s + hs, he - hs, (int)port);
 }
 
-/* The seeds of config.servers into the client's nodes; the count, or -1 for a malformed list. */
+/* The seeds of config.servers into the client's nodes; the count, -1 for a malformed list, -2 for one
+ * holding credentials (user:password@host: refused, so that no message ever repeats them). */
 static int kvo__rseeds(kvo__redis *r, kvo__rclient *cl)
 {
     const char *p = r->servers;
     int count = 0;
+    if (strchr(p, '@')) return -2;
     if (!strncmp(p, "redis://", 8)) p += 8;
     while (*p) {
         const char *e = p;
@@ -1369,26 +1382,38 @@ static void kvo__rop_run(kvo__rop *op)
 {
     kvo__redis *r = op->r;
     kvo__rclient *cl = op->cl;
-    uint32_t round;
-    size_t i, k, nn;
+    uint32_t round, tryagains = 0;
+    size_t i, k, nn, window = op->n ? op->n : 1, cap;
     char msg[KVO__R_MSG + 64], why[160];
     unsigned char *sent = NULL;
+    size_t *taken = NULL;
+    if (op->kind == KVO__OP_GET) {
+        window = (size_t)(r->cfg.window_bytes / (r->block_bytes + KVO_REDIS_HEADER_BYTES));
+        if (!window) window = 1;
+    }
+    /* every round settles or redirects each item it sends: this bounds the rounds */
+    cap = ((size_t)r->cfg.max_redirects + 2) * (1 + op->n / window) + 1;
     for (round = 0;; round++) {
         size_t pending = 0;
         for (i = 0; i < op->n; i++) pending += op->items[i].result == KVO__R_PENDING;
         if (!pending) break;
-        if (round > r->cfg.max_redirects + 2) {
+        if (round > cap) {
             for (i = 0; i < op->n; i++)
                 if (op->items[i].result == KVO__R_PENDING)
                     kvo__rfail(op, &op->items[i], KVO_EREMOTE, "redis: the cluster kept redirecting the batch");
             break;
         }
-        if (op->tryagain) kvo__rsleep_ms(10u * round);
+        if (op->tryagain) kvo__rsleep_ms(10u * (++tryagains < 10 ? tryagains : 10));
         op->tryagain = 0;
         op->need_refresh = 0;
-        /* route */
+        /* route; a node gets at most `window` items a round, the others wait for the next */
         if (r->cluster && !cl->have_map) kvo__rrefresh(r, cl, &op->delta);
-        for (i = 0; i < op->n; i++) {
+        KVO__RFREE(sent);
+        KVO__RFREE(taken);
+        sent = (unsigned char *)KVO__RALLOC(cl->n_nodes ? cl->n_nodes : 1);
+        taken = (size_t *)KVO__RALLOC((cl->n_nodes ? cl->n_nodes : 1) * sizeof *taken);
+        if (taken) memset(taken, 0, (cl->n_nodes ? cl->n_nodes : 1) * sizeof *taken);
+        for (i = 0; taken && i < op->n; i++) {
             kvo__ritem *it = &op->items[i];
             if (it->result != KVO__R_PENDING) continue;
             if (it->ask >= 0) it->node = it->ask;
@@ -1397,11 +1422,11 @@ static void kvo__rop_run(kvo__rop *op)
             else {
                 kvo__rmsg(msg, sizeof msg, "redis: no cluster node serves slot %u (of %s)", it->slot, it->key);
                 kvo__rfail(op, it, KVO_EREMOTE, msg);
+                continue;
             }
+            if (taken[it->node]++ >= window) it->node = -1;
         }
-        KVO__RFREE(sent);
-        sent = (unsigned char *)KVO__RALLOC(cl->n_nodes ? cl->n_nodes : 1);
-        if (!sent) {
+        if (!sent || !taken) {
             for (i = 0; i < op->n; i++)
                 if (op->items[i].result == KVO__R_PENDING) kvo__rfail(op, &op->items[i], KVO_ENOMEM, "out of memory");
             break;
@@ -1477,6 +1502,7 @@ static void kvo__rop_run(kvo__rop *op)
         }
     }
     KVO__RFREE(sent);
+    KVO__RFREE(taken);
 }
 
 static void kvo__rstats_add(kvo__redis *r, const kvo_redis_stats *d)
@@ -1672,6 +1698,11 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
     size_t i;
     char why[KVO__R_MSG] = "";
     memset(&delta, 0, sizeof delta);
+    if (count == -2) {
+        kvo__rmsg(msg, msg_size, "redis: the server list holds credentials (user:password@host); give them as "
+                                 "password / password_env");
+        return KVO_EINVAL;
+    }
     if (count <= 0) {
         kvo__rmsg(msg, msg_size, "redis: bad server list \"%s\" (want host:port[,host:port...])", r->servers);
         return KVO_EINVAL;
@@ -1761,6 +1792,7 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
     if (!r->cfg.reconnect_max_ms) r->cfg.reconnect_max_ms = 5000;
     if (r->cfg.reconnect_max_ms < r->cfg.reconnect_min_ms) r->cfg.reconnect_max_ms = r->cfg.reconnect_min_ms;
     if (!r->cfg.max_redirects) r->cfg.max_redirects = 5;
+    if (!r->cfg.window_bytes) r->cfg.window_bytes = (uint64_t)64 << 20;
     r->pool = config->pool;
     r->layout = config->layout;
     if (!r->layout.num_layers) r->layout.num_layers = 1;
@@ -1969,5 +2001,9 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
 }
 
 #endif /* KVO_WITH_REDIS */
+#ifdef KVO__R_POP_DIAGNOSTICS
+#pragma GCC diagnostic pop
+#undef KVO__R_POP_DIAGNOSTICS
+#endif
 #endif /* KVREMOTE_IMPL_INCLUDED */
 #endif /* KVREMOTE_IMPLEMENTATION || KVCACHE_IMPLEMENTATION */

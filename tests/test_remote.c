@@ -213,6 +213,10 @@ static void test_no_server(void)
     rc = rconfig("no-port-here", g4, 0);
     KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
     KVT_CHECK(strstr(g_err, "bad server list") != NULL);
+    rc = rconfig("redis://default:hunter2-secret@127.0.0.1:6379", g4, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(strstr(g_err, "credentials") != NULL);
+    KVT_CHECK(strstr(g_err, "hunter2-secret") == NULL);
     rc = rconfig(addr, NULL, 0);
     KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
     rc = rconfig(addr, g4, 0);
@@ -600,6 +604,7 @@ static void test_kill_and_restart(void)
     kvo_backend *b = redis_open(addr, g4, 1), *mem = NULL;
     KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
     kvo_pipeline *down = NULL, *local_p = NULL;
+    of_backend *spy = NULL;
     if (!b) goto out;
     of_chain(7, 4, warm);
     of_chain(8, 16, h);
@@ -607,7 +612,8 @@ static void test_kill_and_restart(void)
     of_register(g2, warm, 4, NULL, NULL);
     of_register(g2, h, 16, NULL, NULL);
     of_register(g1, local, 4, NULL, NULL);
-    kvo_pipeline_config pc = of_config(g2, g4, b, KVO_MODE_THREADS, NULL);
+    spy = of_backend_wrap(b); /* counts the copies the Redis backend got */
+    kvo_pipeline_config pc = of_config(g2, g4, of_backend_iface(spy), KVO_MODE_THREADS, NULL);
     pc.min_batch = 1;
     pc.flush_interval_us = 1000;
     down = of_pipeline(&pc);
@@ -628,7 +634,9 @@ static void test_kill_and_restart(void)
     uint64_t end = of_now_us() + 3000000;
     while (of_status(down, t) != KVO_STATUS_TRANSFERRING && of_now_us() < end) of_sleep_us(1000);
     KVT_EQ(of_status(down, t), KVO_STATUS_TRANSFERRING);
-    of_sleep_us(100000);
+    while (of_backend_copies(spy) < 4 + 16 && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(of_backend_copies(spy), 4 + 16); /* the backend has the batch; the frozen server holds it */
+    of_sleep_us(50000);
     rf_kill(&s);
     uint64_t t0 = of_now_us();
     KVT_EQ(wait_final(down, t, 5000000), KVO_STATUS_FAILED);
@@ -689,6 +697,7 @@ static void test_kill_and_restart(void)
 out:
     kvo_pipeline_destroy(down);
     kvo_pipeline_destroy(local_p);
+    if (spy) kvo_backend_destroy(of_backend_iface(spy));
     kvo_backend_destroy(b);
     kvo_backend_destroy(mem);
     OF_CHECK_POOL(g2);
@@ -715,7 +724,7 @@ static long long exists(int port, const char *key)
     return v;
 }
 
-/* Values damaged with redis-cli, a deleted entry; then tenants. */
+/* Values damaged with redis-cli, a deleted entry; then tenants and expiry. */
 static void test_corrupt_and_tenants(void)
 {
     rf_server s;
@@ -726,7 +735,7 @@ static void test_corrupt_and_tenants(void)
         return;
     }
     server_addr(s.port, addr, sizeof addr);
-    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(64);
+    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(64), *g4o = of_meta_pool(8);
     kvo_backend *b = redis_open(addr, g4, 0), *other = NULL;
     if (!b) goto out;
     of_chain(11, 6, h);
@@ -785,9 +794,10 @@ static void test_corrupt_and_tenants(void)
     OF_CHECK_POOL(fresh);
     kvb_pool_destroy(fresh);
 
-    /* tenants: another salt, same server, same hashes: nothing */
-    kvo_redis_config rc = rconfig(addr, g4, 0);
+    /* tenants: another salt, same server, same hashes: nothing; its own entries expire (ttl_s) */
+    kvo_redis_config rc = rconfig(addr, g4o, 0);
     rc.salt = 43;
+    rc.ttl_s = 60;
     KVT_EQ(kvo_redis_backend_create(&rc, &other), KVO_OK);
     if (other) {
         KVT_EQ(kvo_redis_lookup(other, h, 2, &prefix), KVO_OK);
@@ -796,15 +806,23 @@ static void test_corrupt_and_tenants(void)
         kvo_redis_key(other, &h[0], ko, sizeof ko);
         kvo_redis_key(b, &h[0], kb, sizeof kb);
         KVT_CHECK(strcmp(ko, kb) != 0);
+        KVT_EQ(offload(g1, g4o, other, h, 2).transferred, 2);
+        KVT_EQ(kvo_redis_lookup(other, h, 6, &prefix), KVO_OK);
+        KVT_EQ(prefix, 2);
+        long long ttl = rf_int(s.port, NULL, "TTL %s", ko);
+        KVT_CHECK(ttl > 0 && ttl <= 60);
+        KVT_EQ(rf_int(s.port, NULL, "TTL %s", kb), -1); /* no expiry by default */
     }
-    KVT_EQ(kvo_redis_lookup(b, h, 2, &prefix), KVO_OK);
+    KVT_EQ(kvo_redis_lookup(b, h, 6, &prefix), KVO_OK);
     KVT_EQ(prefix, 2);
 out:
     kvo_backend_destroy(other);
     kvo_backend_destroy(b);
     OF_CHECK_POOL(g4);
+    OF_CHECK_POOL(g4o);
     kvb_pool_destroy(g1);
     kvb_pool_destroy(g4);
+    kvb_pool_destroy(g4o);
     rf_stop(&s);
 }
 
@@ -844,7 +862,8 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
     return w.result;
 }
 
-/* Redis's own eviction (maxmemory, allkeys-lru): the entries it dropped are misses. */
+/* Redis's own eviction (maxmemory, allkeys-lru): the entries it dropped are misses; a read batch larger
+ * than the window goes in several round trips. */
 static void test_server_eviction(void)
 {
     enum { N = 3000 };
@@ -858,7 +877,10 @@ static void test_server_eviction(void)
     server_addr(s.port, addr, sizeof addr);
     kvb_pool *mem = of_mem_pool(N, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16);
     kvb_pool *back = of_mem_pool(N, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    kvo_backend *b = redis_open(addr, g4, 0);
+    kvo_backend *b = NULL;
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    rc.window_bytes = 100 * (OF_BLOCK_BYTES + KVO_REDIS_HEADER_BYTES); /* reads: 30 round trips of 100 */
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
     static kvb_hash h[N];
     static uint32_t idx[N];
     static int results[N];
