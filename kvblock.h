@@ -140,7 +140,11 @@
 
 #ifndef KVB_API
 #ifdef KVB_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVB_API static __attribute__((unused)) /* a program need not call every function */
+#else
 #define KVB_API static
+#endif
 #else
 #define KVB_API extern
 #endif
@@ -611,6 +615,9 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #endif
 #undef STB_DS_IMPLEMENTATION
 #endif /* INCLUDE_STB_DS_H */
+/* stb_ds passes a ptrdiff_t offset as size_t (clang -Wsign-conversion); the same value, cast. */
+#undef STBDS_OFFSETOF
+#define STBDS_OFFSETOF(var, field) ((size_t)((char *)&(var)->field - (char *)(var)))
 
 /* stb_ds's hmput/hmget use `typeof` under gcc, which strict -std=c11 does not have. */
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
@@ -1408,6 +1415,7 @@ static void kvb__take_ref(kvb_pool *p, uint32_t idx)
 static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
+    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
     if (--m->refs) return;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {

@@ -171,7 +171,11 @@
 
 #ifndef KVB_API
 #ifdef KVB_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVB_API static __attribute__((unused)) /* a program need not call every function */
+#else
 #define KVB_API static
+#endif
 #else
 #define KVB_API extern
 #endif
@@ -642,6 +646,9 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #endif
 #undef STB_DS_IMPLEMENTATION
 #endif /* INCLUDE_STB_DS_H */
+/* stb_ds passes a ptrdiff_t offset as size_t (clang -Wsign-conversion); the same value, cast. */
+#undef STBDS_OFFSETOF
+#define STBDS_OFFSETOF(var, field) ((size_t)((char *)&(var)->field - (char *)(var)))
 
 /* stb_ds's hmput/hmget use `typeof` under gcc, which strict -std=c11 does not have. */
 #if defined(__GNUC__) && !defined(__clang__) && !defined(__cplusplus) && defined(__STRICT_ANSI__) && \
@@ -1439,6 +1446,7 @@ static void kvb__take_ref(kvb_pool *p, uint32_t idx)
 static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
+    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
     if (--m->refs) return;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
@@ -2576,8 +2584,9 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * Do this in exactly one C or C++ file:    #define KVOFFLOAD_IMPLEMENTATION
  *                                           #include "kvoffload.h"
  * (it includes kvblock.h; define KVBLOCK_IMPLEMENTATION there too, or KVCACHE_IMPLEMENTATION for all).
- * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread; the disk backend needs
- * _GNU_SOURCE for O_DIRECT (define it before any include, or pass -D_GNU_SOURCE).
+ * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread, and _GNU_SOURCE (O_DIRECT,
+ * preadv, posix_fallocate, clock_gettime under -std=c11): define it before any include, or pass
+ * -D_GNU_SOURCE.
  *
  * Manual: 1. Quick start  2. Concepts  3. Pipeline rules  4. Backends  5. Tier manager
  *         6. Thread safety  7. Errors
@@ -2658,7 +2667,11 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
 
 #ifndef KVO_API
 #ifdef KVO_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVO_API static __attribute__((unused))
+#else
 #define KVO_API static
+#endif
 #else
 #define KVO_API extern
 #endif
@@ -3001,6 +3014,9 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 #if defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
 #ifndef KVOFFLOAD_IMPL_INCLUDED
 #define KVOFFLOAD_IMPL_INCLUDED
+#ifndef KVBLOCK_IMPL_INCLUDED
+#error "kvoffload.h: define KVBLOCK_IMPLEMENTATION in this file too (or KVCACHE_IMPLEMENTATION)"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>
@@ -5340,7 +5356,11 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 
 #ifndef KVS_API
 #ifdef KVS_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVS_API static __attribute__((unused))
+#else
 #define KVS_API static
+#endif
 #else
 #define KVS_API extern
 #endif
@@ -5583,6 +5603,9 @@ KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched);
 #if defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
 #ifndef KVSCHED_IMPL_INCLUDED
 #define KVSCHED_IMPL_INCLUDED
+#ifndef KVOFFLOAD_IMPL_INCLUDED
+#error "kvsched.h: define KVBLOCK_IMPLEMENTATION and KVOFFLOAD_IMPLEMENTATION in this file too (or KVCACHE_IMPLEMENTATION)"
+#endif
 
 #include <pthread.h>
 #include <stdlib.h>

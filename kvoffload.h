@@ -4,8 +4,9 @@
  * Do this in exactly one C or C++ file:    #define KVOFFLOAD_IMPLEMENTATION
  *                                           #include "kvoffload.h"
  * (it includes kvblock.h; define KVBLOCK_IMPLEMENTATION there too, or KVCACHE_IMPLEMENTATION for all).
- * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread; the disk backend needs
- * _GNU_SOURCE for O_DIRECT (define it before any include, or pass -D_GNU_SOURCE).
+ * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread, and _GNU_SOURCE (O_DIRECT,
+ * preadv, posix_fallocate, clock_gettime under -std=c11): define it before any include, or pass
+ * -D_GNU_SOURCE.
  *
  * Manual: 1. Quick start  2. Concepts  3. Pipeline rules  4. Backends  5. Tier manager
  *         6. Thread safety  7. Errors
@@ -86,7 +87,11 @@
 
 #ifndef KVO_API
 #ifdef KVO_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVO_API static __attribute__((unused))
+#else
 #define KVO_API static
+#endif
 #else
 #define KVO_API extern
 #endif
@@ -429,6 +434,9 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 #if defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
 #ifndef KVOFFLOAD_IMPL_INCLUDED
 #define KVOFFLOAD_IMPL_INCLUDED
+#ifndef KVBLOCK_IMPL_INCLUDED
+#error "kvoffload.h: define KVBLOCK_IMPLEMENTATION in this file too (or KVCACHE_IMPLEMENTATION)"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>

@@ -78,7 +78,11 @@
 
 #ifndef KVS_API
 #ifdef KVS_STATIC
+#if defined(__GNUC__) || defined(__clang__)
+#define KVS_API static __attribute__((unused))
+#else
 #define KVS_API static
+#endif
 #else
 #define KVS_API extern
 #endif
@@ -321,6 +325,9 @@ KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched);
 #if defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
 #ifndef KVSCHED_IMPL_INCLUDED
 #define KVSCHED_IMPL_INCLUDED
+#ifndef KVOFFLOAD_IMPL_INCLUDED
+#error "kvsched.h: define KVBLOCK_IMPLEMENTATION and KVOFFLOAD_IMPLEMENTATION in this file too (or KVCACHE_IMPLEMENTATION)"
+#endif
 
 #include <pthread.h>
 #include <stdlib.h>
