@@ -3398,23 +3398,7 @@ KVO_API void kvo_queue_close(kvo_queue *queue)
     pthread_mutex_unlock(&queue->lock);
 }
 
-/* ---- checksum ----------------------------------------------------------------------------------- */
-
-static uint64_t kvo__mum(uint64_t x, uint64_t y)
-{
-#if defined(__SIZEOF_INT128__)
-    __extension__ typedef unsigned __int128 kvo__u128;
-    kvo__u128 p = (kvo__u128)x * y;
-    return (uint64_t)p ^ (uint64_t)(p >> 64);
-#else
-    kvb_hash h;
-    uint64_t w[2];
-    w[0] = x;
-    w[1] = y;
-    h = kvb_hash_block(NULL, (const uint32_t *)(const void *)w, 4, NULL, 0, 0);
-    return h.lo;
-#endif
-}
+/* ---- checksum (kvb__mum: kvblock.h's multiply-fold) ---------------------------------------------- */
 
 static uint64_t kvo__le64(const unsigned char *p)
 {
@@ -3432,10 +3416,10 @@ KVO_API uint64_t kvo_checksum(const void *data, size_t len)
     uint64_t a[4] = {k[0], k[1], k[2], k[3]}, h;
     size_t i = 0, j;
     for (; i + 32 <= len; i += 32)
-        for (j = 0; j < 4; j++) a[j] += kvo__mum(kvo__le64(p + i + 8 * j) ^ k[j], k[(j + 1) & 3] + (uint64_t)i);
+        for (j = 0; j < 4; j++) a[j] += kvb__mum(kvo__le64(p + i + 8 * j) ^ k[j], k[(j + 1) & 3] + (uint64_t)i);
     h = a[0] ^ (a[1] << 1 | a[1] >> 63) ^ (a[2] << 2 | a[2] >> 62) ^ (a[3] << 3 | a[3] >> 61);
-    for (; i < len; i++) h = kvo__mum(h ^ p[i], k[i & 3]);
-    return kvo__mum(h ^ (uint64_t)len, k[0]);
+    for (; i < len; i++) h = kvb__mum(h ^ p[i], k[i & 3]);
+    return kvb__mum(h ^ (uint64_t)len, k[0]);
 }
 
 /* ---- copying pages between pools ---------------------------------------------------------------- */
@@ -4046,26 +4030,18 @@ static uint64_t kvo__now(const kvo_pipeline *pl)
     return pl->cfg.clock ? pl->cfg.clock(pl->cfg.clock_user) : kvo__mono_us();
 }
 
-static kvb_hash kvo__count_key(const kvb_hash *h)
-{
-    const uint64_t keep = ~((UINT64_C(1) << 31) | (UINT64_C(1) << 63)); /* see kvb__kid_key */
-    kvb_hash k;
-    k.lo = h->lo & keep;
-    k.hi = h->hi & keep;
-    return k;
-}
 
 /* stb_ds creates the map on a first lookup, so the map is passed by address. */
 static uint32_t kvo__count_get(kvo__count_entry **m, const kvb_hash *h)
 {
-    kvb_hash k = kvo__count_key(h);
+    kvb_hash k = kvb__kid_key(h);
     ptrdiff_t i = stbds_hmgeti(*m, k);
     return i < 0 ? 0 : (*m)[i].value;
 }
 
 static void kvo__count_add(kvo__count_entry **m, const kvb_hash *h, int delta)
 {
-    kvb_hash k = kvo__count_key(h);
+    kvb_hash k = kvb__kid_key(h);
     ptrdiff_t i = stbds_hmgeti(*m, k);
     if (i < 0) {
         if (delta > 0) stbds_hmput(*m, k, (uint32_t)delta);
