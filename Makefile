@@ -57,7 +57,8 @@ $(BUILD)/tsan/test_remote: tests/test_remote.c kvremote.h $(TEST_HEADERS) $(HEAD
 CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru --eviction lineage" \
-  "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000"
+  "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000" \
+  "sh tests/remote_sim.sh"
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
 # `make cuda` -> build/libkvcuda.a; `make test` adds the CUDA tests (they skip without a device);
@@ -88,24 +89,24 @@ $(BUILD)/tiny_llm: examples/tiny_llm.c $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
-$(BUILD)/serve_sim: examples/serve_sim.c $(HEADERS) | deps
+$(BUILD)/serve_sim: examples/serve_sim.c kvremote.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
-	$(CC) $(CFLAGS_OPT) -o $@ $< -lcjson -lm
+	$(CC) $(CFLAGS_OPT) -DKVO_WITH_REDIS -o $@ $< -lcjson -lhiredis -lm
 
 demo: deps $(BUILD)/serve_sim
 	./$(BUILD)/serve_sim
 
 XXH_FLAGS := $(shell [ -f /usr/include/xxhash.h ] && echo "-DKVBENCH_HAVE_XXHASH")
 XXH_LIBS  := $(shell [ -f /usr/include/xxhash.h ] && echo "-lxxhash")
-$(BUILD)/kvbench: bench/kvbench.c $(HEADERS) | deps
+$(BUILD)/kvbench: bench/kvbench.c bench/kvbench_remote.h kvremote.h tests/redis_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
-	$(CC) $(CFLAGS_OPT) -O3 $(XXH_FLAGS) -o $@ $< $(XXH_LIBS) -lm
+	$(CC) $(CFLAGS_OPT) -O3 -DKVO_WITH_REDIS $(XXH_FLAGS) -o $@ $< $(XXH_LIBS) -lhiredis -lm
 
 bench: deps $(BUILD)/kvbench
 	./$(BUILD)/kvbench
 
 # the G4 tier over loopback: starts its own redis-server (says "skipped" without one)
-$(BUILD)/kvbench_remote: bench/kvbench_remote.c kvremote.h tests/redis_fixtures.h $(HEADERS) | deps
+$(BUILD)/kvbench_remote: bench/kvbench_remote.c bench/kvbench_remote.h kvremote.h tests/redis_fixtures.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -O3 -o $@ $< -lhiredis -lm
 

@@ -28,6 +28,13 @@
  *   cancel_latency_ms     kvo_transfer_cancel return time for a container sitting in the batcher below
  *                         min batch (KVO_MODE_THREADS), median of 50 (cancel_latency_max_ms: the
  *                         slowest); the goal is sweep interval + 1 ms
+ * and from kvremote.h, when built with -DKVO_WITH_REDIS -lhiredis (the Makefile does) and redis-server and
+ * redis-benchmark are installed (otherwise the keys are left out and the run says why):
+ *   remote_put_gbps, remote_get_gbps   the Redis backend writing 256 blocks of 2 MiB to a redis-server
+ *                         this run starts on loopback, in jobs of 64 (one pipelined round trip each), and
+ *                         reading them back, checked; best of 3 (bench/kvbench_remote.h, as in
+ *                         build/kvbench_remote); remote_vs_redis_benchmark: remote_put_gbps / the SET
+ *                         throughput of `redis-benchmark -t set -d 2097152 -P 16 -c 1` on that server
  *
  * Run:  make bench                  a table: key, value, unit, goal, pass/miss
  *       build/kvbench --json        one JSON object on stdout:
@@ -45,6 +52,12 @@
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
 #include "kvsched.h" /* includes kvoffload.h and kvblock.h */
+#ifdef KVO_WITH_REDIS /* the G4 tier's keys: needs hiredis (-lhiredis) */
+#define KVREMOTE_IMPLEMENTATION
+#include "kvremote.h"
+#include "tests/redis_fixtures.h"
+#include "bench/kvbench_remote.h"
+#endif
 
 #include <errno.h>
 #include <fcntl.h>
@@ -78,6 +91,7 @@
 #define GOAL_CANCEL_SLACK_MS    1.0
 #define GOAL_FOL_VS_LRU         1.5
 #define GOAL_SCHED_STEP_US      100.0
+#define GOAL_REMOTE_VS_REDIS    0.8
 #define GOAL_SCHED_SCALING      4.5
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
@@ -1331,6 +1345,27 @@ static double measure_sched_step(uint32_t requests)
     return us;
 }
 
+/* ---- kvremote.h: the Redis G4 tier over loopback ------------------------------------------------ */
+
+static void bench_remote(results *rs)
+{
+#ifdef KVO_WITH_REDIS
+    kbr_figures f;
+    char why[256] = "";
+    int got = kbr_measure(256, 3, &f, why, sizeof why);
+    if (got <= 0) {
+        fprintf(stderr, "kvbench: remote tier %s: %s (no remote_* keys)\n", got ? "failed" : "skipped", why);
+        return;
+    }
+    results_add(rs, "remote_put_gbps", f.put_gbps, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "remote_get_gbps", f.get_gbps, "GB/s", NO_GOAL, GOAL_AT_LEAST);
+    results_add(rs, "remote_vs_redis_benchmark", f.vs_redis_benchmark, "ratio", GOAL_REMOTE_VS_REDIS, GOAL_AT_LEAST);
+#else
+    (void)rs;
+    fprintf(stderr, "kvbench: remote tier skipped: built without KVO_WITH_REDIS (no remote_* keys)\n");
+#endif
+}
+
 static void bench_sched(results *rs)
 {
     double us1k = measure_sched_step(1000), us4k = measure_sched_step(4000);
@@ -1393,6 +1428,8 @@ int main(int argc, char **argv)
     bench_evict(&rs, &rng);
     progress("scheduler step, 1000 and 4000 decoding requests");
     bench_sched(&rs);
+    progress("remote tier (Redis on loopback), 256 blocks of 2 MiB");
+    bench_remote(&rs);
 
     if (json) print_json(&rs, &machine);
     else print_table(&rs, &machine);

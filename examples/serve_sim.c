@@ -7,9 +7,9 @@
  *   ./build/serve_sim --sequential --trace FILE --device-blocks 10000 --host-blocks 0   # pure replay
  *   ./build/serve_sim --help
  *
- * Build by hand:
- *   cc -std=c11 -O2 -D_GNU_SOURCE -I. -I/usr/include/stb examples/serve_sim.c -o serve_sim \
- *      -pthread -lcjson -lm
+ * Build by hand (drop -DKVO_WITH_REDIS and -lhiredis to build without the remote tier):
+ *   cc -std=c11 -O2 -D_GNU_SOURCE -DKVO_WITH_REDIS -I. -I/usr/include/stb examples/serve_sim.c -o serve_sim \
+ *      -pthread -lcjson -lhiredis -lm
  *
  * WHAT IT DOES
  * Requests arrive (synthetic: conversations; trace: at their timestamps) and go to kvs_sched_add. Each
@@ -66,10 +66,25 @@
  *   (id, position); an input_length beyond the ids adds tokens unique to the request. Malformed lines
  *   are reported with their line number and skipped, or stop the run with --strict (exit 2).
  *
+ * REMOTE TIER (--remote redis://host:port, or a seed list host:port,host:port for a Redis Cluster)
+ * adds G4 (kvremote.h) as the last tier: a metadata-only pool standing for what Redis holds, the Redis
+ * backend copying into it from the tier above and onboarding from it to the device. Blocks are keyed by
+ * their hashes under the namespace "serve_sim" (salt 0), so runs of the same workload, in any process or
+ * on any machine pointed at the same servers, share them. --remote implies --bytes (Redis stores real
+ * bytes; every hit is checked byte for byte) and needs --disk-blocks 0 (Redis copies from a memory tier).
+ * In --sequential the lookup is kvo_redis_manager_lookup: device, host, then Redis, the entries other
+ * runs stored imported into G4 and onboarded. The reports gain remote_hit_blocks (prompt blocks whose
+ * hit came from G4: stored by this run and lost from the device, or by an earlier run) and
+ * remote_imported_blocks (blocks found in Redis that this run did not store). A second run of the same
+ * workload against the same Redis, with cold local tiers, gets remote hits (tests/remote_sim.sh).
+ * Built with -DKVO_WITH_REDIS -lhiredis (the Makefile does); without KVO_WITH_REDIS, --remote stops the
+ * run at start with "remote tier not built in" (exit 2).
+ *
  * EXIT STATUS: 0 ok; 1 a check failed (--check-lru, --bytes data check); 2 bad usage or input.
  */
 #define KVCACHE_IMPLEMENTATION
 #include "kvsched.h"
+#include "kvremote.h" /* the G4 tier (--remote); a stub that refuses it unless built with KVO_WITH_REDIS */
 
 #include <cjson/cJSON.h>
 
@@ -101,8 +116,9 @@
 #define SYN_RATE 1.0     /* conversations per simulated second */
 #define SYN_THINK_S 20.0 /* mean think time between turns */
 
-enum { TIER_DEVICE, TIER_HOST, TIER_DISK, TIER_KINDS };
-static const char *const tier_names[TIER_KINDS] = {"device", "host", "disk"};
+/* TIER_KINDS: the kinds every report shows; TIER_REMOTE (G4, --remote) is reported only when present. */
+enum { TIER_DEVICE, TIER_HOST, TIER_DISK, TIER_KINDS, TIER_REMOTE = TIER_KINDS, TIER_ALL };
+static const char *const tier_names[TIER_ALL] = {"device", "host", "disk", "remote"};
 
 /* ---- small utilities ---------------------------------------------------------------------------- */
 
@@ -286,8 +302,9 @@ typedef struct options {
     uint32_t device_blocks, host_blocks, disk_blocks, block_tokens, requests;
     uint32_t eviction, offload; /* kvb_evict_policy, kvo_offload_mode; UNSET = default */
     uint64_t seed;
-    const char *trace, *svg;
+    const char *trace, *svg, *remote;
     int json, sequential, bytes, strict, check_lru, help;
+    uint32_t remote_blocks; /* G4 pool size: set in main from the workload (its prompt blocks) */
 } options;
 
 typedef struct named { const char *name; uint32_t value; } named;
@@ -330,6 +347,7 @@ static const optdef optdefs[] = {
     {"--sequential", OPT_FLAG, OPT(sequential), NULL, NULL, "pure cache replay: one request at a time, prompts only"},
     {"--check-lru", OPT_FLAG, OPT(check_lru), NULL, NULL, "compare the replay with a reference LRU cache (implies --sequential)"},
     {"--bytes", OPT_FLAG, OPT(bytes), NULL, NULL, "memory-backed pools, disk tier in a /tmp file, data checked"},
+    {"--remote", OPT_STR, OPT(remote), NULL, "URL", "G4 tier in Redis, last: redis://host:port[,host:port...] (implies --bytes)"},
     {"--json", OPT_FLAG, OPT(json), NULL, NULL, "print one JSON object instead of the text report"},
     {"--svg", OPT_STR, OPT(svg), NULL, "FILE", "write a chart of hit rate and tier occupancy over time"},
     {"--help", OPT_FLAG, OPT(help), NULL, NULL, "this text"},
@@ -428,6 +446,12 @@ static void parse_options(int argc, char **argv, options *o)
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");
     if (o->check_lru && (o->host_blocks || o->disk_blocks))
         die(2, "--check-lru compares the device pool alone with the reference: add --host-blocks 0 --disk-blocks 0");
+    if (o->remote) {
+        if (!*o->remote) die(2, "--remote needs redis://host:port");
+        if (o->check_lru) die(2, "--check-lru compares the device pool alone with the reference: drop --remote");
+        if (o->disk_blocks) die(2, "--remote takes blocks from a memory tier: add --disk-blocks 0");
+        o->bytes = 1; /* Redis stores real bytes: every pool above it is memory-backed */
+    }
 }
 
 /* ---- workloads ---------------------------------------------------------------------------------- */
@@ -784,10 +808,11 @@ static void on_signal(int sig)
 }
 
 typedef struct tiers {
-    uint32_t n;              /* pools in the chain: the device, then host and disk when they have blocks */
-    int kind[3];             /* TIER_* of each */
-    kvb_pool *pool[3];
-    kvo_backend null_be, *mem, *disk;
+    uint32_t n;              /* pools in the chain: the device, then host and disk when they have blocks,
+                                then remote (G4) with --remote */
+    int kind[TIER_ALL];      /* TIER_* of each */
+    kvb_pool *pool[TIER_ALL];
+    kvo_backend null_be, *mem, *disk, *redis;
     kvo_manager *mgr;        /* NULL when the device is alone */
     kvb_layout layout;       /* --bytes */
     uint64_t block_bytes;    /* --bytes: real bytes of one block */
@@ -844,7 +869,7 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
                            KVB_LAYOUT_BLOCK_CONTIGUOUS, &t->layout, on_events, event_user);
     t->kind[0] = TIER_DEVICE;
     t->n = 1;
-    if (!lower || (!o->host_blocks && !o->disk_blocks)) return;
+    if (!lower || (!o->host_blocks && !o->disk_blocks && !o->remote)) return;
     if (o->host_blocks) {
         t->pool[t->n] = make_pool(o, o->host_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, bytes,
                                   KVB_LAYOUT_LAYER_SEPARATE, &t->layout, NULL, NULL);
@@ -853,6 +878,23 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
     if (o->disk_blocks) {
         t->pool[t->n] = make_pool(o, o->disk_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, NULL, NULL);
         t->kind[t->n++] = TIER_DISK;
+    }
+    if (o->remote) { /* G4: a metadata-only pool standing for what Redis holds, filled through the backend */
+        kvo_redis_config rc;
+        char why[256] = "";
+        int r;
+        t->pool[t->n] = make_pool(o, o->remote_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, NULL, NULL);
+        t->kind[t->n++] = TIER_REMOTE;
+        memset(&rc, 0, sizeof rc);
+        rc.servers = o->remote;
+        rc.namespace_prefix = "serve_sim";
+        rc.pool = t->pool[t->n - 1];
+        rc.layout = t->layout;
+        rc.threads = 0; /* jobs run inline in submit: the pipelines are polled */
+        rc.error = why;
+        rc.error_size = sizeof why;
+        if ((r = kvo_redis_backend_create(&rc, &t->redis)) != KVO_OK)
+            die(2, "--remote %s: %s%s%s", o->remote, kvo_redis_result_string(r), why[0] ? ": " : "", why);
     }
     memset(&mc, 0, sizeof mc);
     mc.num_tiers = t->n;
@@ -886,6 +928,10 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
             mc.down[t->n - 2] = t->disk;
             mc.up[t->n - 1] = t->disk;
         }
+        if (t->redis) {
+            mc.down[t->n - 2] = t->redis;
+            mc.up[t->n - 1] = t->redis;
+        }
     }
     mc.offload = (kvo_offload_mode)o->offload;
     mc.pipeline.mode = KVO_MODE_POLL; /* no threads: the simulation pumps the pipelines, deterministically */
@@ -901,6 +947,7 @@ static void close_tiers(tiers *t)
     kvo_manager_destroy(t->mgr);
     kvo_backend_destroy(t->mem);
     kvo_backend_destroy(t->disk);
+    kvo_backend_destroy(t->redis);
     for (i = 0; i < t->n; i++) kvb_pool_destroy(t->pool[i]);
     remove_tmp();
 }
@@ -908,10 +955,11 @@ static void close_tiers(tiers *t)
 /* Transfer totals per direction, by tier kind: down[k] = from kind k to the next tier, up[k] = from k
  * to the device. Bytes are real with --bytes, modeled otherwise. */
 typedef struct traffic {
-    uint64_t down_blocks[TIER_KINDS], down_bytes[TIER_KINDS], up_blocks[TIER_KINDS], up_bytes[TIER_KINDS];
-    uint64_t evictions[TIER_KINDS];
-    int down_to[TIER_KINDS];  /* kind of the tier below, -1 */
-    int present[TIER_KINDS];
+    uint64_t down_blocks[TIER_ALL], down_bytes[TIER_ALL], up_blocks[TIER_ALL], up_bytes[TIER_ALL];
+    uint64_t evictions[TIER_ALL];
+    int down_to[TIER_ALL];  /* kind of the tier below, -1 */
+    int present[TIER_ALL];
+    kvo_redis_stats redis;  /* --remote: the backend's counters (imported = blocks other runs stored) */
 } traffic;
 
 static void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
@@ -920,9 +968,10 @@ static void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
     uint32_t i;
     double modeled = (double)o->block_tokens * KV_BYTES_PER_TOKEN;
     memset(tr, 0, sizeof *tr);
-    for (i = 0; i < TIER_KINDS; i++) tr->down_to[i] = -1;
+    for (i = 0; i < TIER_ALL; i++) tr->down_to[i] = -1;
     memset(&ms, 0, sizeof ms);
     if (t->mgr) kvo_manager_get_stats(t->mgr, &ms);
+    if (t->redis) kvo_redis_backend_stats(t->redis, &tr->redis);
     for (i = 0; i < t->n; i++) {
         kvb_pool_stats ps;
         int k = t->kind[i];
@@ -985,7 +1034,7 @@ static int pattern_ok(const tiers *t, kvb_block b, const kvb_hash *h)
 
 /* ---- time series for --svg ---------------------------------------------------------------------- */
 
-typedef struct sample { double x; uint64_t hits[TIER_KINDS], prompt; float occ[TIER_KINDS]; } sample;
+typedef struct sample { double x; uint64_t hits[TIER_ALL], prompt; float occ[TIER_ALL]; } sample;
 typedef struct series { sample *s; size_t n, cap; } series;
 
 static void series_add(series *sv, const tiers *t, double x, const uint64_t *hits, uint64_t prompt)
@@ -998,7 +1047,7 @@ static void series_add(series *sv, const tiers *t, double x, const uint64_t *hit
     s->x = x;
     memcpy(s->hits, hits, sizeof s->hits);
     s->prompt = prompt;
-    for (i = 0; i < TIER_KINDS; i++) s->occ[i] = -1.0f;
+    for (i = 0; i < TIER_ALL; i++) s->occ[i] = -1.0f;
     for (i = 0; i < t->n; i++) {
         kvb_pool_stats ps;
         memset(&ps, 0, sizeof ps);
@@ -1011,7 +1060,7 @@ static void series_add(series *sv, const tiers *t, double x, const uint64_t *hit
 /* ---- the results of a run ----------------------------------------------------------------------- */
 
 typedef struct results {
-    uint64_t requests, skipped, prompt_blocks, hit_blocks, tier_hits[TIER_KINDS];
+    uint64_t requests, skipped, prompt_blocks, hit_blocks, tier_hits[TIER_ALL];
     double *ttft;            /* seconds, per finished request */
     size_t nttft;
     double *ttft_nocache;
@@ -1030,12 +1079,15 @@ typedef struct results {
 /* ---- --sequential: the pure replay -------------------------------------------------------------- */
 
 /* Lower-tier hits after the device prefix blocks [0, k): onboarded into the device, references in blk.
- * Returns the new end of the cached prefix. */
+ * With --remote the lookup also asks Redis (kvo_redis_manager_lookup: local tiers first, then what other
+ * runs or processes stored there). Returns the new end of the cached prefix. */
 static size_t onboard_rest(tiers *t, const sim_req *r, size_t k, size_t n, kvb_block *blk, uint8_t *tier_of,
                            uint64_t *hits)
 {
     size_t found = 0, i = 0;
-    if (kvo_manager_lookup(t->mgr, r->hashes + k, n - k, tier_of, &found) != KVO_OK) return k;
+    kvo_result lr = t->redis ? kvo_redis_manager_lookup(t->mgr, t->redis, r->hashes + k, n - k, tier_of, &found)
+                             : kvo_manager_lookup(t->mgr, r->hashes + k, n - k, tier_of, &found);
+    if (lr != KVO_OK) return k;
     while (i < found) {
         size_t j = i, got = 0, run;
         uint8_t tier = tier_of[i];
@@ -1103,7 +1155,7 @@ static void replay(const workload *w, const options *o, results *res, series *sv
     res->replay_seconds = wall_now() - t0;
     if (t.mgr) kvo_manager_drain(t.mgr, 10 * 1000000);
     res->requests = w->n;
-    res->hit_blocks = res->tier_hits[0] + res->tier_hits[1] + res->tier_hits[2];
+    res->hit_blocks = res->tier_hits[0] + res->tier_hits[1] + res->tier_hits[2] + res->tier_hits[TIER_REMOTE];
     collect_traffic(&t, o, o->bytes, &res->tr);
     snprintf(res->disk_note, sizeof res->disk_note, "%s", t.disk_note);
     close_tiers(&t);
@@ -1665,7 +1717,7 @@ static void describe(char *out, size_t len, const workload *w, const options *o)
 static void print_text(const workload *w, const options *o, results *r)
 {
     char d[256], b1[32];
-    int k;
+    int k, nk = o->remote ? TIER_ALL : TIER_KINDS;
     uint32_t bt = o->block_tokens;
     describe(d, sizeof d, w, o);
     printf("serve_sim — %s\n", d);
@@ -1673,6 +1725,7 @@ static void print_text(const workload *w, const options *o, results *r)
            name_of(eviction_names, o->eviction), o->host_blocks, o->disk_blocks,
            o->bytes ? "memory-backed (--bytes)" : "metadata only", name_of(offload_names, o->offload),
            o->sequential ? "; sequential replay, no scheduler" : "");
+    if (o->remote) printf("  remote (G4): Redis at %s, namespace serve_sim\n\n", o->remote);
     if (o->sequential) printf("%-22s %llu replayed\n", "requests", (unsigned long long)r->requests);
     else
         printf("%-22s %llu finished (%llu too big for the device pool)\n", "requests", (unsigned long long)r->requests,
@@ -1681,15 +1734,15 @@ static void print_text(const workload *w, const options *o, results *r)
            (unsigned long long)r->prompt_blocks * bt);
     printf("%-22s %12llu blocks %14llu tokens   hit rate %.4f\n", "hit blocks", (unsigned long long)r->hit_blocks,
            (unsigned long long)r->hit_blocks * bt, ratio(r->hit_blocks, r->prompt_blocks));
-    for (k = 0; k < TIER_KINDS; k++)
+    for (k = 0; k < nk; k++)
         printf("  %-20s %12llu blocks %14llu tokens            %.4f%s\n", tier_names[k],
                (unsigned long long)r->tier_hits[k], (unsigned long long)r->tier_hits[k] * bt,
                ratio(r->tier_hits[k], r->prompt_blocks), r->tr.present[k] ? "" : "   (no such tier)");
     printf("%-22s", "evictions");
-    for (k = 0; k < TIER_KINDS; k++)
+    for (k = 0; k < nk; k++)
         if (r->tr.present[k]) printf(" %s %llu ", tier_names[k], (unsigned long long)r->tr.evictions[k]);
     printf("\n");
-    for (k = 0; k < TIER_KINDS; k++) {
+    for (k = 0; k < nk; k++) {
         char lbl[32];
         if (r->tr.down_to[k] < 0) continue;
         snprintf(lbl, sizeof lbl, "%s -> %s", tier_names[k], tier_names[r->tr.down_to[k]]);
@@ -1697,7 +1750,7 @@ static void print_text(const workload *w, const options *o, results *r)
         printf("%-22s %-16s %10llu blocks %12s%s\n", k == 0 ? "offloaded" : "", lbl,
                (unsigned long long)r->tr.down_blocks[k], b1, o->bytes ? "" : " (modeled)");
     }
-    for (k = 1; k < TIER_KINDS; k++) {
+    for (k = 1; k < nk; k++) {
         char lbl[32];
         if (!r->tr.present[k]) continue;
         snprintf(lbl, sizeof lbl, "%s -> device", tier_names[k]);
@@ -1709,6 +1762,10 @@ static void print_text(const workload *w, const options *o, results *r)
         printf("%-22s %llu cached blocks checked byte for byte, %llu mismatches\n", "data check",
                (unsigned long long)r->verified, (unsigned long long)r->mismatches);
     if (r->disk_note[0]) printf("%-22s %s\n", "disk tier", r->disk_note);
+    if (o->remote)
+        printf("%-22s %llu blocks found in Redis that this run did not store; %llu checksum errors, %llu I/O errors\n",
+               "remote tier", (unsigned long long)r->tr.redis.imported, (unsigned long long)r->tr.redis.checksum_errors,
+               (unsigned long long)r->tr.redis.io_errors);
     if (o->sequential) {
         printf("%-22s %.6f s for %llu prompt blocks: %.1f ns per block\n", "replay loop", r->replay_seconds,
                (unsigned long long)r->prompt_blocks, r->prompt_blocks ? r->replay_seconds * 1e9 / (double)r->prompt_blocks : 0.0);
@@ -1739,7 +1796,7 @@ static void print_json(const workload *w, const options *o, results *r)
 {
     cJSON *j = cJSON_CreateObject();
     char key[96], *text;
-    int k;
+    int k, nk = o->remote ? TIER_ALL : TIER_KINDS;
     uint32_t bt = o->block_tokens;
     cJSON_AddStringToObject(j, "workload", w->is_trace ? "trace" : "synthetic");
     if (w->is_trace) cJSON_AddStringToObject(j, "trace", o->trace);
@@ -1749,6 +1806,7 @@ static void print_json(const workload *w, const options *o, results *r)
     json_num(j, "device_blocks", o->device_blocks);
     json_num(j, "host_blocks", o->host_blocks);
     json_num(j, "disk_blocks", o->disk_blocks);
+    if (o->remote) cJSON_AddStringToObject(j, "remote", o->remote);
     cJSON_AddStringToObject(j, "eviction", name_of(eviction_names, o->eviction));
     cJSON_AddStringToObject(j, "offload", name_of(offload_names, o->offload));
     cJSON_AddBoolToObject(j, "bytes", o->bytes);
@@ -1760,7 +1818,7 @@ static void print_json(const workload *w, const options *o, results *r)
     json_num(j, "hit_blocks", (double)r->hit_blocks);
     json_num(j, "hit_tokens", (double)r->hit_blocks * bt);
     json_num(j, "hit_rate", ratio(r->hit_blocks, r->prompt_blocks));
-    for (k = 0; k < TIER_KINDS; k++) {
+    for (k = 0; k < nk; k++) {
         snprintf(key, sizeof key, "%s_hit_blocks", tier_names[k]);
         json_num(j, key, (double)r->tier_hits[k]);
         snprintf(key, sizeof key, "%s_hit_tokens", tier_names[k]);
@@ -1768,12 +1826,12 @@ static void print_json(const workload *w, const options *o, results *r)
         snprintf(key, sizeof key, "%s_hit_rate", tier_names[k]);
         json_num(j, key, ratio(r->tier_hits[k], r->prompt_blocks));
     }
-    for (k = 0; k < TIER_KINDS; k++) {
+    for (k = 0; k < nk; k++) {
         if (!r->tr.present[k]) continue;
         snprintf(key, sizeof key, "%s_evictions", tier_names[k]);
         json_num(j, key, (double)r->tr.evictions[k]);
     }
-    for (k = 0; k < TIER_KINDS; k++) {
+    for (k = 0; k < nk; k++) {
         if (r->tr.down_to[k] >= 0) {
             snprintf(key, sizeof key, "offloaded_blocks_%s_to_%s", tier_names[k], tier_names[r->tr.down_to[k]]);
             json_num(j, key, (double)r->tr.down_blocks[k]);
@@ -1786,6 +1844,11 @@ static void print_json(const workload *w, const options *o, results *r)
             snprintf(key, sizeof key, "onboarded_bytes_%s_to_device", tier_names[k]);
             json_num(j, key, (double)r->tr.up_bytes[k]);
         }
+    }
+    if (o->remote) {
+        json_num(j, "remote_imported_blocks", (double)r->tr.redis.imported);
+        json_num(j, "remote_checksum_errors", (double)r->tr.redis.checksum_errors);
+        json_num(j, "remote_io_errors", (double)r->tr.redis.io_errors);
     }
     cJSON_AddBoolToObject(j, "bytes_modeled", !o->bytes);
     if (o->bytes) {
@@ -1838,6 +1901,12 @@ int main(int argc, char **argv)
         return 0;
     }
     load_workload(&w, &o);
+    if (o.remote) { /* G4 remembers every block the workload could compute (at least 1024, at most 4 Mi) */
+        uint64_t total = 0;
+        size_t q;
+        for (q = 0; q < w.n; q++) total += w.reqs[q].num_blocks;
+        o.remote_blocks = (uint32_t)(total < 1024 ? 1024 : total > (UINT64_C(1) << 22) ? (UINT64_C(1) << 22) : total);
+    }
     memset(&res, 0, sizeof res);
     memset(&base, 0, sizeof base);
     memset(&sv, 0, sizeof sv);
