@@ -188,19 +188,15 @@ test-single: deps $(SINGLE_TESTS)
 # and install entries. -Werror everywhere; each header (those outside kvcache.h too, without static mode)
 # with gcc -O0, clang, g++ and clang++ (the last three -fsyntax-only), and kvcache.h (all its code) also
 # with gcc -O2 and -O3, where -Wmaybe-uninitialized runs.
-#   C11:   -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes; gcc also -Wconversion -Wsign-conversion.
-#          clang leaves those two out: it reports stb_ds's hmdel expansion at each use (STBDS_OFFSETOF is a
-#          ptrdiff_t passed as a size_t): 2 in kvblock.h, 1 in kvoffload.h, 2 in kvsched.h today. Set
-#          MATRIX_CONV_CLANG to $(MATRIX_CONV_GCC) once kvblock.h redefines STBDS_OFFSETOF with a size_t cast.
+#   C11:   -Wall -Wextra -Wpedantic -Wshadow -Wstrict-prototypes -Wconversion -Wsign-conversion (gcc and clang).
 #   C++17: -Wall -Wextra -Wpedantic -Wshadow; g++ also -Wconversion -Wsign-conversion.
-#   static mode (KVB_STATIC, KVO_STATIC, KVS_STATIC): -Wno-unused-function for now, as every API function a
-#          program does not call is an unused static function; empty MATRIX_STATIC_WAIVE once the *_API
-#          macros mark static functions __attribute__((unused)).
+#   static mode (KVB_STATIC, KVO_STATIC, KVS_STATIC): the same flags, no waiver (the *_API macros mark
+#          static functions unused, so a program need not call every one).
 MATRIX_WARN_C       := -std=c11 -Wall -Wextra -Wpedantic -Werror -Wshadow -Wstrict-prototypes
 MATRIX_WARN_CXX     := -std=c++17 -Wall -Wextra -Wpedantic -Werror -Wshadow
 MATRIX_CONV_GCC     := -Wconversion -Wsign-conversion
-MATRIX_CONV_CLANG   :=
-MATRIX_STATIC_WAIVE := -Wno-unused-function
+MATRIX_CONV_CLANG   := $(MATRIX_CONV_GCC)
+MATRIX_STATIC_WAIVE :=
 MATRIX_RUN          := "sh tests/compile/matrix.sh"
 test matrix: export MATRIX_DIR           := $(BUILD)/matrix
 test matrix: export MATRIX_PARTS         := $(AMALG_PARTS)
