@@ -2863,6 +2863,16 @@ typedef struct kvo_transfer_info {
     char message[128];       /* the backend's message for a failure */
 } kvo_transfer_info;
 
+/* Every change of a transfer's status (Evaluating, Queued, Transferring, then one final status), called
+ * with the pipeline's lock held: it must not call into the pipeline. For observers (kvs_bus). */
+typedef struct kvo_stage_note {
+    kvo_transfer transfer;
+    uint32_t src_tier, dst_tier;  /* kvb_pool_config.tier of the two pools */
+    int onboard;                  /* 1 for kvo_onboard transfers */
+    const kvo_transfer_info *info; /* info->status is the new status */
+} kvo_stage_note;
+typedef void (*kvo_stage_fn)(void *user, const kvo_stage_note *note);
+
 /* Called once per transfer when it reaches a final state; dst holds a weak handle per block of the
  * container that is now in the destination (0 where none), in container order. */
 typedef void (*kvo_done_fn)(void *user, kvo_transfer transfer, const kvo_transfer_info *info,
@@ -2888,6 +2898,8 @@ typedef struct kvo_pipeline_config {
     void *clock_user;
     kvo_done_fn on_done;          /* optional */
     void *done_user;
+    kvo_stage_fn on_stage;        /* optional: every status change */
+    void *stage_user;
     uint32_t dst_priority;        /* eviction level of landed blocks in the destination */
 } kvo_pipeline_config;
 
@@ -4023,6 +4035,7 @@ struct kvo_pipeline {
     pthread_t thread;
     kvo_pipeline_stats stats;
     kvo__note *notes;
+    uint32_t src_tier, dst_tier;
 };
 
 static uint64_t kvo__now(const kvo_pipeline *pl)
@@ -4086,6 +4099,33 @@ static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container 
     kvo_transfer t;
     t.id = ((uint64_t)pl->slots[c->slot].gen << 32) | ((uint64_t)c->slot + 1);
     return t;
+}
+
+static void kvo__pool_tiers(kvo_pipeline *pl)
+{
+    kvb_pool_config pc;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(pl->cfg.src, &pc);
+    pl->src_tier = pc.tier;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(pl->cfg.dst, &pc);
+    pl->dst_tier = pc.tier;
+}
+
+/* A container changed status: tell the observer, if any. Locked. */
+static void kvo__stage(const kvo_pipeline *pl, const kvo__container *c, kvo_status st)
+{
+    kvo_stage_note note;
+    kvo_transfer_info info;
+    if (!pl->cfg.on_stage) return;
+    info = c->info;
+    info.status = st;
+    note.transfer = kvo__handle_of(pl, c);
+    note.src_tier = pl->src_tier;
+    note.dst_tier = pl->dst_tier;
+    note.onboard = c->onboard;
+    note.info = &info;
+    pl->cfg.on_stage(pl->cfg.stage_user, &note);
 }
 
 static kvo__container *kvo__resolve(kvo_pipeline *pl, kvo_transfer t)
@@ -4154,6 +4194,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     pl->moves++;
     c->info.status = st;
     if (err && !c->info.error) c->info.error = err;
+    kvo__stage(pl, c, st);
     s->transferred += c->info.transferred;
     s->present += c->info.present;
     s->skipped += c->info.skipped;
@@ -4343,6 +4384,7 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
+            kvo__stage(pl, c, KVO_STATUS_QUEUED);
             pl->moves++;
             if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
         }
@@ -4451,6 +4493,7 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
     for (i = 0; i < stbds_arrlenu(b->cs); i++) {
         kvo__container *c = b->cs[i];
         c->info.status = KVO_STATUS_TRANSFERRING;
+        kvo__stage(pl, c, KVO_STATUS_TRANSFERRING);
         for (j = 0; j < c->n; j++) {
             if (c->state[j] != KVO__B_OFFER) continue;
             if (!c->onboard && kvb_upgrade(pl->cfg.src, c->src[j], &c->src_strong[j]) != KVB_OK) {
@@ -4735,6 +4778,7 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
     memset(pl, 0, sizeof *pl);
     pl->cfg = *config;
     kvo__pipeline_defaults(&pl->cfg);
+    kvo__pool_tiers(pl);
     if (pl->cfg.min_batch > pl->cfg.max_batch) pl->cfg.min_batch = pl->cfg.max_batch;
     qc.on_drop = kvo__on_drop;
     qc.user = pl;
@@ -4831,6 +4875,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     if (r == KVO_OK) {
         memcpy(c->src, blocks, n * sizeof *blocks);
         *out = kvo__handle_of(pipeline, c);
+        kvo__stage(pipeline, c, KVO_STATUS_EVALUATING);
         if (kvo_queue_push(pipeline->q_eval, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
         pthread_cond_broadcast(&pipeline->cond);
     }
@@ -4880,6 +4925,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
             kvo__finalize(pipeline, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
+            kvo__stage(pipeline, c, KVO_STATUS_QUEUED);
             if (kvo_queue_push(pipeline->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
         }
         pthread_cond_broadcast(&pipeline->cond);
@@ -5261,6 +5307,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * KVCACHE_IMPLEMENTATION for all). Needs C11, POSIX threads, stb_ds.h, -pthread.
  *
  * Manual: 1. Quick start  2. Slots  3. Scheduler  4. Connector  5. Sizing  6. Thread safety  7. Errors
+ *         8. Observability: events, recorder, replay, breakpoints, console, metrics
  *
  * 1. QUICK START — one engine step
  *
@@ -5321,6 +5368,60 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *
  * 7. ERRORS — kvs_result: KVS_OK or negative; kvb_ and kvo_ codes pass through; kvs_result_string
  * names all. A failed call changes nothing.
+ *
+ * 8. OBSERVABILITY — give the scheduler a bus (kvs_sched_config.bus) and everything it decides becomes
+ * an event; the pools and pipelines join through two adapters:
+ *
+ *     kvs_bus *bus;  kvs_bus_create(NULL, &bus);
+ *     pool_cfg.on_events = kvs_bus_pool_events;      pool_cfg.event_user = bus;      // block events
+ *     mgr_cfg.pipeline.on_stage = kvs_bus_transfer_stage; mgr_cfg.pipeline.stage_user = bus; // transfers
+ *     sched_cfg.bus = bus;
+ *     kvs_recorder *rec;  kvs_recorder_config rc = { .log_path = "run.kvslog" };
+ *     kvs_recorder_create(bus, &rc, &rec);           // timeline in memory + append-only log
+ *     kvs_console *con;   kvs_console_config cc = { .path = "/tmp/engine.sock" };
+ *     kvs_console_start(bus, &cc, &con);             // examples/kvtop attaches here
+ *
+ * Events (kvs_event, 80 bytes, version KVS_EVENT_VERSION; JSON field names in brackets):
+ *     slot        a slot changed state [from, to, tokens, computed]; from "" when the request was added
+ *     admit       admitted [prompt_tokens, device_hit_tokens, lower_hit_tokens, priority, preemptions]
+ *     step        a step was planned [step, prefill, decode, tokens, preempted, waiting, running,
+ *                 swapped, onboarding, device_used, device_blocks]
+ *     block_stored / block_removed / block_cleared   [tier, tokens, hash, parent] (hashes: 32 hex digits)
+ *     transfer    [transfer, stage, src_tier, dst_tier, blocks, moved, error, onboard]; stages:
+ *                 PendingEvaluation -> Promoted -> Skipped | Completed | Cancelled | Failed
+ *     tiers       once per step [num_tiers, used[4], total[4]] (used: blocks holding data)
+ *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs (the
+ *                 prompt and appended tokens in `tokens` events of up to 11 words [words])
+ *     paused / resumed   a thread stopped at a breakpoint or pause [call, state, finished]
+ * Every event also has seq (from 1 per bus), t_ns, request (0 when none) and v. kvs_event_to_json
+ * writes one flat JSON object, kvs_event_from_json reads it back.
+ *
+ * Subscribers: callbacks (run in the publishing thread under the bus's lock: quick, no kvs_bus_
+ * calls) and ring readers (kvs_reader_open: a reader that falls behind loses the oldest events and is
+ * told how many; the engine never waits for it). The recorder keeps the last `capacity` events and
+ * appends each to its log: a 16-byte header ("KVSEVLOG", version, record size), then records of
+ * KVS_RECORD_BYTES (the event's bytes, little-endian, then its CRC-32C). kvs_log_read returns every
+ * record before a truncated or corrupt one and says where the damage is. kvs_replay feeds a log's
+ * inputs to a fresh scheduler and checks it makes the same decisions (metadata-only pools are enough;
+ * with lower tiers, use poll-mode pipelines and a fake clock so loads finish at the same steps).
+ *
+ * Hooks and breakpoints: kvs_bus_set_hook sees every scheduler and connector call before and after it
+ * runs. A breakpoint (a call, a slot state, a request, or a combination) stops the thread that reaches
+ * it until kvs_bus_resume, from code or the console; kvs_bus_pause stops the next thread at its next
+ * call or transition. With no hook, breakpoint or pause the cost is one load and one predictable branch
+ * per call (none at all without a bus).
+ *
+ * Console: kvs_console_start serves a Unix socket (mode 0600) from its own thread: a client gets the
+ * log header, the live slots, the last step and tier events, the recent history, then every event as
+ * it happens (records as in the log); it sends command lines: pause, resume, break state NAME,
+ * break request ID, break call NAME, clear. A client that falls 8 MiB behind is disconnected.
+ *
+ * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
+ * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
+ * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total, ...
+ *
+ * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
+ * from any thread (pipelines publish from theirs).
  */
 #ifndef KVSCHED_H
 #define KVSCHED_H
@@ -5353,10 +5454,15 @@ extern "C" {
     X(KVS_ENOTFOUND,-203,  "no such request")                                 \
     X(KVS_ETOOBIG,  -204,  "request can never fit the device pool")           \
     X(KVS_ENOMEM,   -205,  "out of memory")                                   \
-    X(KVS_ESTEP,    -206,  "step does not match the one in progress")
+    X(KVS_ESTEP,    -206,  "step does not match the one in progress")               \
+    X(KVS_ETIMEDOUT,-207,  "timed out")                                       \
+    X(KVS_ELOG,     -208,  "event log damaged (records before the damage were kept)") \
+    X(KVS_EIO,      -209,  "file or socket error")                            \
+    X(KVS_ENOSPACE, -210,  "buffer too small")                                \
+    X(KVS_EREPLAY,  -211,  "replay differs from the recording")
 
 #define KVS__ENUM_ITEM(name, value, text) name = value,
-typedef enum kvs_result { KVS__RESULTS(KVS__ENUM_ITEM) KVS__RESULT_MIN = -207 } kvs_result;
+typedef enum kvs_result { KVS__RESULTS(KVS__ENUM_ITEM) KVS__RESULT_MIN = -212 } kvs_result;
 #undef KVS__ENUM_ITEM
 
 /* Name of a kvs_, kvo_ or kvb_ result. Thread safety: pure function. */
@@ -5429,10 +5535,13 @@ typedef struct kvs_worker_output {
 
 typedef enum kvs_offload_mode { KVS_OFFLOAD_EAGER = 0, KVS_OFFLOAD_LAZY } kvs_offload_mode;
 
+typedef struct kvs_bus kvs_bus;
+
 typedef struct kvs_connector_config {
     kvb_pool *device;             /* required: G1 */
     kvo_manager *tiers;           /* required: its G1 must be `device` */
     kvs_offload_mode offload;
+    kvs_bus *bus;                 /* optional: hooks and breakpoints (section 8) */
 } kvs_connector_config;
 
 typedef struct kvs_connector kvs_connector;
@@ -5485,6 +5594,7 @@ typedef struct kvs_sched_config {
     uint32_t max_seqs;            /* per step, default 256 */
     kvs_preempt_mode preempt;     /* swap needs tiers */
     kvs_offload_mode offload;
+    kvs_bus *bus;                 /* optional: events, hooks, breakpoints (section 8) */
 } kvs_sched_config;
 
 typedef struct kvs_request {
@@ -5567,6 +5677,241 @@ KVS_API kvs_result kvs_sched_get_stats(kvs_sched *sched, kvs_sched_stats *out);
 KVS_API int kvs_sched_idle(kvs_sched *sched);
 /* The scheduler's connector (NULL without tiers). */
 KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched);
+
+/* ---- observability: events, bus, recorder, log, replay, hooks, console, metrics (section 8) ------ */
+
+#define KVS_EVENT_VERSION 1
+#define KVS_RECORD_BYTES 84         /* one event in a log or on the console socket: 80 bytes + CRC-32C */
+#define KVS_LOG_HEADER_BYTES 16
+
+typedef enum kvs_event_kind {
+    /* decisions: what replay compares */
+    KVS_EV_SLOT = 1,          /* a slot changed state (from 0 when the request was added) */
+    KVS_EV_ADMIT,             /* a request was admitted: its prompt and cache hits */
+    KVS_EV_STEP,              /* a step was planned: its summary */
+    /* cache and transfers (pools and pipelines publish them through the adapters below) */
+    KVS_EV_BLOCK_STORED,
+    KVS_EV_BLOCK_REMOVED,
+    KVS_EV_BLOCK_CLEARED,
+    KVS_EV_TRANSFER,          /* a transfer changed stage */
+    KVS_EV_TIERS,             /* occupancy of each tier, once per step */
+    /* inputs: the scheduler calls, enough to replay a run */
+    KVS_EV_ADD,               /* kvs_sched_add: its extra keys and prompt follow in TOKENS events */
+    KVS_EV_TOKENS,            /* words of the ADD or APPEND just before */
+    KVS_EV_RUN_STEP,          /* kvs_sched_step */
+    KVS_EV_COMPLETE,          /* kvs_sched_complete */
+    KVS_EV_APPEND,            /* kvs_sched_append: its tokens follow in TOKENS events */
+    KVS_EV_FINISH,
+    KVS_EV_ABORT,
+    KVS_EV_RELEASE,
+    /* debugging */
+    KVS_EV_PAUSED,            /* a thread stopped at a breakpoint or a pause */
+    KVS_EV_RESUMED,
+    KVS_EV__COUNT
+} kvs_event_kind;
+
+#define KVS_EV_MASK(kind) (1ull << (kind))
+#define KVS_EV_DECISIONS (KVS_EV_MASK(KVS_EV_SLOT) | KVS_EV_MASK(KVS_EV_ADMIT) | KVS_EV_MASK(KVS_EV_STEP))
+
+/* Transfer stages (from kvo_status): PendingEvaluation (a policy decides), Promoted (queued for the
+ * copy, or copying), then one of Skipped (nothing needed copying: refused, present or gone), Completed,
+ * Cancelled, Failed. */
+typedef enum kvs_transfer_stage {
+    KVS_XFER_PENDING = 1,
+    KVS_XFER_PROMOTED,
+    KVS_XFER_SKIPPED,
+    KVS_XFER_COMPLETED,
+    KVS_XFER_CANCELLED,
+    KVS_XFER_FAILED
+} kvs_transfer_stage;
+
+/* Entry points that hooks and breakpoints see. */
+typedef enum kvs_call {
+    KVS_CALL_ADD = 1, KVS_CALL_STEP, KVS_CALL_COMPLETE, KVS_CALL_APPEND, KVS_CALL_FINISH, KVS_CALL_ABORT,
+    KVS_CALL_RELEASE,
+    KVS_CALL_GET_NUM_NEW_MATCHED_TOKENS, KVS_CALL_UPDATE_STATE_AFTER_ALLOC, KVS_CALL_NOTE_REGISTERED,
+    KVS_CALL_BUILD_META, KVS_CALL_UPDATE_OUTPUT, KVS_CALL_REQUEST_FINISHED, KVS_CALL_BIND_META,
+    KVS_CALL_START_LOADS, KVS_CALL_START_STORES, KVS_CALL_GET_FINISHED, KVS_CALL_RELEASE_LOADS,
+    KVS_CALL__COUNT
+} kvs_call;
+
+/* One event: 80 bytes, fixed layout, every field fixed-width (see the table in section 8). Unused
+ * fields are zero. The binary form (log, console socket) is these bytes, little-endian, + CRC-32C. */
+typedef struct kvs_event {
+    uint64_t seq;             /* position in the bus's stream, from 1 */
+    uint64_t time_ns;         /* the bus's clock */
+    uint64_t request;         /* 0 when the event is not about one request */
+    uint16_t kind;            /* kvs_event_kind */
+    uint16_t version;         /* KVS_EVENT_VERSION */
+    uint32_t reserved;
+    union {
+        struct { uint32_t from, to; uint64_t tokens, computed; } slot;           /* kvs_slot_state */
+        struct { uint64_t prompt_tokens, device_hit_tokens, lower_hit_tokens; int32_t priority;
+                 uint32_t preemptions; } admit;
+        struct { uint64_t step; uint32_t prefill, decode, tokens, preempted, waiting, running, swapped,
+                 onboarding, device_used, device_blocks; } step;
+        struct { uint32_t tier, tokens; kvb_hash hash, parent; } block;          /* STORED/REMOVED/CLEARED */
+        struct { uint64_t transfer; uint32_t stage, src_tier, dst_tier, blocks, moved; int32_t error;
+                 uint32_t onboard; } transfer;                                   /* moved: copied blocks */
+        struct { uint32_t num_tiers, used[4], total[4]; } tiers;
+        struct { uint64_t num_prompt, salt; uint32_t max_new_tokens; int32_t priority;
+                 uint32_t num_extra; } add;
+        struct { uint32_t n, words[11]; } tokens;                                /* ADD: extra keys (lo, hi) then prompt */
+        struct { uint64_t step; } run;                                           /* RUN_STEP (id to be), COMPLETE */
+        struct { uint64_t n; } append;
+        struct { uint32_t call, state, finished; } pause;                        /* where: a call or a slot state */
+        uint8_t raw[48];
+    } u;
+} kvs_event;
+
+/* "slot", "admit", ... / "PendingEvaluation", ... / "sched_step", ... Thread safety: pure functions. */
+KVS_API const char *kvs_event_kind_name(kvs_event_kind kind);
+KVS_API const char *kvs_transfer_stage_name(kvs_transfer_stage stage);
+KVS_API const char *kvs_call_name(kvs_call call);
+
+/* Binary form: out gets KVS_RECORD_BYTES. decode: KVS_ELOG when the CRC, kind or version is wrong. */
+KVS_API kvs_result kvs_event_encode(const kvs_event *event, unsigned char *out);
+KVS_API kvs_result kvs_event_decode(const unsigned char *in, kvs_event *out);
+/* One JSON object on one line, fields named per kind (section 8). KVS_ENOSPACE (with *out_len = the
+ * bytes needed, NUL excluded) when cap is too small; buf is then unchanged. */
+KVS_API kvs_result kvs_event_to_json(const kvs_event *event, char *buf, size_t cap, size_t *out_len);
+/* Parses what kvs_event_to_json writes. KVS_EINVAL for anything else. */
+KVS_API kvs_result kvs_event_from_json(const char *json, kvs_event *out);
+
+/* ---- bus: any number of subscribers; publishing never waits for a reader ---- */
+
+typedef uint64_t (*kvs_clock_fn)(void *user);           /* nanoseconds */
+typedef void (*kvs_event_fn)(void *user, const kvs_event *event);
+/* will-call (finished = 0, result = 0) and finished-call hooks around the entry points. */
+typedef void (*kvs_hook_fn)(void *user, kvs_call call, int finished, uint64_t request, int result);
+
+typedef struct kvs_bus_config {
+    kvs_clock_fn clock;       /* default CLOCK_MONOTONIC; a fake clock makes time_ns deterministic */
+    void *clock_user;
+} kvs_bus_config;
+
+typedef struct kvs_reader kvs_reader;
+
+/* config may be NULL. Thread safety: every kvs_bus_ and kvs_reader_ function, any thread. */
+KVS_API kvs_result kvs_bus_create(const kvs_bus_config *config, kvs_bus **out);
+/* After everything publishing to it is destroyed (schedulers, pools, pipelines, recorders, consoles). */
+KVS_API void kvs_bus_destroy(kvs_bus *bus);
+/* Stamps seq, time_ns and version, then hands the event to every subscriber of its kind. */
+KVS_API kvs_result kvs_bus_publish(kvs_bus *bus, kvs_event *event);
+/* A callback, run in the publishing thread with the bus's lock held: it must be quick and must not
+ * call kvs_bus_ functions. kinds: a mask of KVS_EV_MASK(kind), 0 = all. */
+KVS_API kvs_result kvs_bus_subscribe(kvs_bus *bus, uint64_t kinds, kvs_event_fn fn, void *user, uint32_t *out_id);
+KVS_API kvs_result kvs_bus_unsubscribe(kvs_bus *bus, uint32_t id);
+/* A ring of `capacity` events (default 4096) read at the reader's pace: when it is full the oldest
+ * event is dropped and counted. */
+KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capacity, kvs_reader **out);
+KVS_API void kvs_reader_close(kvs_reader *reader);
+/* Up to max events, oldest first; *out_lost (may be NULL) = events dropped since the last read. */
+KVS_API kvs_result kvs_reader_read(kvs_reader *reader, kvs_event *out, size_t max, size_t *out_n, uint64_t *out_lost);
+/* kvb_pool_config.on_events = kvs_bus_pool_events, .event_user = bus: block stored / removed / cleared. */
+KVS_API void kvs_bus_pool_events(const kvb_event *events, size_t n, void *bus);
+/* kvo_pipeline_config.on_stage = kvs_bus_transfer_stage, .stage_user = bus (also in a manager's template). */
+KVS_API void kvs_bus_transfer_stage(void *bus, const kvo_stage_note *note);
+
+/* ---- hooks and breakpoints ---- */
+
+typedef struct kvs_breakpoint {
+    kvs_call call;            /* 0 = any call */
+    kvs_slot_state state;     /* 0 = any; else stops when a slot enters this state */
+    uint64_t request;         /* 0 = any request */
+} kvs_breakpoint;             /* all zero is KVS_EINVAL: use kvs_bus_pause */
+
+typedef struct kvs_pause_info {
+    kvs_call call;            /* 0 when stopped at a slot transition */
+    kvs_slot_state state;     /* the state entered (transition stops) */
+    uint64_t request;
+} kvs_pause_info;
+
+/* One hook (NULL removes it). */
+KVS_API kvs_result kvs_bus_set_hook(kvs_bus *bus, kvs_hook_fn fn, void *user);
+KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uint32_t *out_id);
+/* id 0 removes all. KVS_ENOTFOUND for an unknown id. */
+KVS_API kvs_result kvs_bus_break_remove(kvs_bus *bus, uint32_t id);
+/* The next thread to reach a call or a slot transition stops there. */
+KVS_API kvs_result kvs_bus_pause(kvs_bus *bus);
+/* Lets a stopped thread go on (and cancels a pause not reached yet). */
+KVS_API kvs_result kvs_bus_resume(kvs_bus *bus);
+/* Wait until a thread is stopped; KVS_ETIMEDOUT after timeout_us. out may be NULL. */
+KVS_API kvs_result kvs_bus_wait_paused(kvs_bus *bus, int64_t timeout_us, kvs_pause_info *out);
+/* 1 when a thread is stopped now (and where, when out is not NULL). */
+KVS_API int kvs_bus_paused(kvs_bus *bus, kvs_pause_info *out);
+
+/* ---- recorder and log file ---- */
+
+typedef struct kvs_recorder_config {
+    uint32_t capacity;        /* events kept in memory, default 65536 */
+    uint64_t kinds;           /* 0 = all */
+    const char *log_path;     /* optional: append-only log (created or truncated) */
+} kvs_recorder_config;
+
+typedef struct kvs_recorder kvs_recorder;
+
+/* KVS_EIO when the log cannot be created. Thread safety: any thread. */
+KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *config, kvs_recorder **out);
+/* Unsubscribes, flushes and closes the log. */
+KVS_API void kvs_recorder_destroy(kvs_recorder *recorder);
+/* The timeline kept, oldest first, without consuming it: up to max events into out (out may be NULL
+ * to ask *out_n = how many are kept); *out_dropped (may be NULL) = events that no longer fit. */
+KVS_API kvs_result kvs_recorder_snapshot(kvs_recorder *recorder, kvs_event *out, size_t max, size_t *out_n,
+                                         uint64_t *out_dropped);
+/* Writes buffered records to the log file. KVS_EIO on a write error (reported once more at destroy). */
+KVS_API kvs_result kvs_recorder_flush(kvs_recorder *recorder);
+
+typedef struct kvs_log_report {
+    size_t records;           /* complete, valid records read */
+    uint64_t damaged_at;      /* byte offset of the first bad record (0 when none) */
+    int truncated;            /* the last record is cut short */
+    int corrupt;              /* a record fails its CRC (or kind / version) */
+} kvs_log_report;
+
+/* Read a log: *out (free with kvs_log_free) gets every valid record before any damage. KVS_ELOG when
+ * the file is damaged (the report says where and how; the records before it are still returned),
+ * KVS_EIO when it cannot be read or is not a log. */
+KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n, kvs_log_report *report);
+KVS_API void kvs_log_free(kvs_event *events);
+
+/* ---- replay ---- */
+
+typedef struct kvs_replay_report {
+    uint64_t inputs;          /* calls replayed */
+    uint64_t compared;        /* decisions that matched */
+    uint64_t mismatch_seq;    /* recorded seq of the first decision that differs, 0 when none */
+    kvs_event expected, got;  /* at the mismatch (got.kind == 0: the fresh run made no such decision) */
+} kvs_replay_report;
+
+/* Feed the inputs of a recorded run into `fresh` (a new scheduler created on `bus` with the same
+ * configuration, pools and tiers) and compare its decisions (kinds of compare_kinds, 0 =
+ * KVS_EV_DECISIONS) with the recorded ones, event by event (time and seq aside; request ids mapped in
+ * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which). */
+KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *events, size_t n,
+                              uint64_t compare_kinds, kvs_replay_report *report);
+
+/* ---- console: what examples/kvtop attaches to ---- */
+
+typedef struct kvs_console_config {
+    const char *path;         /* required: the Unix socket to create (mode 0600; an old socket there is replaced) */
+    uint32_t history;         /* events a new client gets first, default 8192 */
+} kvs_console_config;
+
+typedef struct kvs_console kvs_console;
+
+/* Starts a thread serving the socket. KVS_EIO when the socket cannot be created. */
+KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *config, kvs_console **out);
+/* Stops the thread, disconnects clients, removes the socket. */
+KVS_API void kvs_console_stop(kvs_console *console);
+
+/* ---- metrics ---- */
+
+/* Prometheus text exposition (version 0.0.4) of the scheduler's counters and its pools' and pipelines'
+ * (prefix kvcache_, labels tier / direction); disk (optional) adds its checksum and I/O errors. NUL-
+ * terminated. KVS_ENOSPACE with *out_len = the bytes needed when cap is too small. Thread safety: the
+ * scheduler's thread. */
+KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *buf, size_t cap, size_t *out_len);
 
 #ifdef __cplusplus
 }
@@ -5655,6 +6000,1264 @@ KVS_API uint32_t kvs_blocks_for_bytes(const kvb_layout *layout, uint64_t bytes)
     return n > INT32_MAX ? (uint32_t)INT32_MAX : (uint32_t)n;
 }
 
+/* ---- events: names, binary form, JSON ----------------------------------------------------------- */
+
+#include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdio.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+#if defined(__cplusplus)
+static_assert(sizeof(kvs_event) == 80, "kvs_event is 80 bytes");
+#else
+_Static_assert(sizeof(kvs_event) == 80, "kvs_event is 80 bytes");
+#endif
+
+KVS_API const char *kvs_event_kind_name(kvs_event_kind kind)
+{
+    static const char *names[] = {"?", "slot", "admit", "step", "block_stored", "block_removed", "block_cleared",
+                                  "transfer", "tiers", "add", "tokens", "run_step", "complete", "append",
+                                  "finish", "abort", "release", "paused", "resumed"};
+    return (unsigned)kind < KVS_EV__COUNT ? names[kind] : "?";
+}
+
+KVS_API const char *kvs_transfer_stage_name(kvs_transfer_stage stage)
+{
+    static const char *names[] = {"?", "PendingEvaluation", "Promoted", "Skipped", "Completed", "Cancelled", "Failed"};
+    return (unsigned)stage <= KVS_XFER_FAILED ? names[stage] : "?";
+}
+
+KVS_API const char *kvs_call_name(kvs_call call)
+{
+    static const char *names[] = {"?", "sched_add", "sched_step", "sched_complete", "sched_append", "sched_finish",
+                                  "sched_abort", "sched_release", "get_num_new_matched_tokens",
+                                  "update_state_after_alloc", "note_registered", "build_meta", "update_output",
+                                  "request_finished", "bind_meta", "start_loads", "start_stores", "get_finished",
+                                  "release_loads"};
+    return (unsigned)call < KVS_CALL__COUNT ? names[call] : "?";
+}
+
+/* CRC-32C (Castagnoli), four bits at a time: a 16-entry table, no setup. */
+static uint32_t kvs__crc32c(const unsigned char *p, size_t n)
+{
+    static const uint32_t t[16] = {0x00000000u, 0x105ec76fu, 0x20bd8edeu, 0x30e349b1u, 0x417b1dbcu, 0x5125dad3u,
+                                   0x61c69362u, 0x7198540du, 0x82f63b78u, 0x92a8fc17u, 0xa24bb5a6u, 0xb21572c9u,
+                                   0xc38d26c4u, 0xd3d3e1abu, 0xe330a81au, 0xf36e6f75u};
+    uint32_t c = 0xffffffffu;
+    size_t i;
+    for (i = 0; i < n; i++) {
+        c ^= p[i];
+        c = (c >> 4) ^ t[c & 15];
+        c = (c >> 4) ^ t[c & 15];
+    }
+    return ~c;
+}
+
+static void kvs__put32(unsigned char *p, uint32_t v)
+{
+    p[0] = (unsigned char)v;
+    p[1] = (unsigned char)(v >> 8);
+    p[2] = (unsigned char)(v >> 16);
+    p[3] = (unsigned char)(v >> 24);
+}
+
+static uint32_t kvs__get32(const unsigned char *p)
+{
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+KVS_API kvs_result kvs_event_encode(const kvs_event *event, unsigned char *out)
+{
+    if (!event || !out) return KVS_EINVAL;
+    memcpy(out, event, sizeof *event);
+    kvs__put32(out + sizeof *event, kvs__crc32c(out, sizeof *event));
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_event_decode(const unsigned char *in, kvs_event *out)
+{
+    kvs_event e;
+    if (!in || !out) return KVS_EINVAL;
+    if (kvs__crc32c(in, sizeof e) != kvs__get32(in + sizeof e)) return KVS_ELOG;
+    memcpy(&e, in, sizeof e);
+    if (!e.kind || e.kind >= KVS_EV__COUNT || e.version != KVS_EVENT_VERSION) return KVS_ELOG;
+    *out = e;
+    return KVS_OK;
+}
+
+/* JSON: every kind names its fields; a table drives both the writer and the parser. */
+typedef enum kvs__ftype { KVS__F_U32, KVS__F_I32, KVS__F_U64, KVS__F_STATE, KVS__F_STAGE, KVS__F_CALL,
+                          KVS__F_HASH, KVS__F_WORDS, KVS__F_ARR4 } kvs__ftype;
+typedef struct kvs__field { unsigned char kind; unsigned char type; unsigned short offset; const char *name; } kvs__field;
+
+#define KVS__F(kind, type, member, name) {kind, type, (unsigned short)offsetof(kvs_event, u.member), name}
+static const kvs__field kvs__fields[] = {
+    KVS__F(KVS_EV_SLOT, KVS__F_STATE, slot.from, "from"), KVS__F(KVS_EV_SLOT, KVS__F_STATE, slot.to, "to"),
+    KVS__F(KVS_EV_SLOT, KVS__F_U64, slot.tokens, "tokens"), KVS__F(KVS_EV_SLOT, KVS__F_U64, slot.computed, "computed"),
+    KVS__F(KVS_EV_ADMIT, KVS__F_U64, admit.prompt_tokens, "prompt_tokens"),
+    KVS__F(KVS_EV_ADMIT, KVS__F_U64, admit.device_hit_tokens, "device_hit_tokens"),
+    KVS__F(KVS_EV_ADMIT, KVS__F_U64, admit.lower_hit_tokens, "lower_hit_tokens"),
+    KVS__F(KVS_EV_ADMIT, KVS__F_I32, admit.priority, "priority"),
+    KVS__F(KVS_EV_ADMIT, KVS__F_U32, admit.preemptions, "preemptions"),
+    KVS__F(KVS_EV_STEP, KVS__F_U64, step.step, "step"), KVS__F(KVS_EV_STEP, KVS__F_U32, step.prefill, "prefill"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.decode, "decode"), KVS__F(KVS_EV_STEP, KVS__F_U32, step.tokens, "tokens"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.preempted, "preempted"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.waiting, "waiting"), KVS__F(KVS_EV_STEP, KVS__F_U32, step.running, "running"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.swapped, "swapped"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.onboarding, "onboarding"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.device_used, "device_used"),
+    KVS__F(KVS_EV_STEP, KVS__F_U32, step.device_blocks, "device_blocks"),
+    KVS__F(KVS_EV_BLOCK_STORED, KVS__F_U32, block.tier, "tier"),
+    KVS__F(KVS_EV_BLOCK_STORED, KVS__F_U32, block.tokens, "tokens"),
+    KVS__F(KVS_EV_BLOCK_STORED, KVS__F_HASH, block.hash, "hash"),
+    KVS__F(KVS_EV_BLOCK_STORED, KVS__F_HASH, block.parent, "parent"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U64, transfer.transfer, "transfer"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_STAGE, transfer.stage, "stage"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.src_tier, "src_tier"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.dst_tier, "dst_tier"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.blocks, "blocks"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.moved, "moved"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_I32, transfer.error, "error"),
+    KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.onboard, "onboard"),
+    KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.num_tiers, "num_tiers"),
+    KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.used, "used"), KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.total, "total"),
+    KVS__F(KVS_EV_ADD, KVS__F_U64, add.num_prompt, "num_prompt"), KVS__F(KVS_EV_ADD, KVS__F_U64, add.salt, "salt"),
+    KVS__F(KVS_EV_ADD, KVS__F_U32, add.max_new_tokens, "max_new_tokens"),
+    KVS__F(KVS_EV_ADD, KVS__F_I32, add.priority, "priority"),
+    KVS__F(KVS_EV_ADD, KVS__F_U32, add.num_extra, "num_extra"),
+    KVS__F(KVS_EV_TOKENS, KVS__F_WORDS, tokens, "words"),
+    KVS__F(KVS_EV_RUN_STEP, KVS__F_U64, run.step, "step"), KVS__F(KVS_EV_COMPLETE, KVS__F_U64, run.step, "step"),
+    KVS__F(KVS_EV_APPEND, KVS__F_U64, append.n, "n"),
+    KVS__F(KVS_EV_PAUSED, KVS__F_CALL, pause.call, "call"), KVS__F(KVS_EV_PAUSED, KVS__F_STATE, pause.state, "state"),
+    KVS__F(KVS_EV_PAUSED, KVS__F_U32, pause.finished, "finished"),
+    KVS__F(KVS_EV_RESUMED, KVS__F_CALL, pause.call, "call"), KVS__F(KVS_EV_RESUMED, KVS__F_STATE, pause.state, "state"),
+    KVS__F(KVS_EV_RESUMED, KVS__F_U32, pause.finished, "finished")};
+#undef KVS__F
+
+/* The three block kinds share one payload. */
+static int kvs__fields_of(uint16_t kind, uint16_t field_kind)
+{
+    if (kind == KVS_EV_BLOCK_REMOVED || kind == KVS_EV_BLOCK_CLEARED) kind = KVS_EV_BLOCK_STORED;
+    return kind == field_kind;
+}
+
+typedef struct kvs__text { char *buf; size_t cap, len; } kvs__text;
+
+/* printf into the text; past cap it only counts, so the caller learns the size it needs. */
+static void kvs__printf(kvs__text *t, const char *fmt, ...)
+{
+    va_list ap;
+    int n;
+    va_start(ap, fmt);
+    n = vsnprintf(t->len < t->cap ? t->buf + t->len : NULL, t->len < t->cap ? t->cap - t->len : 0, fmt, ap);
+    va_end(ap);
+    if (n > 0) t->len += (size_t)n;
+}
+
+static void kvs__json_field(kvs__text *t, const kvs_event *e, const kvs__field *f)
+{
+    const unsigned char *p = (const unsigned char *)e + f->offset;
+    uint32_t u32;
+    int32_t i32;
+    uint64_t u64;
+    size_t i;
+    memcpy(&u32, p, 4);
+    kvs__printf(t, ",\"%s\":", f->name);
+    switch ((kvs__ftype)f->type) {
+    case KVS__F_U32: kvs__printf(t, "%u", u32); break;
+    case KVS__F_I32: memcpy(&i32, p, 4); kvs__printf(t, "%d", i32); break;
+    case KVS__F_U64: memcpy(&u64, p, 8); kvs__printf(t, "%llu", (unsigned long long)u64); break;
+    case KVS__F_STATE: kvs__printf(t, "\"%s\"", u32 ? kvs_slot_state_name((kvs_slot_state)u32) : ""); break;
+    case KVS__F_STAGE: kvs__printf(t, "\"%s\"", kvs_transfer_stage_name((kvs_transfer_stage)u32)); break;
+    case KVS__F_CALL: kvs__printf(t, "\"%s\"", u32 ? kvs_call_name((kvs_call)u32) : ""); break;
+    case KVS__F_HASH: {
+        kvb_hash h;
+        memcpy(&h, p, sizeof h);
+        kvs__printf(t, "\"%016llx%016llx\"", (unsigned long long)h.hi, (unsigned long long)h.lo);
+        break;
+    }
+    case KVS__F_WORDS:
+        kvs__printf(t, "[");
+        for (i = 0; i < e->u.tokens.n && i < 11; i++) kvs__printf(t, "%s%u", i ? "," : "", e->u.tokens.words[i]);
+        kvs__printf(t, "]");
+        break;
+    case KVS__F_ARR4:
+        kvs__printf(t, "[");
+        for (i = 0; i < 4; i++) {
+            memcpy(&u32, p + 4 * i, 4);
+            kvs__printf(t, "%s%u", i ? "," : "", u32);
+        }
+        kvs__printf(t, "]");
+        break;
+    }
+}
+
+KVS_API kvs_result kvs_event_to_json(const kvs_event *event, char *buf, size_t cap, size_t *out_len)
+{
+    kvs__text t;
+    char small[1];
+    size_t i;
+    if (!event || (!buf && cap) || !out_len || !event->kind || event->kind >= KVS_EV__COUNT) return KVS_EINVAL;
+    t.buf = small; /* measure first: a short buffer is left untouched */
+    t.cap = 0;
+    t.len = 0;
+    for (i = 0; i < 2; i++) {
+        size_t f;
+        kvs__printf(&t, "{\"v\":%u,\"seq\":%llu,\"t_ns\":%llu,\"kind\":\"%s\",\"request\":%llu", event->version,
+                    (unsigned long long)event->seq, (unsigned long long)event->time_ns,
+                    kvs_event_kind_name((kvs_event_kind)event->kind), (unsigned long long)event->request);
+        for (f = 0; f < sizeof kvs__fields / sizeof kvs__fields[0]; f++)
+            if (kvs__fields_of(event->kind, kvs__fields[f].kind)) kvs__json_field(&t, event, &kvs__fields[f]);
+        kvs__printf(&t, "}");
+        *out_len = t.len;
+        if (i == 0 && t.len + 1 > cap) return KVS_ENOSPACE;
+        t.buf = buf;
+        t.cap = cap;
+        t.len = 0;
+    }
+    return KVS_OK;
+}
+
+/* The parser reads the flat objects written above: keys, then a number, a string or an array of
+ * numbers. */
+typedef struct kvs__jval {
+    char key[24];
+    int is_str, is_arr;
+    char str[40];
+    uint64_t num;
+    int neg;
+    uint64_t arr[11];
+    size_t n_arr;
+} kvs__jval;
+
+static const char *kvs__skip(const char *p)
+{
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    return p;
+}
+
+static const char *kvs__jstring(const char *p, char *out, size_t cap)
+{
+    size_t n = 0;
+    if (*p++ != '"') return NULL;
+    while (*p && *p != '"') {
+        if (*p == '\\' || n + 1 >= cap) return NULL;
+        out[n++] = *p++;
+    }
+    if (*p != '"') return NULL;
+    out[n] = 0;
+    return p + 1;
+}
+
+static const char *kvs__jnumber(const char *p, uint64_t *out, int *neg)
+{
+    uint64_t v = 0;
+    *neg = *p == '-';
+    if (*neg) p++;
+    if (*p < '0' || *p > '9') return NULL;
+    while (*p >= '0' && *p <= '9') {
+        if (v > (UINT64_MAX - (uint64_t)(*p - '0')) / 10) return NULL;
+        v = v * 10 + (uint64_t)(*p++ - '0');
+    }
+    *out = v;
+    return p;
+}
+
+static const char *kvs__jvalue(const char *p, kvs__jval *v)
+{
+    p = kvs__skip(p);
+    if (*p == '"') return (v->is_str = 1, kvs__jstring(p, v->str, sizeof v->str));
+    if (*p != '[') return kvs__jnumber(p, &v->num, &v->neg);
+    v->is_arr = 1;
+    p = kvs__skip(p + 1);
+    if (*p == ']') return p + 1;
+    for (;;) {
+        int neg;
+        if (v->n_arr >= 11 || !(p = kvs__jnumber(kvs__skip(p), &v->arr[v->n_arr++], &neg)) || neg) return NULL;
+        p = kvs__skip(p);
+        if (*p == ']') return p + 1;
+        if (*p++ != ',') return NULL;
+    }
+}
+
+static int kvs__name_index(const char *s, const char *(*name)(int), int count)
+{
+    int i;
+    if (!*s) return 0;
+    for (i = 1; i < count; i++)
+        if (strcmp(s, name(i)) == 0) return i;
+    return -1;
+}
+
+static const char *kvs__state_name_i(int i) { return kvs_slot_state_name((kvs_slot_state)i); }
+static const char *kvs__stage_name_i(int i) { return kvs_transfer_stage_name((kvs_transfer_stage)i); }
+static const char *kvs__call_name_i(int i) { return kvs_call_name((kvs_call)i); }
+static const char *kvs__kind_name_i(int i) { return kvs_event_kind_name((kvs_event_kind)i); }
+
+static int kvs__hex_hash(const char *s, kvb_hash *out)
+{
+    size_t i;
+    uint64_t w[2] = {0, 0};
+    if (strlen(s) != 32) return 0;
+    for (i = 0; i < 32; i++) {
+        int c = s[i], d = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (d < 0) return 0;
+        w[i / 16] = w[i / 16] << 4 | (uint64_t)d;
+    }
+    out->hi = w[0];
+    out->lo = w[1];
+    return 1;
+}
+
+/* One parsed value into its field of the event. */
+static int kvs__json_set(kvs_event *e, const kvs__field *f, const kvs__jval *v)
+{
+    unsigned char *p = (unsigned char *)e + f->offset;
+    uint32_t u32;
+    int32_t i32;
+    int idx;
+    size_t i;
+    switch ((kvs__ftype)f->type) {
+    case KVS__F_U32:
+        if (v->is_str || v->is_arr || v->neg || v->num > UINT32_MAX) return 0;
+        u32 = (uint32_t)v->num;
+        memcpy(p, &u32, 4);
+        return 1;
+    case KVS__F_I32:
+        if (v->is_str || v->is_arr || v->num > (v->neg ? 2147483648u : 2147483647u)) return 0;
+        i32 = v->neg ? (int32_t)(-(int64_t)v->num) : (int32_t)v->num;
+        memcpy(p, &i32, 4);
+        return 1;
+    case KVS__F_U64:
+        if (v->is_str || v->is_arr || v->neg) return 0;
+        memcpy(p, &v->num, 8);
+        return 1;
+    case KVS__F_STATE: case KVS__F_STAGE: case KVS__F_CALL:
+        if (!v->is_str) return 0;
+        idx = f->type == KVS__F_STATE ? kvs__name_index(v->str, kvs__state_name_i, KVS_SLOT__COUNT)
+              : f->type == KVS__F_STAGE ? kvs__name_index(v->str, kvs__stage_name_i, KVS_XFER_FAILED + 1)
+                                        : kvs__name_index(v->str, kvs__call_name_i, KVS_CALL__COUNT);
+        if (idx < 0) return 0;
+        u32 = (uint32_t)idx;
+        memcpy(p, &u32, 4);
+        return 1;
+    case KVS__F_HASH: {
+        kvb_hash h;
+        if (!v->is_str || !kvs__hex_hash(v->str, &h)) return 0;
+        memcpy(p, &h, sizeof h);
+        return 1;
+    }
+    case KVS__F_WORDS:
+        if (!v->is_arr) return 0;
+        e->u.tokens.n = (uint32_t)v->n_arr;
+        for (i = 0; i < v->n_arr; i++) {
+            if (v->arr[i] > UINT32_MAX) return 0;
+            e->u.tokens.words[i] = (uint32_t)v->arr[i];
+        }
+        return 1;
+    case KVS__F_ARR4:
+        if (!v->is_arr || v->n_arr != 4) return 0;
+        for (i = 0; i < 4; i++) {
+            if (v->arr[i] > UINT32_MAX) return 0;
+            u32 = (uint32_t)v->arr[i];
+            memcpy(p + 4 * i, &u32, 4);
+        }
+        return 1;
+    }
+    return 0;
+}
+
+static int kvs__json_common(kvs_event *e, const kvs__jval *v)
+{
+    int idx;
+    if (v->is_arr || (v->is_str != (strcmp(v->key, "kind") == 0)) || v->neg) return 0;
+    if (strcmp(v->key, "v") == 0 && v->num <= 0xffff) e->version = (uint16_t)v->num;
+    else if (strcmp(v->key, "seq") == 0) e->seq = v->num;
+    else if (strcmp(v->key, "t_ns") == 0) e->time_ns = v->num;
+    else if (strcmp(v->key, "request") == 0) e->request = v->num;
+    else if (strcmp(v->key, "kind") == 0 && (idx = kvs__name_index(v->str, kvs__kind_name_i, KVS_EV__COUNT)) > 0)
+        e->kind = (uint16_t)idx;
+    else return 0;
+    return 1;
+}
+
+KVS_API kvs_result kvs_event_from_json(const char *json, kvs_event *out)
+{
+    kvs__jval vals[40];
+    size_t n = 0, i, f;
+    kvs_event e;
+    const char *p;
+    if (!json || !out) return KVS_EINVAL;
+    p = kvs__skip(json);
+    if (*p++ != '{') return KVS_EINVAL;
+    for (;;) { /* collect key/value pairs; the kind decides what the others mean */
+        p = kvs__skip(p);
+        if (n >= sizeof vals / sizeof vals[0]) return KVS_EINVAL;
+        memset(&vals[n], 0, sizeof vals[n]);
+        if (!(p = kvs__jstring(p, vals[n].key, sizeof vals[n].key))) return KVS_EINVAL;
+        p = kvs__skip(p);
+        if (*p++ != ':' || !(p = kvs__jvalue(p, &vals[n]))) return KVS_EINVAL;
+        n++;
+        p = kvs__skip(p);
+        if (*p == '}') break;
+        if (*p++ != ',') return KVS_EINVAL;
+    }
+    if (*kvs__skip(p + 1)) return KVS_EINVAL;
+    memset(&e, 0, sizeof e);
+    for (i = 0; i < n; i++) { /* the common fields first */
+        if (strcmp(vals[i].key, "kind") == 0 && !kvs__json_common(&e, &vals[i])) return KVS_EINVAL;
+    }
+    if (!e.kind) return KVS_EINVAL;
+    for (i = 0; i < n; i++) {
+        int done = 0;
+        if (strcmp(vals[i].key, "kind") == 0) continue;
+        for (f = 0; f < sizeof kvs__fields / sizeof kvs__fields[0] && !done; f++)
+            if (kvs__fields_of(e.kind, kvs__fields[f].kind) && strcmp(kvs__fields[f].name, vals[i].key) == 0) {
+                if (!kvs__json_set(&e, &kvs__fields[f], &vals[i])) return KVS_EINVAL;
+                done = 1;
+            }
+        if (!done && !kvs__json_common(&e, &vals[i])) return KVS_EINVAL;
+    }
+    *out = e;
+    return KVS_OK;
+}
+
+/* ---- bus ---------------------------------------------------------------------------------------- */
+
+typedef struct kvs__sub { uint32_t id; uint64_t kinds; kvs_event_fn fn; void *user; } kvs__sub;
+
+struct kvs_reader {
+    kvs_bus *bus;
+    uint64_t kinds;
+    kvs_event *ring;
+    uint32_t cap, head, count;   /* oldest at head */
+    uint64_t lost;
+};
+
+struct kvs_bus {
+    kvs_bus_config cfg;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;         /* a thread stopped, or resume */
+    uint64_t seq;
+    uint32_t next_id;
+    kvs__sub *subs;              /* stb_ds */
+    kvs_reader **readers;        /* stb_ds */
+    int armed;                   /* hook, breakpoints or a pause pending: read without the lock */
+    kvs_hook_fn hook;
+    void *hook_user;
+    kvs_breakpoint *bps;         /* stb_ds */
+    uint32_t *bp_ids;            /* stb_ds, parallel to bps */
+    int pause_pending;
+    uint32_t stopped;            /* threads stopped now */
+    uint64_t resumes;            /* resume generation */
+    kvs_pause_info where;
+};
+
+/* What a scheduler or connector reads when it has no bus: a constant zero, so the check before a hook
+ * is one load and one predictable branch either way. */
+static const int kvs__unarmed = 0;
+
+static int kvs__is_armed(const int *armed) { return __atomic_load_n(armed, __ATOMIC_ACQUIRE); }
+
+static uint64_t kvs__now_ns(const kvs_bus *b)
+{
+    struct timespec ts;
+    if (b->cfg.clock) return b->cfg.clock(b->cfg.clock_user);
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+KVS_API kvs_result kvs_bus_create(const kvs_bus_config *config, kvs_bus **out)
+{
+    kvs_bus *b;
+    if (!out) return KVS_EINVAL;
+    b = (kvs_bus *)KVB_MALLOC(sizeof *b);
+    if (!b) return KVS_ENOMEM;
+    memset(b, 0, sizeof *b);
+    if (config) b->cfg = *config;
+    if (pthread_mutex_init(&b->lock, NULL) != 0) {
+        KVB_FREE(b);
+        return KVS_ENOMEM;
+    }
+    if (kvo__cond_init(&b->cond) != 0) {
+        pthread_mutex_destroy(&b->lock);
+        KVB_FREE(b);
+        return KVS_ENOMEM;
+    }
+    b->next_id = 1;
+    *out = b;
+    return KVS_OK;
+}
+
+KVS_API void kvs_bus_destroy(kvs_bus *bus)
+{
+    size_t i;
+    if (!bus) return;
+    for (i = 0; i < stbds_arrlenu(bus->readers); i++) bus->readers[i]->bus = NULL;
+    stbds_arrfree(bus->subs);
+    stbds_arrfree(bus->readers);
+    stbds_arrfree(bus->bps);
+    stbds_arrfree(bus->bp_ids);
+    pthread_cond_destroy(&bus->cond);
+    pthread_mutex_destroy(&bus->lock);
+    KVB_FREE(bus);
+}
+
+static void kvs__ring_put(kvs_reader *r, const kvs_event *e)
+{
+    if (r->count == r->cap) { /* full: the oldest goes, counted */
+        r->head = (r->head + 1) % r->cap;
+        r->count--;
+        r->lost++;
+    }
+    r->ring[(r->head + r->count) % r->cap] = *e;
+    r->count++;
+}
+
+/* Locked. */
+static void kvs__publish_locked(kvs_bus *b, kvs_event *e)
+{
+    size_t i;
+    uint64_t bit = KVS_EV_MASK(e->kind);
+    e->seq = ++b->seq;
+    e->time_ns = kvs__now_ns(b);
+    e->version = KVS_EVENT_VERSION;
+    for (i = 0; i < stbds_arrlenu(b->subs); i++)
+        if (!b->subs[i].kinds || (b->subs[i].kinds & bit)) b->subs[i].fn(b->subs[i].user, e);
+    for (i = 0; i < stbds_arrlenu(b->readers); i++)
+        if (!b->readers[i]->kinds || (b->readers[i]->kinds & bit)) kvs__ring_put(b->readers[i], e);
+}
+
+KVS_API kvs_result kvs_bus_publish(kvs_bus *bus, kvs_event *event)
+{
+    if (!bus || !event || !event->kind || event->kind >= KVS_EV__COUNT) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    kvs__publish_locked(bus, event);
+    pthread_mutex_unlock(&bus->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_subscribe(kvs_bus *bus, uint64_t kinds, kvs_event_fn fn, void *user, uint32_t *out_id)
+{
+    kvs__sub s;
+    if (!bus || !fn) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    s.id = bus->next_id++;
+    s.kinds = kinds;
+    s.fn = fn;
+    s.user = user;
+    stbds_arrput(bus->subs, s);
+    pthread_mutex_unlock(&bus->lock);
+    if (out_id) *out_id = s.id;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_unsubscribe(kvs_bus *bus, uint32_t id)
+{
+    size_t i;
+    kvs_result r = KVS_ENOTFOUND;
+    if (!bus) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    for (i = 0; i < stbds_arrlenu(bus->subs); i++)
+        if (bus->subs[i].id == id) {
+            stbds_arrdel(bus->subs, i);
+            r = KVS_OK;
+            break;
+        }
+    pthread_mutex_unlock(&bus->lock);
+    return r;
+}
+
+KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capacity, kvs_reader **out)
+{
+    kvs_reader *r;
+    if (!bus || !out) return KVS_EINVAL;
+    if (!capacity) capacity = 4096;
+    r = (kvs_reader *)KVB_MALLOC(sizeof *r);
+    if (!r) return KVS_ENOMEM;
+    memset(r, 0, sizeof *r);
+    r->ring = (kvs_event *)KVB_MALLOC((size_t)capacity * sizeof *r->ring);
+    if (!r->ring) {
+        KVB_FREE(r);
+        return KVS_ENOMEM;
+    }
+    r->bus = bus;
+    r->kinds = kinds;
+    r->cap = capacity;
+    pthread_mutex_lock(&bus->lock);
+    stbds_arrput(bus->readers, r);
+    pthread_mutex_unlock(&bus->lock);
+    *out = r;
+    return KVS_OK;
+}
+
+KVS_API void kvs_reader_close(kvs_reader *reader)
+{
+    size_t i;
+    if (!reader) return;
+    if (reader->bus) {
+        pthread_mutex_lock(&reader->bus->lock);
+        for (i = 0; i < stbds_arrlenu(reader->bus->readers); i++)
+            if (reader->bus->readers[i] == reader) {
+                stbds_arrdelswap(reader->bus->readers, i);
+                break;
+            }
+        pthread_mutex_unlock(&reader->bus->lock);
+    }
+    KVB_FREE(reader->ring);
+    KVB_FREE(reader);
+}
+
+KVS_API kvs_result kvs_reader_read(kvs_reader *reader, kvs_event *out, size_t max, size_t *out_n, uint64_t *out_lost)
+{
+    size_t n = 0;
+    if (!reader || !out_n || (max && !out)) return KVS_EINVAL;
+    if (reader->bus) pthread_mutex_lock(&reader->bus->lock);
+    while (n < max && reader->count) {
+        out[n++] = reader->ring[reader->head];
+        reader->head = (reader->head + 1) % reader->cap;
+        reader->count--;
+    }
+    if (out_lost) {
+        *out_lost = reader->lost;
+        reader->lost = 0;
+    }
+    if (reader->bus) pthread_mutex_unlock(&reader->bus->lock);
+    *out_n = n;
+    return KVS_OK;
+}
+
+KVS_API void kvs_bus_pool_events(const kvb_event *events, size_t n, void *bus)
+{
+    kvs_bus *b = (kvs_bus *)bus;
+    size_t i;
+    if (!b || !events) return;
+    pthread_mutex_lock(&b->lock);
+    for (i = 0; i < n; i++) {
+        kvs_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = (uint16_t)(events[i].kind == KVB_EVENT_STORED    ? KVS_EV_BLOCK_STORED
+                            : events[i].kind == KVB_EVENT_REMOVED ? KVS_EV_BLOCK_REMOVED
+                                                                  : KVS_EV_BLOCK_CLEARED);
+        e.u.block.tier = events[i].tier;
+        e.u.block.tokens = events[i].num_tokens;
+        e.u.block.hash = events[i].hash;
+        e.u.block.parent = events[i].parent;
+        kvs__publish_locked(b, &e);
+    }
+    pthread_mutex_unlock(&b->lock);
+}
+
+static kvs_transfer_stage kvs__stage_of(const kvo_transfer_info *info)
+{
+    switch (info->status) {
+    case KVO_STATUS_EVALUATING: return KVS_XFER_PENDING;
+    case KVO_STATUS_QUEUED: case KVO_STATUS_TRANSFERRING: return KVS_XFER_PROMOTED;
+    case KVO_STATUS_COMPLETE: return info->transferred || info->failed ? KVS_XFER_COMPLETED : KVS_XFER_SKIPPED;
+    case KVO_STATUS_CANCELLED: return KVS_XFER_CANCELLED;
+    default: return KVS_XFER_FAILED;
+    }
+}
+
+KVS_API void kvs_bus_transfer_stage(void *bus, const kvo_stage_note *note)
+{
+    kvs_event e;
+    if (!bus || !note || !note->info) return;
+    if (note->info->status == KVO_STATUS_TRANSFERRING) return; /* still Promoted */
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_TRANSFER;
+    e.u.transfer.transfer = note->transfer.id;
+    e.u.transfer.stage = kvs__stage_of(note->info);
+    e.u.transfer.src_tier = note->src_tier;
+    e.u.transfer.dst_tier = note->dst_tier;
+    e.u.transfer.blocks = note->info->blocks;
+    e.u.transfer.moved = note->info->transferred;
+    e.u.transfer.error = note->info->error;
+    e.u.transfer.onboard = (uint32_t)note->onboard;
+    kvs_bus_publish((kvs_bus *)bus, &e);
+}
+
+/* ---- hooks and breakpoints ---------------------------------------------------------------------- */
+
+/* Locked. */
+static void kvs__rearm(kvs_bus *b)
+{
+    __atomic_store_n(&b->armed, b->hook || stbds_arrlen(b->bps) || b->pause_pending, __ATOMIC_RELEASE);
+}
+
+KVS_API kvs_result kvs_bus_set_hook(kvs_bus *bus, kvs_hook_fn fn, void *user)
+{
+    if (!bus) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    bus->hook = fn;
+    bus->hook_user = user;
+    kvs__rearm(bus);
+    pthread_mutex_unlock(&bus->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uint32_t *out_id)
+{
+    uint32_t id;
+    if (!bus || !bp || (!bp->call && !bp->state && !bp->request) || (unsigned)bp->call >= KVS_CALL__COUNT ||
+        (unsigned)bp->state >= KVS_SLOT__COUNT)
+        return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    id = bus->next_id++;
+    stbds_arrput(bus->bps, *bp);
+    stbds_arrput(bus->bp_ids, id);
+    kvs__rearm(bus);
+    pthread_mutex_unlock(&bus->lock);
+    if (out_id) *out_id = id;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_break_remove(kvs_bus *bus, uint32_t id)
+{
+    size_t i;
+    kvs_result r = id ? KVS_ENOTFOUND : KVS_OK;
+    if (!bus) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    for (i = stbds_arrlenu(bus->bps); i-- > 0;)
+        if (!id || bus->bp_ids[i] == id) {
+            stbds_arrdel(bus->bps, i);
+            stbds_arrdel(bus->bp_ids, i);
+            r = KVS_OK;
+        }
+    kvs__rearm(bus);
+    pthread_mutex_unlock(&bus->lock);
+    return r;
+}
+
+KVS_API kvs_result kvs_bus_pause(kvs_bus *bus)
+{
+    if (!bus) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    bus->pause_pending = 1;
+    kvs__rearm(bus);
+    pthread_mutex_unlock(&bus->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_resume(kvs_bus *bus)
+{
+    if (!bus) return KVS_EINVAL;
+    pthread_mutex_lock(&bus->lock);
+    bus->pause_pending = 0;
+    kvs__rearm(bus);
+    if (bus->stopped) {
+        bus->resumes++;
+        pthread_cond_broadcast(&bus->cond);
+    }
+    pthread_mutex_unlock(&bus->lock);
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_bus_wait_paused(kvs_bus *bus, int64_t timeout_us, kvs_pause_info *out)
+{
+    struct timespec until;
+    kvs_result r = KVS_OK;
+    if (!bus) return KVS_EINVAL;
+    until = kvo__deadline(timeout_us);
+    pthread_mutex_lock(&bus->lock);
+    while (!bus->stopped)
+        if (pthread_cond_timedwait(&bus->cond, &bus->lock, &until) == ETIMEDOUT && !bus->stopped) {
+            r = KVS_ETIMEDOUT;
+            break;
+        }
+    if (r == KVS_OK && out) *out = bus->where;
+    pthread_mutex_unlock(&bus->lock);
+    return r;
+}
+
+KVS_API int kvs_bus_paused(kvs_bus *bus, kvs_pause_info *out)
+{
+    int stopped;
+    if (!bus) return 0;
+    pthread_mutex_lock(&bus->lock);
+    stopped = bus->stopped > 0;
+    if (stopped && out) *out = bus->where;
+    pthread_mutex_unlock(&bus->lock);
+    return stopped;
+}
+
+static int kvs__bp_match(const kvs_breakpoint *bp, const kvs_pause_info *at)
+{
+    return (!bp->call || bp->call == at->call) && (!bp->state || bp->state == at->state) &&
+           (!bp->request || bp->request == at->request);
+}
+
+/* A checkpoint: a call about to run (call != 0) or a slot entering a state (state != 0). Stops the
+ * calling thread when a pause is pending or a breakpoint matches, until kvs_bus_resume. */
+static void kvs__checkpoint(kvs_bus *b, const kvs_pause_info *at)
+{
+    size_t i;
+    int stop;
+    pthread_mutex_lock(&b->lock);
+    stop = b->pause_pending;
+    for (i = 0; i < stbds_arrlenu(b->bps) && !stop; i++) stop = kvs__bp_match(&b->bps[i], at);
+    if (stop) {
+        uint64_t gen = b->resumes;
+        kvs_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = KVS_EV_PAUSED;
+        e.request = at->request;
+        e.u.pause.call = (uint32_t)at->call;
+        e.u.pause.state = (uint32_t)at->state;
+        b->pause_pending = 0;
+        kvs__rearm(b);
+        b->where = *at;
+        b->stopped++;
+        kvs__publish_locked(b, &e);
+        pthread_cond_broadcast(&b->cond);
+        while (b->resumes == gen) pthread_cond_wait(&b->cond, &b->lock);
+        b->stopped--;
+        e.kind = KVS_EV_RESUMED;
+        kvs__publish_locked(b, &e);
+    }
+    pthread_mutex_unlock(&b->lock);
+}
+
+static void kvs__hook(kvs_bus *b, kvs_call call, int finished, uint64_t request, int result)
+{
+    kvs_hook_fn fn;
+    void *user;
+    pthread_mutex_lock(&b->lock);
+    fn = b->hook;
+    user = b->hook_user;
+    pthread_mutex_unlock(&b->lock);
+    if (fn) fn(user, call, finished, request, result);
+}
+
+static void kvs__will_call(kvs_bus *b, kvs_call call, uint64_t request)
+{
+    kvs_pause_info at;
+    kvs__hook(b, call, 0, request, 0);
+    at.call = call;
+    at.state = (kvs_slot_state)0;
+    at.request = request;
+    kvs__checkpoint(b, &at);
+}
+
+/* The body of an entry point between its will-call and finished-call hooks when the bus is armed. */
+#define KVS__HOOKED(armed, bus, call, request, expr)                 \
+    do {                                                             \
+        kvs_result hooked_r_;                                        \
+        if (!kvs__is_armed(armed)) return (expr);                    \
+        kvs__will_call((bus), (call), (request));                    \
+        hooked_r_ = (expr);                                          \
+        kvs__hook((bus), (call), 1, (request), (int)hooked_r_);      \
+        return hooked_r_;                                            \
+    } while (0)
+
+/* ---- recorder and log --------------------------------------------------------------------------- */
+
+static const char kvs__log_magic[8] = {'K', 'V', 'S', 'E', 'V', 'L', 'O', 'G'};
+
+static void kvs__log_header(unsigned char *h)
+{
+    memcpy(h, kvs__log_magic, 8);
+    kvs__put32(h + 8, KVS_EVENT_VERSION);
+    kvs__put32(h + 12, KVS_RECORD_BYTES);
+}
+
+struct kvs_recorder {
+    kvs_bus *bus;
+    uint32_t sub;
+    kvs_event *ring;
+    uint32_t cap, head, count;
+    uint64_t dropped;
+    FILE *log;
+    int io_error;
+};
+
+/* Runs with the bus's lock held, which also guards the ring. */
+static void kvs__record(void *user, const kvs_event *e)
+{
+    kvs_recorder *r = (kvs_recorder *)user;
+    if (r->count == r->cap) {
+        r->head = (r->head + 1) % r->cap;
+        r->count--;
+        r->dropped++;
+    }
+    r->ring[(r->head + r->count) % r->cap] = *e;
+    r->count++;
+    if (r->log && !r->io_error) {
+        unsigned char rec[KVS_RECORD_BYTES];
+        kvs_event_encode(e, rec);
+        if (fwrite(rec, sizeof rec, 1, r->log) != 1) r->io_error = 1;
+    }
+}
+
+KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *config, kvs_recorder **out)
+{
+    kvs_recorder *r;
+    kvs_result res;
+    uint32_t cap = config && config->capacity ? config->capacity : 65536;
+    if (!bus || !out) return KVS_EINVAL;
+    r = (kvs_recorder *)KVB_MALLOC(sizeof *r);
+    if (!r) return KVS_ENOMEM;
+    memset(r, 0, sizeof *r);
+    r->bus = bus;
+    r->cap = cap;
+    if (!(r->ring = (kvs_event *)KVB_MALLOC((size_t)cap * sizeof *r->ring))) {
+        KVB_FREE(r);
+        return KVS_ENOMEM;
+    }
+    if (config && config->log_path) {
+        unsigned char h[KVS_LOG_HEADER_BYTES];
+        kvs__log_header(h);
+        if (!(r->log = fopen(config->log_path, "wb")) || fwrite(h, sizeof h, 1, r->log) != 1) {
+            if (r->log) fclose(r->log);
+            KVB_FREE(r->ring);
+            KVB_FREE(r);
+            return KVS_EIO;
+        }
+    }
+    if ((res = kvs_bus_subscribe(bus, config ? config->kinds : 0, kvs__record, r, &r->sub)) != KVS_OK) {
+        if (r->log) fclose(r->log);
+        KVB_FREE(r->ring);
+        KVB_FREE(r);
+        return res;
+    }
+    *out = r;
+    return KVS_OK;
+}
+
+KVS_API void kvs_recorder_destroy(kvs_recorder *recorder)
+{
+    if (!recorder) return;
+    kvs_bus_unsubscribe(recorder->bus, recorder->sub);
+    if (recorder->log) fclose(recorder->log);
+    KVB_FREE(recorder->ring);
+    KVB_FREE(recorder);
+}
+
+KVS_API kvs_result kvs_recorder_snapshot(kvs_recorder *recorder, kvs_event *out, size_t max, size_t *out_n,
+                                         uint64_t *out_dropped)
+{
+    size_t n = 0;
+    if (!recorder || !out_n || (max && !out)) return KVS_EINVAL;
+    pthread_mutex_lock(&recorder->bus->lock);
+    if (!out) n = recorder->count;
+    else
+        for (; n < max && n < recorder->count; n++) out[n] = recorder->ring[(recorder->head + n) % recorder->cap];
+    if (out_dropped) *out_dropped = recorder->dropped;
+    pthread_mutex_unlock(&recorder->bus->lock);
+    *out_n = n;
+    return KVS_OK;
+}
+
+KVS_API kvs_result kvs_recorder_flush(kvs_recorder *recorder)
+{
+    kvs_result r = KVS_OK;
+    if (!recorder) return KVS_EINVAL;
+    pthread_mutex_lock(&recorder->bus->lock);
+    if (recorder->log && fflush(recorder->log) != 0) recorder->io_error = 1;
+    if (recorder->io_error) r = KVS_EIO;
+    pthread_mutex_unlock(&recorder->bus->lock);
+    return r;
+}
+
+KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n, kvs_log_report *report)
+{
+    FILE *f;
+    unsigned char h[KVS_LOG_HEADER_BYTES], want[KVS_LOG_HEADER_BYTES], rec[KVS_RECORD_BYTES];
+    kvs_event *events = NULL;
+    kvs_log_report rep;
+    uint64_t at = KVS_LOG_HEADER_BYTES;
+    size_t got;
+    if (!path || !out || !out_n) return KVS_EINVAL;
+    if (!(f = fopen(path, "rb"))) return KVS_EIO;
+    kvs__log_header(want);
+    if (fread(h, sizeof h, 1, f) != 1 || memcmp(h, want, sizeof h) != 0) {
+        fclose(f);
+        return KVS_EIO;
+    }
+    memset(&rep, 0, sizeof rep);
+    while ((got = fread(rec, 1, sizeof rec, f)) > 0) {
+        kvs_event e;
+        if (got < sizeof rec) {
+            rep.truncated = 1;
+            rep.damaged_at = at;
+            break;
+        }
+        if (kvs_event_decode(rec, &e) != KVS_OK) {
+            rep.corrupt = 1;
+            rep.damaged_at = at;
+            break;
+        }
+        stbds_arrput(events, e);
+        at += sizeof rec;
+    }
+    fclose(f);
+    rep.records = stbds_arrlenu(events);
+    *out = (kvs_event *)KVB_MALLOC((rep.records ? rep.records : 1) * sizeof **out);
+    if (!*out) {
+        stbds_arrfree(events);
+        return KVS_ENOMEM;
+    }
+    if (rep.records) memcpy(*out, events, rep.records * sizeof *events);
+    stbds_arrfree(events);
+    *out_n = rep.records;
+    if (report) *report = rep;
+    return rep.truncated || rep.corrupt ? KVS_ELOG : KVS_OK;
+}
+
+KVS_API void kvs_log_free(kvs_event *events) { KVB_FREE(events); }
+
+/* ---- console ------------------------------------------------------------------------------------ */
+
+typedef struct kvs__client {
+    int fd;
+    unsigned char *out;          /* stb_ds: bytes not sent yet */
+    char line[256];
+    size_t line_len;
+} kvs__client;
+
+typedef struct kvs__slot_last { uint64_t key; kvs_event value; } kvs__slot_last;
+
+#define KVS__CLIENT_BACKLOG (8u << 20) /* a client further behind than this is disconnected */
+
+struct kvs_console {
+    kvs_bus *bus;
+    kvs_reader *reader;
+    char *path;
+    int listen_fd, wake[2];
+    pthread_t thread;
+    kvs__client *clients;        /* stb_ds */
+    kvs_event *history;          /* ring of cfg.history */
+    uint32_t hcap, hhead, hcount;
+    kvs__slot_last *slots;       /* stb_ds map: request -> its last SLOT event (until released) */
+    kvs_event last_step, last_tiers, last_pause;
+};
+
+static void kvs__console_note(kvs_console *k, const kvs_event *e)
+{
+    if (k->hcount == k->hcap) {
+        k->hhead = (k->hhead + 1) % k->hcap;
+        k->hcount--;
+    }
+    k->history[(k->hhead + k->hcount) % k->hcap] = *e;
+    k->hcount++;
+    if (e->kind == KVS_EV_SLOT) stbds_hmput(k->slots, e->request, *e);
+    else if (e->kind == KVS_EV_RELEASE) (void)stbds_hmdel(k->slots, e->request);
+    else if (e->kind == KVS_EV_STEP) k->last_step = *e;
+    else if (e->kind == KVS_EV_TIERS) k->last_tiers = *e;
+    else if (e->kind == KVS_EV_PAUSED || e->kind == KVS_EV_RESUMED) k->last_pause = *e;
+}
+
+static void kvs__client_queue(kvs__client *c, const kvs_event *e)
+{
+    unsigned char rec[KVS_RECORD_BYTES];
+    kvs_event_encode(e, rec);
+    memcpy(stbds_arraddnptr(c->out, sizeof rec), rec, sizeof rec);
+}
+
+/* Send what the socket takes now; 0 when the client is gone or too far behind. */
+static int kvs__client_flush(kvs__client *c)
+{
+    size_t off = 0, len = stbds_arrlenu(c->out);
+    while (off < len) {
+        ssize_t n = send(c->fd, c->out + off, len - off, MSG_DONTWAIT | MSG_NOSIGNAL);
+        if (n > 0) {
+            off += (size_t)n;
+            continue;
+        }
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+        return 0;
+    }
+    if (off) {
+        memmove(c->out, c->out + off, len - off);
+        KVB__ARR_SHRINK(c->out, len - off);
+    }
+    return stbds_arrlenu(c->out) <= KVS__CLIENT_BACKLOG;
+}
+
+/* A new client gets the header, the live slots, the last step / tiers / pause, then the history. */
+static void kvs__client_welcome(kvs_console *k, kvs__client *c)
+{
+    unsigned char h[KVS_LOG_HEADER_BYTES];
+    ptrdiff_t i;
+    uint32_t j;
+    kvs__log_header(h);
+    memcpy(stbds_arraddnptr(c->out, sizeof h), h, sizeof h);
+    for (i = 0; i < stbds_hmlen(k->slots); i++) kvs__client_queue(c, &k->slots[i].value);
+    if (k->last_step.kind) kvs__client_queue(c, &k->last_step);
+    if (k->last_tiers.kind) kvs__client_queue(c, &k->last_tiers);
+    if (k->last_pause.kind) kvs__client_queue(c, &k->last_pause);
+    for (j = 0; j < k->hcount; j++) kvs__client_queue(c, &k->history[(k->hhead + j) % k->hcap]);
+}
+
+/* One command line from a client: pause, resume, break state|request|call X, clear. */
+static void kvs__console_command(kvs_console *k, char *line)
+{
+    char what[32], arg[64];
+    kvs_breakpoint bp;
+    memset(&bp, 0, sizeof bp);
+    if (strcmp(line, "pause") == 0) kvs_bus_pause(k->bus);
+    else if (strcmp(line, "resume") == 0) kvs_bus_resume(k->bus);
+    else if (strcmp(line, "clear") == 0) kvs_bus_break_remove(k->bus, 0);
+    else if (sscanf(line, "break %31s %63s", what, arg) == 2) {
+        if (strcmp(what, "state") == 0) bp.state = (kvs_slot_state)kvs__name_index(arg, kvs__state_name_i, KVS_SLOT__COUNT);
+        else if (strcmp(what, "call") == 0) bp.call = (kvs_call)kvs__name_index(arg, kvs__call_name_i, KVS_CALL__COUNT);
+        else if (strcmp(what, "request") == 0) bp.request = strtoull(arg, NULL, 10);
+        if ((int)bp.state >= 0 && (int)bp.call >= 0) kvs_bus_break_add(k->bus, &bp, NULL);
+    }
+}
+
+/* Reads a client's commands; 0 when it hung up. */
+static int kvs__client_read(kvs_console *k, kvs__client *c)
+{
+    char buf[256];
+    ssize_t n = recv(c->fd, buf, sizeof buf, MSG_DONTWAIT);
+    ssize_t i;
+    if (n == 0) return 0;
+    if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+    for (i = 0; i < n; i++) {
+        if (buf[i] == '\n' || c->line_len + 1 >= sizeof c->line) {
+            c->line[c->line_len] = 0;
+            if (c->line_len && c->line[c->line_len - 1] == '\r') c->line[c->line_len - 1] = 0;
+            kvs__console_command(k, c->line);
+            c->line_len = 0;
+        } else {
+            c->line[c->line_len++] = buf[i];
+        }
+    }
+    return 1;
+}
+
+static void kvs__client_drop(kvs_console *k, size_t i)
+{
+    close(k->clients[i].fd);
+    stbds_arrfree(k->clients[i].out);
+    stbds_arrdelswap(k->clients, i);
+}
+
+static void *kvs__console_main(void *arg)
+{
+    kvs_console *k = (kvs_console *)arg;
+    kvs_event batch[256];
+    for (;;) {
+        struct pollfd *fds = NULL;
+        struct pollfd p;
+        size_t i, n;
+        int stop = 0;
+        p.fd = k->wake[0];
+        p.events = POLLIN;
+        p.revents = 0;
+        stbds_arrput(fds, p);
+        p.fd = k->listen_fd;
+        stbds_arrput(fds, p);
+        for (i = 0; i < stbds_arrlenu(k->clients); i++) {
+            p.fd = k->clients[i].fd;
+            p.events = (short)(POLLIN | (stbds_arrlen(k->clients[i].out) ? POLLOUT : 0));
+            stbds_arrput(fds, p);
+        }
+        poll(fds, (nfds_t)stbds_arrlenu(fds), 50);
+        if (fds[0].revents) stop = 1;
+        for (i = stbds_arrlenu(k->clients); i-- > 0;) /* commands and hang-ups (fds[i + 2] is client i) */
+            if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) && !kvs__client_read(k, &k->clients[i]))
+                kvs__client_drop(k, i);
+        if (fds[1].revents & POLLIN) {
+            int fd = accept(k->listen_fd, NULL, NULL);
+            if (fd >= 0) {
+                kvs__client c;
+                memset(&c, 0, sizeof c);
+                c.fd = fd;
+                fcntl(fd, F_SETFD, FD_CLOEXEC);
+                kvs__client_welcome(k, &c);
+                stbds_arrput(k->clients, c);
+            }
+        }
+        stbds_arrfree(fds);
+        do { /* new events: to the model, then to every client */
+            kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, NULL);
+            for (i = 0; i < n; i++) {
+                size_t j;
+                kvs__console_note(k, &batch[i]);
+                for (j = 0; j < stbds_arrlenu(k->clients); j++) kvs__client_queue(&k->clients[j], &batch[i]);
+            }
+        } while (n == sizeof batch / sizeof batch[0]);
+        for (i = stbds_arrlenu(k->clients); i-- > 0;)
+            if (!kvs__client_flush(&k->clients[i])) kvs__client_drop(k, i);
+        if (stop) return NULL;
+    }
+}
+
+KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *config, kvs_console **out)
+{
+    kvs_console *k;
+    struct sockaddr_un addr;
+    struct stat st;
+    size_t len;
+    if (!bus || !config || !config->path || !out) return KVS_EINVAL;
+    len = strlen(config->path);
+    if (!len || len >= sizeof addr.sun_path) return KVS_EINVAL;
+    if (lstat(config->path, &st) == 0 && !S_ISSOCK(st.st_mode)) return KVS_EIO; /* never remove a file */
+    k = (kvs_console *)KVB_MALLOC(sizeof *k);
+    if (!k) return KVS_ENOMEM;
+    memset(k, 0, sizeof *k);
+    k->bus = bus;
+    k->listen_fd = k->wake[0] = k->wake[1] = -1;
+    k->hcap = config->history ? config->history : 8192;
+    k->history = (kvs_event *)KVB_MALLOC((size_t)k->hcap * sizeof *k->history);
+    k->path = (char *)KVB_MALLOC(len + 1);
+    if (!k->history || !k->path) goto fail;
+    memcpy(k->path, config->path, len + 1);
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path, config->path, len);
+    unlink(config->path);
+    /* bind, then 0600, then listen: nobody can connect before the mode is set */
+    if ((k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
+        bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 || chmod(config->path, 0600) != 0 ||
+        listen(k->listen_fd, 8) != 0 || pipe(k->wake) != 0)
+        goto fail;
+    if (kvs_reader_open(bus, 0, 65536, &k->reader) != KVS_OK) goto fail;
+    if (pthread_create(&k->thread, NULL, kvs__console_main, k) != 0) goto fail;
+    *out = k;
+    return KVS_OK;
+fail:
+    if (k->reader) kvs_reader_close(k->reader);
+    if (k->listen_fd >= 0) {
+        close(k->listen_fd);
+        unlink(config->path);
+    }
+    if (k->wake[0] >= 0) close(k->wake[0]);
+    if (k->wake[1] >= 0) close(k->wake[1]);
+    KVB_FREE(k->history);
+    KVB_FREE(k->path);
+    KVB_FREE(k);
+    return KVS_EIO;
+}
+
+KVS_API void kvs_console_stop(kvs_console *console)
+{
+    if (!console) return;
+    if (write(console->wake[1], "x", 1) < 0) { /* the thread also stops on its next poll of the pipe */ }
+    pthread_join(console->thread, NULL);
+    while (stbds_arrlen(console->clients)) kvs__client_drop(console, 0);
+    stbds_arrfree(console->clients);
+    stbds_hmfree(console->slots);
+    kvs_reader_close(console->reader);
+    close(console->listen_fd);
+    close(console->wake[0]);
+    close(console->wake[1]);
+    unlink(console->path);
+    KVB_FREE(console->history);
+    KVB_FREE(console->path);
+    KVB_FREE(console);
+}
+
 /* ---- connector ---------------------------------------------------------------------------------- */
 
 typedef struct kvs__plan {    /* one request's lower-tier blocks, from the scheduler side */
@@ -5672,6 +7275,7 @@ typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int 
 
 struct kvs_connector {
     kvs_connector_config cfg;
+    const int *armed;          /* hooks or breakpoints on cfg.bus (kvs__unarmed without a bus) */
     pthread_mutex_t lock;
     uint32_t block_tokens;
     uint64_t next_event, step;
@@ -5741,6 +7345,7 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
         return KVS_ENOMEM;
     }
     c->cfg = *config;
+    c->armed = config->bus ? &config->bus->armed : &kvs__unarmed;
     memset(&pc, 0, sizeof pc);
     kvb_pool_get_config(config->device, &pc);
     c->block_tokens = pc.block_tokens;
@@ -5775,7 +7380,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     KVB_FREE(c);
 }
 
-KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, uint64_t request,
+static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_t request,
                                                             const kvb_hash *hashes, size_t num_hashes,
                                                             size_t num_computed, size_t *out_tokens,
                                                             int *out_async)
@@ -5821,7 +7426,7 @@ KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, ui
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
+static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t request,
                                                           size_t num_external_tokens)
 {
     kvs__plan *p;
@@ -5849,7 +7454,7 @@ KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint
     return r;
 }
 
-KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks,
+static kvs_result kvs__conn_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks,
                                                  size_t n)
 {
     size_t i;
@@ -5869,7 +7474,7 @@ KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t requ
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out)
+static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out)
 {
     size_t i, j;
     if (!c || !out) return KVS_EINVAL;
@@ -5898,7 +7503,7 @@ KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
+static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
 {
     if (!c || !meta || (meta->num_loads && !meta->loads) || (meta->num_stores && !meta->stores)) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
@@ -5910,7 +7515,7 @@ KVS_API kvs_result kvs_connector_bind_meta(kvs_connector *c, const kvs_connector
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c)
+static kvs_result kvs__conn_start_loads(kvs_connector *c)
 {
     size_t i;
     if (!c) return KVS_EINVAL;
@@ -5930,7 +7535,7 @@ KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c)
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c)
+static kvs_result kvs__conn_start_stores(kvs_connector *c)
 {
     size_t i = 0, j;
     if (!c) return KVS_EINVAL;
@@ -5987,7 +7592,7 @@ static int kvs__offloaded(kvs_connector *c, uint64_t id)
     return 1;
 }
 
-KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out)
+static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
 {
     size_t i, w;
     if (!c || !out) return KVS_EINVAL;
@@ -6013,7 +7618,7 @@ KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_outpu
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output)
+static kvs_result kvs__conn_update_output(kvs_connector *c, const kvs_worker_output *output)
 {
     /* Loads keep their blocks in the plan until kvs_connector_release_loads / request_finished, and the
      * worker's lists were already cleared: in one process there is nothing left to carry over. */
@@ -6021,7 +7626,7 @@ KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worke
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request)
+static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
 {
     kvs__plan *p;
     if (!c) return KVS_EINVAL;
@@ -6032,7 +7637,7 @@ KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t reques
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
+static kvs_result kvs__conn_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
 {
     size_t i, w;
     kvs__plan *p;
@@ -6068,6 +7673,82 @@ KVS_API size_t kvs_connector_pending(kvs_connector *c)
     return n;
 }
 
+
+/* The public connector calls: the bodies above between the bus's hooks. */
+
+KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, uint64_t request,
+                                                            const kvb_hash *hashes, size_t num_hashes,
+                                                            size_t num_computed, size_t *out_tokens,
+                                                            int *out_async)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_GET_NUM_NEW_MATCHED_TOKENS, request,
+                kvs__conn_get_num_new_matched_tokens(c, request, hashes, num_hashes, num_computed, out_tokens, out_async));
+}
+
+KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request, size_t num_external_tokens)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_UPDATE_STATE_AFTER_ALLOC, request,
+                kvs__conn_update_state_after_alloc(c, request, num_external_tokens));
+}
+
+KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks, size_t n)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_NOTE_REGISTERED, request,
+                kvs__conn_note_registered(c, request, blocks, n));
+}
+
+KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BUILD_META, 0, kvs__conn_build_meta(c, out));
+}
+
+KVS_API kvs_result kvs_connector_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BIND_META, 0, kvs__conn_bind_meta(c, meta));
+}
+
+KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_LOADS, 0, kvs__conn_start_loads(c));
+}
+
+KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_STORES, 0, kvs__conn_start_stores(c));
+}
+
+KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_GET_FINISHED, 0, kvs__conn_get_finished(c, out));
+}
+
+KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_UPDATE_OUTPUT, 0, kvs__conn_update_output(c, output));
+}
+
+KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_RELEASE_LOADS, request, kvs__conn_release_loads(c, request));
+}
+
+KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
+{
+    if (!c) return KVS_EINVAL;
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_REQUEST_FINISHED, request,
+                kvs__conn_request_finished(c, request, out_keep_blocks));
+}
+
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
 typedef struct kvs__req {
@@ -6090,6 +7771,7 @@ typedef struct kvs__req_entry { uint64_t key; kvs__req *value; } kvs__req_entry;
 
 struct kvs_sched {
     kvs_sched_config cfg;
+    const int *armed;          /* hooks or breakpoints on cfg.bus (kvs__unarmed without a bus) */
     kvs_connector *conn;
     uint32_t block_tokens, device_blocks;
     kvs__req_entry *reqs;      /* stb_ds map id -> request */
@@ -6108,12 +7790,63 @@ static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
     return i < 0 ? NULL : s->reqs[i].value;
 }
 
-static kvs_result kvs__set_state(kvs__req *r, kvs_slot_state to)
+static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
 {
-    if (r->state == to) return KVS_OK;
-    if (!kvs_slot_transition_allowed(r->state, to)) return KVS_ESTATE;
+    kvs_event e;
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_SLOT;
+    e.request = r->id;
+    e.u.slot.from = (uint32_t)from;
+    e.u.slot.to = (uint32_t)r->state;
+    e.u.slot.tokens = stbds_arrlenu(r->tokens);
+    e.u.slot.computed = r->computed;
+    kvs_bus_publish(s->cfg.bus, &e);
+}
+
+static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+{
+    kvs_slot_state from = r->state;
+    if (from == to) return KVS_OK;
+    if (!kvs_slot_transition_allowed(from, to)) return KVS_ESTATE;
     r->state = to;
+    if (s->cfg.bus) kvs__emit_slot(s, r, from);
+    if (kvs__is_armed(s->armed)) {
+        kvs_pause_info at;
+        at.call = (kvs_call)0;
+        at.state = to;
+        at.request = r->id;
+        kvs__checkpoint(s->cfg.bus, &at);
+    }
     return KVS_OK;
+}
+
+/* An input event (a scheduler call) with `words` following in TOKENS events, for replay. */
+static void kvs__emit_input(kvs_sched *s, kvs_event *e, const uint32_t *words, size_t n)
+{
+    size_t i = 0;
+    pthread_mutex_lock(&s->cfg.bus->lock); /* one call's records stay together */
+    kvs__publish_locked(s->cfg.bus, e);
+    while (i < n) {
+        kvs_event t;
+        size_t k = n - i < 11 ? n - i : 11;
+        memset(&t, 0, sizeof t);
+        t.kind = KVS_EV_TOKENS;
+        t.request = e->request;
+        t.u.tokens.n = (uint32_t)k;
+        memcpy(t.u.tokens.words, words + i, k * sizeof *words);
+        kvs__publish_locked(s->cfg.bus, &t);
+        i += k;
+    }
+    pthread_mutex_unlock(&s->cfg.bus->lock);
+}
+
+static void kvs__emit_call(kvs_sched *s, kvs_event_kind kind, uint64_t request)
+{
+    kvs_event e;
+    memset(&e, 0, sizeof e);
+    e.kind = (uint16_t)kind;
+    e.request = request;
+    kvs__emit_input(s, &e, NULL, 0);
 }
 
 /* Queue order: higher priority first, then earlier arrival. */
@@ -6162,6 +7895,7 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     if (!s) return KVS_ENOMEM;
     memset(s, 0, sizeof *s);
     s->cfg = *config;
+    s->armed = config->bus ? &config->bus->armed : &kvs__unarmed;
     if (!s->cfg.max_tokens) s->cfg.max_tokens = 8192;
     if (!s->cfg.max_seqs) s->cfg.max_seqs = 256;
     memset(&pc, 0, sizeof pc);
@@ -6174,6 +7908,7 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
         cc.device = config->device;
         cc.tiers = config->tiers;
         cc.offload = config->offload;
+        cc.bus = config->bus;
         if ((r = kvs_connector_create(&cc, &s->conn)) != KVS_OK) {
             KVB_FREE(s);
             return r;
@@ -6217,13 +7952,38 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     KVB_FREE(sched);
 }
 
-KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
+/* ADD: the id it will get, its parameters; then its extra keys (lo, hi words) and prompt. */
+static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
+{
+    kvs_event e;
+    uint32_t *words = (uint32_t *)KVB_MALLOC((2 * rq->num_extra + rq->num_prompt) * sizeof *words);
+    size_t i;
+    if (!words) return;
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_ADD;
+    e.request = s->next_id;
+    e.u.add.num_prompt = rq->num_prompt;
+    e.u.add.salt = rq->salt;
+    e.u.add.max_new_tokens = rq->max_new_tokens;
+    e.u.add.priority = rq->priority;
+    e.u.add.num_extra = (uint32_t)rq->num_extra;
+    for (i = 0; i < rq->num_extra; i++) {
+        words[2 * i] = (uint32_t)rq->extra[i];
+        words[2 * i + 1] = (uint32_t)(rq->extra[i] >> 32);
+    }
+    memcpy(words + 2 * rq->num_extra, rq->prompt, rq->num_prompt * sizeof *words);
+    kvs__emit_input(s, &e, words, 2 * rq->num_extra + rq->num_prompt);
+    KVB_FREE(words);
+}
+
+static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
 {
     kvs__req *r;
     size_t need;
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
+    if (sched->cfg.bus) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
     if (need > sched->device_blocks) return KVS_ETOOBIG;
     r = (kvs__req *)KVB_MALLOC(sizeof *r);
@@ -6242,6 +8002,7 @@ KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, u
     stbds_hmput(sched->reqs, r->id, r);
     kvs__queue_insert(&sched->waiting, r);
     sched->stats.prompt_tokens += request->num_prompt;
+    if (sched->cfg.bus) kvs__emit_slot(sched, r, (kvs_slot_state)0);
     *out_id = r->id;
     return KVS_OK;
 }
@@ -6304,7 +8065,7 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
     v->computed = v->cached = v->registered_blocks = 0; /* recomputed (or reloaded) from scratch */
-    kvs__set_state(v, KVS_SLOT_PREEMPTED);
+    kvs__set_state(s, v, KVS_SLOT_PREEMPTED);
     v->preemptions++;
     v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
     if (v->swapped) {
@@ -6382,9 +8143,9 @@ static void kvs__schedule_running(kvs_sched *s)
             continue;
         }
         if (kvs__schedule_compute(s, r))
-            kvs__set_state(r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
+            kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
         else
-            kvs__set_state(r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
+            kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
     }
     stbds_arrfree(order);
 }
@@ -6424,9 +8185,23 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     }
     kvs_connector_update_state_after_alloc(s->conn, r->id, ext);
     r->lower_hit = ext;
-    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(r, KVS_SLOT_ONBOARDING);
-    else kvs__set_state(r, KVS_SLOT_ONBOARD_STAGED);
+    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_ONBOARDING);
+    else kvs__set_state(s, r, KVS_SLOT_ONBOARD_STAGED);
     return 1;
+}
+
+static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
+{
+    kvs_event e;
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_ADMIT;
+    e.request = r->id;
+    e.u.admit.prompt_tokens = stbds_arrlenu(r->tokens);
+    e.u.admit.lower_hit_tokens = r->lower_hit < cached ? r->lower_hit : cached;
+    e.u.admit.device_hit_tokens = cached - e.u.admit.lower_hit_tokens;
+    e.u.admit.priority = r->priority;
+    e.u.admit.preemptions = r->preemptions;
+    kvs_bus_publish(s->cfg.bus, &e);
 }
 
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
@@ -6460,10 +8235,11 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
     s->stats.admitted++;
-    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(r, KVS_SLOT_INITIALIZED);
-    kvs__set_state(r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
+    if (s->cfg.bus) kvs__emit_admit(s, r, cached);
+    if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_INITIALIZED);
+    kvs__set_state(s, r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
-    if (!kvs__schedule_compute(s, r)) kvs__set_state(r, KVS_SLOT_SKIPPED_PREFILL);
+    if (!kvs__schedule_compute(s, r)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
     return 1;
 }
 
@@ -6530,14 +8306,58 @@ static void kvs__start_transfers(kvs_sched *s, kvs_connector_meta *meta)
     kvs_connector_start_stores(s->conn);
     kvs_connector_start_loads(s->conn);
     for (i = 0; i < stbds_arrlenu(s->onboarding); i++)
-        if (s->onboarding[i]->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(s->onboarding[i], KVS_SLOT_ONBOARDING);
+        if (s->onboarding[i]->state == KVS_SLOT_ONBOARD_STAGED) kvs__set_state(s, s->onboarding[i], KVS_SLOT_ONBOARDING);
 }
 
-KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
+/* The step's summary, then the occupancy of every tier. */
+static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
+{
+    kvs_event e;
+    kvb_pool_stats ps;
+    uint32_t t;
+    memset(&e, 0, sizeof e);
+    memset(&ps, 0, sizeof ps);
+    kvb_pool_get_stats(s->cfg.device, &ps);
+    e.kind = KVS_EV_STEP;
+    e.u.step.step = st->id;
+    e.u.step.prefill = (uint32_t)st->num_prefill;
+    e.u.step.decode = (uint32_t)st->num_decode;
+    e.u.step.tokens = (uint32_t)st->num_tokens;
+    e.u.step.preempted = (uint32_t)st->num_preempted;
+    e.u.step.waiting = (uint32_t)stbds_arrlenu(s->waiting);
+    e.u.step.running = (uint32_t)stbds_arrlenu(s->running);
+    e.u.step.swapped = (uint32_t)stbds_arrlenu(s->swapped);
+    e.u.step.onboarding = (uint32_t)stbds_arrlenu(s->onboarding);
+    e.u.step.device_used = ps.num_blocks - ps.free_blocks;
+    e.u.step.device_blocks = ps.num_blocks;
+    kvs_bus_publish(s->cfg.bus, &e);
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_TIERS;
+    for (t = 0; t < 4; t++) {
+        kvb_pool *pool = t == 0 ? s->cfg.device : NULL;
+        kvo_pipeline_config pc;
+        if (t && s->cfg.tiers && kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, t - 1, 0), &pc) == KVO_OK)
+            pool = pc.dst;
+        if (!pool || kvb_pool_get_stats(pool, &ps) != KVB_OK) break;
+        e.u.tiers.used[t] = ps.num_blocks - ps.free_blocks;
+        e.u.tiers.total[t] = ps.num_blocks;
+        e.u.tiers.num_tiers = t + 1;
+    }
+    kvs_bus_publish(s->cfg.bus, &e);
+}
+
+static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
 {
     size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
+    if (sched->cfg.bus) {
+        kvs_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = KVS_EV_RUN_STEP;
+        e.u.run.step = sched->step_id + 1;
+        kvs__emit_input(sched, &e, NULL, 0);
+    }
     KVB__ARR_SHRINK(sched->prefill, 0);
     KVB__ARR_SHRINK(sched->decode, 0);
     KVB__ARR_SHRINK(sched->preempted, 0);
@@ -6560,6 +8380,7 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
     out->num_preempted = stbds_arrlenu(sched->preempted);
     sched->in_step = 1;
     sched->stats.steps++;
+    if (sched->cfg.bus) kvs__emit_step(sched, out);
     return KVS_OK;
 }
 
@@ -6581,14 +8402,21 @@ static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
         kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
                                       r->computed / s->block_tokens - r->registered_blocks);
     if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
-    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(r, KVS_SLOT_DECODING);
+    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
 }
 
-KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
+static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
 {
     size_t i, a;
     if (!sched || !step) return KVS_EINVAL;
     if (!sched->in_step || step->id != sched->step_id) return KVS_ESTEP;
+    if (sched->cfg.bus) {
+        kvs_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = KVS_EV_COMPLETE;
+        e.u.run.step = step->id;
+        kvs__emit_input(sched, &e, NULL, 0);
+    }
     for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
     for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
     sched->in_step = 0;
@@ -6608,22 +8436,30 @@ KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
 /* Finishing -> Finished: blocks released (they stay cached), connector told. */
 static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
 {
-    kvs_result res = kvs__set_state(r, KVS_SLOT_FINISHING);
+    kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
     if (res != KVS_OK) return res;
     kvs__unqueue(s, r);
     if (s->in_step && r->scheduled) r->drop_after_step = 1; /* the engine holds its block table */
     else kvs__drop_blocks(s, r);
-    kvs__set_state(r, KVS_SLOT_FINISHED);
+    kvs__set_state(s, r, KVS_SLOT_FINISHED);
     if (aborted) s->stats.aborted++;
     else s->stats.finished++;
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
+static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
 {
     kvs__req *r;
     if (!sched || (n && !tokens)) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (sched->cfg.bus) {
+        kvs_event e;
+        memset(&e, 0, sizeof e);
+        e.kind = KVS_EV_APPEND;
+        e.request = request;
+        e.u.append.n = n;
+        kvs__emit_input(sched, &e, tokens, n);
+    }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
     if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
@@ -6633,31 +8469,79 @@ KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const ui
     return KVS_OK;
 }
 
-KVS_API kvs_result kvs_sched_finish(kvs_sched *sched, uint64_t request)
+static kvs_result kvs__sched_finish(kvs_sched *sched, uint64_t request)
 {
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_FINISH, request);
     return kvs__end(sched, r, 0);
 }
 
-KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request)
+static kvs_result kvs__sched_abort(kvs_sched *sched, uint64_t request)
 {
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_ABORT, request);
     return kvs__end(sched, r, 1);
 }
 
-KVS_API kvs_result kvs_sched_release(kvs_sched *sched, uint64_t request)
+static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
 {
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
     (void)stbds_hmdel(sched->reqs, request);
     kvs__req_free(r);
     return KVS_OK;
+}
+
+/* The public scheduler calls: the bodies above between the bus's hooks. */
+
+KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ADD, 0, kvs__sched_add(sched, request, out_id));
+}
+
+KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_STEP, 0, kvs__sched_step(sched, out));
+}
+
+KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_COMPLETE, 0, kvs__sched_complete(sched, step));
+}
+
+KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_APPEND, request,
+                kvs__sched_append(sched, request, tokens, n));
+}
+
+KVS_API kvs_result kvs_sched_finish(kvs_sched *sched, uint64_t request)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_FINISH, request, kvs__sched_finish(sched, request));
+}
+
+KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ABORT, request, kvs__sched_abort(sched, request));
+}
+
+KVS_API kvs_result kvs_sched_release(kvs_sched *sched, uint64_t request)
+{
+    if (!sched) return KVS_EINVAL;
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_RELEASE, request, kvs__sched_release(sched, request));
 }
 
 KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_slot_info *out)
@@ -6696,6 +8580,324 @@ KVS_API int kvs_sched_idle(kvs_sched *sched)
 }
 
 KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched) { return sched ? sched->conn : NULL; }
+
+/* ---- replay ------------------------------------------------------------------------------------- */
+
+typedef struct kvs__id_map { uint64_t key, value; } kvs__id_map;
+
+typedef struct kvs__replay {
+    kvs_event *got;              /* stb_ds: the fresh run's decisions */
+    size_t next;                 /* the first not compared yet */
+    kvs__id_map *to_fresh, *to_recorded;
+    uint32_t *words;             /* stb_ds: an input's TOKENS */
+    kvs_step step;
+} kvs__replay;
+
+static void kvs__replay_collect(void *user, const kvs_event *e)
+{
+    kvs__replay *rp = (kvs__replay *)user;
+    stbds_arrput(rp->got, *e);
+}
+
+/* stb_ds creates the map on a first lookup, so the map is passed by address. */
+static uint64_t kvs__map(kvs__id_map **m, uint64_t id)
+{
+    ptrdiff_t i = stbds_hmgeti(*m, id);
+    return i < 0 ? 0 : (*m)[i].value;
+}
+
+/* The words of the TOKENS events after events[at]; returns the index after them. */
+static size_t kvs__replay_words(kvs__replay *rp, const kvs_event *events, size_t n, size_t at)
+{
+    KVB__ARR_SHRINK(rp->words, 0);
+    while (++at < n && events[at].kind == KVS_EV_TOKENS && events[at].u.tokens.n <= 11)
+        memcpy(stbds_arraddnptr(rp->words, events[at].u.tokens.n), events[at].u.tokens.words,
+               events[at].u.tokens.n * sizeof *rp->words);
+    return at;
+}
+
+static void kvs__replay_add(kvs_sched *s, kvs__replay *rp, const kvs_event *e)
+{
+    kvs_request rq;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS], id = 0;
+    size_t i, ne = e->u.add.num_extra;
+    if (ne > KVB_MAX_EXTRA_KEYS || stbds_arrlenu(rp->words) != 2 * ne + e->u.add.num_prompt) return;
+    for (i = 0; i < ne; i++) extra[i] = (uint64_t)rp->words[2 * i] | (uint64_t)rp->words[2 * i + 1] << 32;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = rp->words + 2 * ne;
+    rq.num_prompt = (size_t)e->u.add.num_prompt;
+    rq.max_new_tokens = e->u.add.max_new_tokens;
+    rq.priority = e->u.add.priority;
+    rq.salt = e->u.add.salt;
+    rq.extra = extra;
+    rq.num_extra = ne;
+    if (kvs_sched_add(s, &rq, &id) == KVS_OK) {
+        stbds_hmput(rp->to_fresh, e->request, id);
+        stbds_hmput(rp->to_recorded, id, e->request);
+    }
+}
+
+/* Replays one input event (and its TOKENS); returns the index of the next event. */
+static size_t kvs__replay_input(kvs_sched *s, kvs__replay *rp, const kvs_event *events, size_t n, size_t at)
+{
+    const kvs_event *e = &events[at];
+    uint64_t id = kvs__map(&rp->to_fresh, e->request);
+    size_t next = at + 1;
+    switch ((kvs_event_kind)e->kind) {
+    case KVS_EV_ADD:
+        next = kvs__replay_words(rp, events, n, at);
+        kvs__replay_add(s, rp, e);
+        break;
+    case KVS_EV_APPEND:
+        next = kvs__replay_words(rp, events, n, at);
+        kvs_sched_append(s, id, rp->words, stbds_arrlenu(rp->words));
+        break;
+    case KVS_EV_RUN_STEP: kvs_sched_step(s, &rp->step); break;
+    case KVS_EV_COMPLETE: kvs_sched_complete(s, &rp->step); break;
+    case KVS_EV_FINISH: kvs_sched_finish(s, id); break;
+    case KVS_EV_ABORT: kvs_sched_abort(s, id); break;
+    case KVS_EV_RELEASE: kvs_sched_release(s, id); break;
+    default: break;
+    }
+    return next;
+}
+
+static int kvs__is_input(uint16_t kind) { return kind >= KVS_EV_ADD && kind <= KVS_EV_RELEASE; }
+
+/* The fresh decision equals the recorded one: kind, request (mapped back) and payload. */
+static int kvs__same_decision(kvs__replay *rp, const kvs_event *want, const kvs_event *got)
+{
+    uint64_t req = got->request ? kvs__map(&rp->to_recorded, got->request) : 0;
+    return want->kind == got->kind && want->request == req && memcmp(&want->u, &got->u, sizeof want->u) == 0;
+}
+
+KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *events, size_t n,
+                              uint64_t compare_kinds, kvs_replay_report *report)
+{
+    kvs__replay rp;
+    kvs_replay_report rep;
+    uint32_t sub;
+    size_t i = 0;
+    kvs_result r = KVS_OK;
+    if (!fresh || !bus || (n && !events) || fresh->cfg.bus != bus) return KVS_EINVAL;
+    if (!compare_kinds) compare_kinds = KVS_EV_DECISIONS;
+    memset(&rp, 0, sizeof rp);
+    memset(&rep, 0, sizeof rep);
+    if ((r = kvs_bus_subscribe(bus, compare_kinds, kvs__replay_collect, &rp, &sub)) != KVS_OK) return r;
+    while (i < n && r == KVS_OK) {
+        const kvs_event *e = &events[i];
+        if (kvs__is_input(e->kind)) {
+            rep.inputs++;
+            i = kvs__replay_input(fresh, &rp, events, n, i);
+            continue;
+        }
+        if (e->kind < 64 && (compare_kinds & KVS_EV_MASK(e->kind))) {
+            pthread_mutex_lock(&bus->lock); /* the collector runs under it */
+            if (rp.next >= stbds_arrlenu(rp.got) || !kvs__same_decision(&rp, e, &rp.got[rp.next])) {
+                rep.mismatch_seq = e->seq;
+                rep.expected = *e;
+                if (rp.next < stbds_arrlenu(rp.got)) rep.got = rp.got[rp.next];
+                r = KVS_EREPLAY;
+            } else {
+                rep.compared++;
+                rp.next++;
+            }
+            pthread_mutex_unlock(&bus->lock);
+        }
+        i++;
+    }
+    kvs_bus_unsubscribe(bus, sub);
+    if (r == KVS_OK && rp.next < stbds_arrlenu(rp.got)) { /* the fresh run decided more */
+        rep.mismatch_seq = n ? events[n - 1].seq + 1 : 1;
+        rep.got = rp.got[rp.next];
+        r = KVS_EREPLAY;
+    }
+    stbds_arrfree(rp.got);
+    stbds_hmfree(rp.to_fresh);
+    stbds_hmfree(rp.to_recorded);
+    stbds_arrfree(rp.words);
+    if (report) *report = rep;
+    return r;
+}
+
+/* ---- metrics ------------------------------------------------------------------------------------ */
+
+static void kvs__family(kvs__text *t, const char *name, const char *type, const char *help)
+{
+    kvs__printf(t, "# HELP kvcache_%s %s\n# TYPE kvcache_%s %s\n", name, help, name, type);
+}
+
+/* Pool counters and gauges, one family at a time across every tier. */
+static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
+{
+    static const struct { const char *name, *type, *help; size_t off; } rows[] = {
+        {"lookups_total", "counter", "Prefix lookups (kvb_match calls).", offsetof(kvb_pool_stats, lookups)},
+        {"lookup_blocks_total", "counter", "Block hashes looked up.", offsetof(kvb_pool_stats, lookup_blocks)},
+        {"hit_blocks_total", "counter", "Blocks found by prefix lookups.", offsetof(kvb_pool_stats, hit_blocks)},
+        {"hit_tokens_total", "counter", "Tokens in blocks found by prefix lookups.",
+         offsetof(kvb_pool_stats, hit_tokens)},
+        {"allocations_total", "counter", "Blocks allocated.", offsetof(kvb_pool_stats, allocations)},
+        {"evictions_total", "counter", "Cached blocks evicted for reuse.", offsetof(kvb_pool_stats, evictions)},
+        {"registrations_total", "counter", "Blocks registered.", offsetof(kvb_pool_stats, registrations)},
+        {"dedups_total", "counter", "Registrations that found the block already cached.",
+         offsetof(kvb_pool_stats, dedups)}};
+    kvb_pool_stats st[KVO_MAX_TIERS];
+    uint32_t i, tier[KVO_MAX_TIERS];
+    size_t r;
+    for (i = 0; i < n; i++) {
+        kvb_pool_config pc;
+        memset(&pc, 0, sizeof pc);
+        kvb_pool_get_config(pools[i], &pc);
+        tier[i] = pc.tier;
+        memset(&st[i], 0, sizeof st[i]);
+        kvb_pool_get_stats(pools[i], &st[i]);
+    }
+    for (r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        kvs__family(t, rows[r].name, rows[r].type, rows[r].help);
+        for (i = 0; i < n; i++) {
+            uint64_t v;
+            memcpy(&v, (const unsigned char *)&st[i] + rows[r].off, sizeof v);
+            kvs__printf(t, "kvcache_%s{tier=\"%u\"} %llu\n", rows[r].name, tier[i], (unsigned long long)v);
+        }
+    }
+    kvs__family(t, "blocks", "gauge", "Blocks by state: free, active (referenced), inactive (cached, evictable).");
+    for (i = 0; i < n; i++)
+        kvs__printf(t, "kvcache_blocks{tier=\"%u\",state=\"free\"} %u\nkvcache_blocks{tier=\"%u\",state=\"active\"} %u\n"
+                       "kvcache_blocks{tier=\"%u\",state=\"inactive\"} %u\n",
+                    tier[i], st[i].free_blocks, tier[i], st[i].active_blocks, tier[i], st[i].inactive_blocks);
+    kvs__family(t, "capacity_blocks", "gauge", "Blocks in the pool.");
+    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_capacity_blocks{tier=\"%u\"} %u\n", tier[i], st[i].num_blocks);
+    kvs__family(t, "cached_hashes", "gauge", "Distinct block hashes that can be matched.");
+    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_cached_hashes{tier=\"%u\"} %u\n", tier[i], st[i].cached_hashes);
+}
+
+/* Pipeline counters: offload into tier t + 1 (direction "offload", tier = destination) and onboarding
+ * from tier t (direction "onboard", tier = source). */
+static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
+{
+    static const struct { const char *name, *type, *help; size_t off; int u32; } rows[] = {
+        {"transfer_blocks_total", "counter", "Blocks copied and registered in the destination.",
+         offsetof(kvo_pipeline_stats, transferred), 0},
+        {"transfer_bytes_total", "counter", "Bytes copied.", offsetof(kvo_pipeline_stats, bytes), 0},
+        {"transfer_present_blocks_total", "counter", "Blocks already in the destination (deduplicated).",
+         offsetof(kvo_pipeline_stats, present), 0},
+        {"transfer_skipped_blocks_total", "counter", "Blocks refused by a policy.",
+         offsetof(kvo_pipeline_stats, skipped), 0},
+        {"transfer_dropped_blocks_total", "counter", "Blocks evicted before they could be copied.",
+         offsetof(kvo_pipeline_stats, dropped), 0},
+        {"transfer_failed_blocks_total", "counter", "Blocks the backend failed to copy.",
+         offsetof(kvo_pipeline_stats, failed), 0},
+        {"transfer_cancelled_total", "counter", "Transfers cancelled.", offsetof(kvo_pipeline_stats, cancelled), 0},
+        {"transfer_batches_total", "counter", "Backend jobs.", offsetof(kvo_pipeline_stats, batches), 0},
+        {"transfer_dest_full_total", "counter", "Offloads that found the destination full.",
+         offsetof(kvo_pipeline_stats, dest_full), 0},
+        {"inflight_blocks", "gauge", "Blocks in transfers not finished yet.",
+         offsetof(kvo_pipeline_stats, in_flight_blocks), 1}};
+    kvo_manager_stats ms;
+    size_t r;
+    uint32_t tier, up;
+    if (kvo_manager_get_stats(m, &ms) != KVO_OK) return;
+    for (r = 0; r < sizeof rows / sizeof rows[0]; r++) {
+        kvs__family(t, rows[r].name, rows[r].type, rows[r].help);
+        for (up = 0; up < 2; up++)
+            for (tier = up; tier < KVO_MAX_TIERS; tier++) {
+                const kvo_pipeline_stats *ps = up ? &ms.up[tier] : &ms.down[tier];
+                uint64_t v = 0;
+                uint32_t v32;
+                if (!kvo_manager_pipeline(m, tier, (int)up)) continue;
+                if (rows[r].u32) {
+                    memcpy(&v32, (const unsigned char *)ps + rows[r].off, sizeof v32);
+                    v = v32;
+                } else {
+                    memcpy(&v, (const unsigned char *)ps + rows[r].off, sizeof v);
+                }
+                kvs__printf(t, "kvcache_%s{tier=\"%u\",direction=\"%s\"} %llu\n", rows[r].name, up ? tier : tier + 1,
+                            up ? "onboard" : "offload", (unsigned long long)v);
+            }
+    }
+}
+
+static void kvs__disk_metrics(kvs__text *t, kvs_sched *s, kvo_backend *disk)
+{
+    kvo_disk_stats ds;
+    uint32_t tier = 0, i;
+    if (!disk || kvo_disk_backend_stats(disk, &ds) != KVO_OK) return;
+    for (i = 0; s->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) { /* the tier the disk backend writes into */
+        kvo_pipeline_config pc;
+        kvb_pool_config bc;
+        if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK || pc.backend != disk) continue;
+        memset(&bc, 0, sizeof bc);
+        kvb_pool_get_config(pc.dst, &bc);
+        tier = bc.tier;
+    }
+    kvs__family(t, "checksum_errors_total", "counter", "Blocks read back whose checksum did not match.");
+    kvs__printf(t, "kvcache_checksum_errors_total{tier=\"%u\"} %llu\n", tier, (unsigned long long)ds.checksum_errors);
+    kvs__family(t, "io_errors_total", "counter", "Failed reads and writes.");
+    kvs__printf(t, "kvcache_io_errors_total{tier=\"%u\"} %llu\n", tier, (unsigned long long)ds.io_errors);
+}
+
+static void kvs__sched_metrics(kvs__text *t, kvs_sched *s)
+{
+    const kvs_sched_stats *st = &s->stats;
+    kvs__family(t, "steps_total", "counter", "Scheduler steps planned.");
+    kvs__printf(t, "kvcache_steps_total %llu\n", (unsigned long long)st->steps);
+    kvs__family(t, "requests_total", "counter", "Requests by outcome.");
+    kvs__printf(t, "kvcache_requests_total{outcome=\"admitted\"} %llu\nkvcache_requests_total{outcome=\"finished\"} %llu\n"
+                   "kvcache_requests_total{outcome=\"aborted\"} %llu\n",
+                (unsigned long long)st->admitted, (unsigned long long)st->finished, (unsigned long long)st->aborted);
+    kvs__family(t, "preemptions_total", "counter", "Requests preempted, by mode.");
+    kvs__printf(t, "kvcache_preemptions_total{mode=\"recompute\"} %llu\nkvcache_preemptions_total{mode=\"swap\"} %llu\n",
+                (unsigned long long)st->preempted_recompute, (unsigned long long)st->preempted_swap);
+    kvs__family(t, "request_tokens_total", "counter",
+                "Prompt tokens added, cached at admission (device and lower tiers), and computed.");
+    kvs__printf(t, "kvcache_request_tokens_total{kind=\"prompt\"} %llu\nkvcache_request_tokens_total{kind=\"cached\"} %llu\n"
+                   "kvcache_request_tokens_total{kind=\"lower_tier_hit\"} %llu\n"
+                   "kvcache_request_tokens_total{kind=\"computed\"} %llu\n",
+                (unsigned long long)st->prompt_tokens, (unsigned long long)st->cached_tokens,
+                (unsigned long long)st->lower_hit_tokens, (unsigned long long)st->computed_tokens);
+    kvs__family(t, "requests", "gauge", "Requests by queue.");
+    kvs__printf(t, "kvcache_requests{queue=\"waiting\"} %u\nkvcache_requests{queue=\"running\"} %u\n"
+                   "kvcache_requests{queue=\"swapped\"} %u\nkvcache_requests{queue=\"onboarding\"} %u\n",
+                (unsigned)stbds_arrlenu(s->waiting), (unsigned)stbds_arrlenu(s->running),
+                (unsigned)stbds_arrlenu(s->swapped), (unsigned)stbds_arrlenu(s->onboarding));
+    if (s->cfg.bus) {
+        uint64_t seq;
+        pthread_mutex_lock(&s->cfg.bus->lock);
+        seq = s->cfg.bus->seq;
+        pthread_mutex_unlock(&s->cfg.bus->lock);
+        kvs__family(t, "events_total", "counter", "Events published on the scheduler's bus.");
+        kvs__printf(t, "kvcache_events_total %llu\n", (unsigned long long)seq);
+    }
+}
+
+KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *buf, size_t cap, size_t *out_len)
+{
+    kvs__text t;
+    kvb_pool *pools[KVO_MAX_TIERS];
+    uint32_t n = 1, i;
+    char none[1];
+    if (!sched || (!buf && cap) || !out_len) return KVS_EINVAL;
+    pools[0] = sched->cfg.device;
+    for (i = 0; sched->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) {
+        kvo_pipeline_config pc;
+        if (kvo_pipeline_get_config(kvo_manager_pipeline(sched->cfg.tiers, i, 0), &pc) != KVO_OK) break;
+        pools[n++] = pc.dst;
+    }
+    t.buf = none; /* measure, then write only when it fits: a short buffer is left untouched */
+    t.cap = 0;
+    for (i = 0; i < 2; i++) {
+        t.len = 0;
+        kvs__sched_metrics(&t, sched);
+        kvs__pool_metrics(&t, pools, n);
+        if (sched->cfg.tiers) kvs__pipeline_metrics(&t, sched->cfg.tiers);
+        kvs__disk_metrics(&t, sched, disk);
+        *out_len = t.len;
+        if (i == 0 && t.len + 1 > cap) return KVS_ENOSPACE;
+        t.buf = buf;
+        t.cap = cap;
+    }
+    return KVS_OK;
+}
 
 #ifdef KVS__DEFINED_TYPEOF
 #undef typeof

@@ -283,6 +283,16 @@ typedef struct kvo_transfer_info {
     char message[128];       /* the backend's message for a failure */
 } kvo_transfer_info;
 
+/* Every change of a transfer's status (Evaluating, Queued, Transferring, then one final status), called
+ * with the pipeline's lock held: it must not call into the pipeline. For observers (kvs_bus). */
+typedef struct kvo_stage_note {
+    kvo_transfer transfer;
+    uint32_t src_tier, dst_tier;  /* kvb_pool_config.tier of the two pools */
+    int onboard;                  /* 1 for kvo_onboard transfers */
+    const kvo_transfer_info *info; /* info->status is the new status */
+} kvo_stage_note;
+typedef void (*kvo_stage_fn)(void *user, const kvo_stage_note *note);
+
 /* Called once per transfer when it reaches a final state; dst holds a weak handle per block of the
  * container that is now in the destination (0 where none), in container order. */
 typedef void (*kvo_done_fn)(void *user, kvo_transfer transfer, const kvo_transfer_info *info,
@@ -308,6 +318,8 @@ typedef struct kvo_pipeline_config {
     void *clock_user;
     kvo_done_fn on_done;          /* optional */
     void *done_user;
+    kvo_stage_fn on_stage;        /* optional: every status change */
+    void *stage_user;
     uint32_t dst_priority;        /* eviction level of landed blocks in the destination */
 } kvo_pipeline_config;
 
@@ -1443,6 +1455,7 @@ struct kvo_pipeline {
     pthread_t thread;
     kvo_pipeline_stats stats;
     kvo__note *notes;
+    uint32_t src_tier, dst_tier;
 };
 
 static uint64_t kvo__now(const kvo_pipeline *pl)
@@ -1506,6 +1519,33 @@ static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container 
     kvo_transfer t;
     t.id = ((uint64_t)pl->slots[c->slot].gen << 32) | ((uint64_t)c->slot + 1);
     return t;
+}
+
+static void kvo__pool_tiers(kvo_pipeline *pl)
+{
+    kvb_pool_config pc;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(pl->cfg.src, &pc);
+    pl->src_tier = pc.tier;
+    memset(&pc, 0, sizeof pc);
+    kvb_pool_get_config(pl->cfg.dst, &pc);
+    pl->dst_tier = pc.tier;
+}
+
+/* A container changed status: tell the observer, if any. Locked. */
+static void kvo__stage(const kvo_pipeline *pl, const kvo__container *c, kvo_status st)
+{
+    kvo_stage_note note;
+    kvo_transfer_info info;
+    if (!pl->cfg.on_stage) return;
+    info = c->info;
+    info.status = st;
+    note.transfer = kvo__handle_of(pl, c);
+    note.src_tier = pl->src_tier;
+    note.dst_tier = pl->dst_tier;
+    note.onboard = c->onboard;
+    note.info = &info;
+    pl->cfg.on_stage(pl->cfg.stage_user, &note);
 }
 
 static kvo__container *kvo__resolve(kvo_pipeline *pl, kvo_transfer t)
@@ -1574,6 +1614,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     pl->moves++;
     c->info.status = st;
     if (err && !c->info.error) c->info.error = err;
+    kvo__stage(pl, c, st);
     s->transferred += c->info.transferred;
     s->present += c->info.present;
     s->skipped += c->info.skipped;
@@ -1763,6 +1804,7 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
+            kvo__stage(pl, c, KVO_STATUS_QUEUED);
             pl->moves++;
             if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
         }
@@ -1871,6 +1913,7 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
     for (i = 0; i < stbds_arrlenu(b->cs); i++) {
         kvo__container *c = b->cs[i];
         c->info.status = KVO_STATUS_TRANSFERRING;
+        kvo__stage(pl, c, KVO_STATUS_TRANSFERRING);
         for (j = 0; j < c->n; j++) {
             if (c->state[j] != KVO__B_OFFER) continue;
             if (!c->onboard && kvb_upgrade(pl->cfg.src, c->src[j], &c->src_strong[j]) != KVB_OK) {
@@ -2155,6 +2198,7 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
     memset(pl, 0, sizeof *pl);
     pl->cfg = *config;
     kvo__pipeline_defaults(&pl->cfg);
+    kvo__pool_tiers(pl);
     if (pl->cfg.min_batch > pl->cfg.max_batch) pl->cfg.min_batch = pl->cfg.max_batch;
     qc.on_drop = kvo__on_drop;
     qc.user = pl;
@@ -2251,6 +2295,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     if (r == KVO_OK) {
         memcpy(c->src, blocks, n * sizeof *blocks);
         *out = kvo__handle_of(pipeline, c);
+        kvo__stage(pipeline, c, KVO_STATUS_EVALUATING);
         if (kvo_queue_push(pipeline->q_eval, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
         pthread_cond_broadcast(&pipeline->cond);
     }
@@ -2300,6 +2345,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
             kvo__finalize(pipeline, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
+            kvo__stage(pipeline, c, KVO_STATUS_QUEUED);
             if (kvo_queue_push(pipeline->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
         }
         pthread_cond_broadcast(&pipeline->cond);
