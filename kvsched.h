@@ -744,20 +744,71 @@ KVS_API const char *kvs_call_name(kvs_call call)
     return (unsigned)call < KVS_CALL__COUNT ? names[call] : "?";
 }
 
-/* CRC-32C (Castagnoli), four bits at a time: a 16-entry table, no setup. */
-static uint32_t kvs__crc32c(const unsigned char *p, size_t n)
+/* CRC-32C (Castagnoli, reflected polynomial 0x82f63b78), a byte at a time; the x86-64 crc32
+ * instruction does 8 bytes in one when the CPU has it (every x86-64 since 2008), found at run time. */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define KVS__HW_CRC 1
+__attribute__((target("sse4.2"))) static uint32_t kvs__crc32c_hw(const unsigned char *p, size_t n)
 {
-    static const uint32_t t[16] = {0x00000000u, 0x105ec76fu, 0x20bd8edeu, 0x30e349b1u, 0x417b1dbcu, 0x5125dad3u,
-                                   0x61c69362u, 0x7198540du, 0x82f63b78u, 0x92a8fc17u, 0xa24bb5a6u, 0xb21572c9u,
-                                   0xc38d26c4u, 0xd3d3e1abu, 0xe330a81au, 0xf36e6f75u};
+    unsigned long long c = 0xffffffffu;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        unsigned long long w;
+        memcpy(&w, p + i, 8);
+        c = __builtin_ia32_crc32di(c, w);
+    }
+    for (; i < n; i++) c = __builtin_ia32_crc32qi((unsigned)c, p[i]);
+    return ~(uint32_t)c;
+}
+#endif
+
+static uint32_t kvs__crc32c_sw(const unsigned char *p, size_t n)
+{
+    static const uint32_t t[256] = {
+        0x00000000u, 0xf26b8303u, 0xe13b70f7u, 0x1350f3f4u, 0xc79a971fu, 0x35f1141cu, 0x26a1e7e8u, 0xd4ca64ebu,
+        0x8ad958cfu, 0x78b2dbccu, 0x6be22838u, 0x9989ab3bu, 0x4d43cfd0u, 0xbf284cd3u, 0xac78bf27u, 0x5e133c24u,
+        0x105ec76fu, 0xe235446cu, 0xf165b798u, 0x030e349bu, 0xd7c45070u, 0x25afd373u, 0x36ff2087u, 0xc494a384u,
+        0x9a879fa0u, 0x68ec1ca3u, 0x7bbcef57u, 0x89d76c54u, 0x5d1d08bfu, 0xaf768bbcu, 0xbc267848u, 0x4e4dfb4bu,
+        0x20bd8edeu, 0xd2d60dddu, 0xc186fe29u, 0x33ed7d2au, 0xe72719c1u, 0x154c9ac2u, 0x061c6936u, 0xf477ea35u,
+        0xaa64d611u, 0x580f5512u, 0x4b5fa6e6u, 0xb93425e5u, 0x6dfe410eu, 0x9f95c20du, 0x8cc531f9u, 0x7eaeb2fau,
+        0x30e349b1u, 0xc288cab2u, 0xd1d83946u, 0x23b3ba45u, 0xf779deaeu, 0x05125dadu, 0x1642ae59u, 0xe4292d5au,
+        0xba3a117eu, 0x4851927du, 0x5b016189u, 0xa96ae28au, 0x7da08661u, 0x8fcb0562u, 0x9c9bf696u, 0x6ef07595u,
+        0x417b1dbcu, 0xb3109ebfu, 0xa0406d4bu, 0x522bee48u, 0x86e18aa3u, 0x748a09a0u, 0x67dafa54u, 0x95b17957u,
+        0xcba24573u, 0x39c9c670u, 0x2a993584u, 0xd8f2b687u, 0x0c38d26cu, 0xfe53516fu, 0xed03a29bu, 0x1f682198u,
+        0x5125dad3u, 0xa34e59d0u, 0xb01eaa24u, 0x42752927u, 0x96bf4dccu, 0x64d4cecfu, 0x77843d3bu, 0x85efbe38u,
+        0xdbfc821cu, 0x2997011fu, 0x3ac7f2ebu, 0xc8ac71e8u, 0x1c661503u, 0xee0d9600u, 0xfd5d65f4u, 0x0f36e6f7u,
+        0x61c69362u, 0x93ad1061u, 0x80fde395u, 0x72966096u, 0xa65c047du, 0x5437877eu, 0x4767748au, 0xb50cf789u,
+        0xeb1fcbadu, 0x197448aeu, 0x0a24bb5au, 0xf84f3859u, 0x2c855cb2u, 0xdeeedfb1u, 0xcdbe2c45u, 0x3fd5af46u,
+        0x7198540du, 0x83f3d70eu, 0x90a324fau, 0x62c8a7f9u, 0xb602c312u, 0x44694011u, 0x5739b3e5u, 0xa55230e6u,
+        0xfb410cc2u, 0x092a8fc1u, 0x1a7a7c35u, 0xe811ff36u, 0x3cdb9bddu, 0xceb018deu, 0xdde0eb2au, 0x2f8b6829u,
+        0x82f63b78u, 0x709db87bu, 0x63cd4b8fu, 0x91a6c88cu, 0x456cac67u, 0xb7072f64u, 0xa457dc90u, 0x563c5f93u,
+        0x082f63b7u, 0xfa44e0b4u, 0xe9141340u, 0x1b7f9043u, 0xcfb5f4a8u, 0x3dde77abu, 0x2e8e845fu, 0xdce5075cu,
+        0x92a8fc17u, 0x60c37f14u, 0x73938ce0u, 0x81f80fe3u, 0x55326b08u, 0xa759e80bu, 0xb4091bffu, 0x466298fcu,
+        0x1871a4d8u, 0xea1a27dbu, 0xf94ad42fu, 0x0b21572cu, 0xdfeb33c7u, 0x2d80b0c4u, 0x3ed04330u, 0xccbbc033u,
+        0xa24bb5a6u, 0x502036a5u, 0x4370c551u, 0xb11b4652u, 0x65d122b9u, 0x97baa1bau, 0x84ea524eu, 0x7681d14du,
+        0x2892ed69u, 0xdaf96e6au, 0xc9a99d9eu, 0x3bc21e9du, 0xef087a76u, 0x1d63f975u, 0x0e330a81u, 0xfc588982u,
+        0xb21572c9u, 0x407ef1cau, 0x532e023eu, 0xa145813du, 0x758fe5d6u, 0x87e466d5u, 0x94b49521u, 0x66df1622u,
+        0x38cc2a06u, 0xcaa7a905u, 0xd9f75af1u, 0x2b9cd9f2u, 0xff56bd19u, 0x0d3d3e1au, 0x1e6dcdeeu, 0xec064eedu,
+        0xc38d26c4u, 0x31e6a5c7u, 0x22b65633u, 0xd0ddd530u, 0x0417b1dbu, 0xf67c32d8u, 0xe52cc12cu, 0x1747422fu,
+        0x49547e0bu, 0xbb3ffd08u, 0xa86f0efcu, 0x5a048dffu, 0x8ecee914u, 0x7ca56a17u, 0x6ff599e3u, 0x9d9e1ae0u,
+        0xd3d3e1abu, 0x21b862a8u, 0x32e8915cu, 0xc083125fu, 0x144976b4u, 0xe622f5b7u, 0xf5720643u, 0x07198540u,
+        0x590ab964u, 0xab613a67u, 0xb831c993u, 0x4a5a4a90u, 0x9e902e7bu, 0x6cfbad78u, 0x7fab5e8cu, 0x8dc0dd8fu,
+        0xe330a81au, 0x115b2b19u, 0x020bd8edu, 0xf0605beeu, 0x24aa3f05u, 0xd6c1bc06u, 0xc5914ff2u, 0x37faccf1u,
+        0x69e9f0d5u, 0x9b8273d6u, 0x88d28022u, 0x7ab90321u, 0xae7367cau, 0x5c18e4c9u, 0x4f48173du, 0xbd23943eu,
+        0xf36e6f75u, 0x0105ec76u, 0x12551f82u, 0xe03e9c81u, 0x34f4f86au, 0xc69f7b69u, 0xd5cf889du, 0x27a40b9eu,
+        0x79b737bau, 0x8bdcb4b9u, 0x988c474du, 0x6ae7c44eu, 0xbe2da0a5u, 0x4c4623a6u, 0x5f16d052u, 0xad7d5351u};
     uint32_t c = 0xffffffffu;
     size_t i;
-    for (i = 0; i < n; i++) {
-        c ^= p[i];
-        c = (c >> 4) ^ t[c & 15];
-        c = (c >> 4) ^ t[c & 15];
-    }
+    for (i = 0; i < n; i++) c = (c >> 8) ^ t[(c ^ p[i]) & 0xff];
     return ~c;
+}
+
+static uint32_t kvs__crc32c(const unsigned char *p, size_t n)
+{
+#ifdef KVS__HW_CRC
+    if (__builtin_cpu_supports("sse4.2")) return kvs__crc32c_hw(p, n);
+#endif
+    return kvs__crc32c_sw(p, n);
 }
 
 static void kvs__put32(unsigned char *p, uint32_t v)
@@ -1146,6 +1197,7 @@ struct kvs_bus {
     pthread_mutex_t lock;
     pthread_cond_t cond;         /* a thread stopped, or resume */
     uint64_t seq;
+    uint64_t wanted;             /* kinds some subscriber takes: read without the lock */
     uint32_t next_id;
     kvs__sub *subs;              /* stb_ds */
     kvs_reader **readers;        /* stb_ds */
@@ -1165,6 +1217,22 @@ struct kvs_bus {
 static const int kvs__unarmed = 0;
 
 static int kvs__is_armed(const int *armed) { return __atomic_load_n(armed, __ATOMIC_ACQUIRE); }
+
+/* Whether an event of this kind would reach anyone: the scheduler builds none that would not. */
+static int kvs__wants(const kvs_bus *b, kvs_event_kind kind)
+{
+    return b && (__atomic_load_n(&b->wanted, __ATOMIC_ACQUIRE) & KVS_EV_MASK(kind));
+}
+
+/* Locked: the union of the subscribers' kinds. */
+static void kvs__rewant(kvs_bus *b)
+{
+    uint64_t w = 0;
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(b->subs); i++) w |= b->subs[i].kinds ? b->subs[i].kinds : ~0ull;
+    for (i = 0; i < stbds_arrlenu(b->readers); i++) w |= b->readers[i]->kinds ? b->readers[i]->kinds : ~0ull;
+    __atomic_store_n(&b->wanted, w, __ATOMIC_RELEASE);
+}
 
 static uint64_t kvs__now_ns(const kvs_bus *b)
 {
@@ -1254,6 +1322,7 @@ KVS_API kvs_result kvs_bus_subscribe(kvs_bus *bus, uint64_t kinds, kvs_event_fn 
     s.fn = fn;
     s.user = user;
     stbds_arrput(bus->subs, s);
+    kvs__rewant(bus);
     pthread_mutex_unlock(&bus->lock);
     if (out_id) *out_id = s.id;
     return KVS_OK;
@@ -1271,6 +1340,7 @@ KVS_API kvs_result kvs_bus_unsubscribe(kvs_bus *bus, uint32_t id)
             r = KVS_OK;
             break;
         }
+    kvs__rewant(bus);
     pthread_mutex_unlock(&bus->lock);
     return r;
 }
@@ -1293,6 +1363,7 @@ KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capaci
     r->cap = capacity;
     pthread_mutex_lock(&bus->lock);
     stbds_arrput(bus->readers, r);
+    kvs__rewant(bus);
     pthread_mutex_unlock(&bus->lock);
     *out = r;
     return KVS_OK;
@@ -1309,6 +1380,7 @@ KVS_API void kvs_reader_close(kvs_reader *reader)
                 stbds_arrdelswap(reader->bus->readers, i);
                 break;
             }
+        kvs__rewant(reader->bus);
         pthread_mutex_unlock(&reader->bus->lock);
     }
     KVB_FREE(reader->ring);
@@ -1338,7 +1410,9 @@ KVS_API void kvs_bus_pool_events(const kvb_event *events, size_t n, void *bus)
 {
     kvs_bus *b = (kvs_bus *)bus;
     size_t i;
-    if (!b || !events) return;
+    if (!b || !events ||
+        !(kvs__wants(b, KVS_EV_BLOCK_STORED) || kvs__wants(b, KVS_EV_BLOCK_REMOVED) || kvs__wants(b, KVS_EV_BLOCK_CLEARED)))
+        return;
     pthread_mutex_lock(&b->lock);
     for (i = 0; i < n; i++) {
         kvs_event e;
@@ -1369,7 +1443,7 @@ static kvs_transfer_stage kvs__stage_of(const kvo_transfer_info *info)
 KVS_API void kvs_bus_transfer_stage(void *bus, const kvo_stage_note *note)
 {
     kvs_event e;
-    if (!bus || !note || !note->info) return;
+    if (!kvs__wants((kvs_bus *)bus, KVS_EV_TRANSFER) || !note || !note->info) return;
     if (note->info->status == KVO_STATUS_TRANSFERRING) return; /* still Promoted */
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_TRANSFER;
@@ -2509,7 +2583,7 @@ static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
     if (from == to) return KVS_OK;
     if (!kvs_slot_transition_allowed(from, to)) return KVS_ESTATE;
     r->state = to;
-    if (s->cfg.bus) kvs__emit_slot(s, r, from);
+    if (kvs__wants(s->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(s, r, from);
     if (kvs__is_armed(s->armed)) {
         kvs_pause_info at;
         at.call = (kvs_call)0;
@@ -2683,7 +2757,7 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
-    if (sched->cfg.bus) kvs__emit_add(sched, request);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
     if (need > sched->device_blocks) return KVS_ETOOBIG;
     r = (kvs__req *)KVB_MALLOC(sizeof *r);
@@ -2702,7 +2776,7 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     stbds_hmput(sched->reqs, r->id, r);
     kvs__queue_insert(&sched->waiting, r);
     sched->stats.prompt_tokens += request->num_prompt;
-    if (sched->cfg.bus) kvs__emit_slot(sched, r, (kvs_slot_state)0);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(sched, r, (kvs_slot_state)0);
     *out_id = r->id;
     return KVS_OK;
 }
@@ -2935,7 +3009,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
     s->stats.admitted++;
-    if (s->cfg.bus) kvs__emit_admit(s, r, cached);
+    if (kvs__wants(s->cfg.bus, KVS_EV_ADMIT)) kvs__emit_admit(s, r, cached);
     if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_INITIALIZED);
     kvs__set_state(s, r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
@@ -3030,7 +3104,8 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
     e.u.step.onboarding = (uint32_t)stbds_arrlenu(s->onboarding);
     e.u.step.device_used = ps.num_blocks - ps.free_blocks;
     e.u.step.device_blocks = ps.num_blocks;
-    kvs_bus_publish(s->cfg.bus, &e);
+    if (kvs__wants(s->cfg.bus, KVS_EV_STEP)) kvs_bus_publish(s->cfg.bus, &e);
+    if (!kvs__wants(s->cfg.bus, KVS_EV_TIERS)) return;
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_TIERS;
     for (t = 0; t < 4; t++) {
@@ -3051,7 +3126,7 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
-    if (sched->cfg.bus) {
+    if (kvs__wants(sched->cfg.bus, KVS_EV_RUN_STEP)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
         e.kind = KVS_EV_RUN_STEP;
@@ -3080,7 +3155,8 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     out->num_preempted = stbds_arrlenu(sched->preempted);
     sched->in_step = 1;
     sched->stats.steps++;
-    if (sched->cfg.bus) kvs__emit_step(sched, out);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_STEP) || kvs__wants(sched->cfg.bus, KVS_EV_TIERS))
+        kvs__emit_step(sched, out);
     return KVS_OK;
 }
 
@@ -3110,7 +3186,7 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
     size_t i, a;
     if (!sched || !step) return KVS_EINVAL;
     if (!sched->in_step || step->id != sched->step_id) return KVS_ESTEP;
-    if (sched->cfg.bus) {
+    if (kvs__wants(sched->cfg.bus, KVS_EV_COMPLETE)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
         e.kind = KVS_EV_COMPLETE;
@@ -3152,7 +3228,7 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
     kvs__req *r;
     if (!sched || (n && !tokens)) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
-    if (sched->cfg.bus) {
+    if (kvs__wants(sched->cfg.bus, KVS_EV_APPEND)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
         e.kind = KVS_EV_APPEND;
@@ -3174,7 +3250,7 @@ static kvs_result kvs__sched_finish(kvs_sched *sched, uint64_t request)
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
-    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_FINISH, request);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_FINISH)) kvs__emit_call(sched, KVS_EV_FINISH, request);
     return kvs__end(sched, r, 0);
 }
 
@@ -3183,7 +3259,7 @@ static kvs_result kvs__sched_abort(kvs_sched *sched, uint64_t request)
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
-    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_ABORT, request);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_ABORT)) kvs__emit_call(sched, KVS_EV_ABORT, request);
     return kvs__end(sched, r, 1);
 }
 
@@ -3192,7 +3268,7 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     kvs__req *r;
     if (!sched) return KVS_EINVAL;
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
-    if (sched->cfg.bus) kvs__emit_call(sched, KVS_EV_RELEASE, request);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
     (void)stbds_hmdel(sched->reqs, request);
     kvs__req_free(r);

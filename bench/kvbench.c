@@ -25,6 +25,12 @@
  *                         O_DIRECT-ness, fsync included (the two interleaved, 7 rounds, medians);
  *                         disk_write_gbps, disk_read_gbps: the backend's write and its verified read back
  *                         from a dropped page cache (the onboarding path); GB/s = 1e9 bytes/s
+ *   event_publish_ns      kvs_bus_publish of one event to a ring reader and an in-memory recorder;
+ *                         event_log_vs_fwrite: the recorder appending 100,000 events to its log file
+ *                         (CRC-32C, fclose included) / fwrite of as many 84-byte records to the same file
+ *   sched_step_bus_idle_ratio   sched_step_us_1000 on a bus with no subscriber / without a bus (two
+ *                         schedulers interleaved): the cost of being observable; _recorded_ratio: the
+ *                         same with a recorder keeping every event (inputs included, for replay)
  *   cancel_latency_ms     kvo_transfer_cancel return time for a container sitting in the batcher below
  *                         min batch (KVO_MODE_THREADS), median of 50 (cancel_latency_max_ms: the
  *                         slowest); the goal is sweep interval + 1 ms
@@ -93,6 +99,9 @@
 #define GOAL_SCHED_STEP_US      100.0
 #define GOAL_REMOTE_VS_REDIS    0.8
 #define GOAL_SCHED_SCALING      4.5
+#define GOAL_EVENT_PUBLISH_NS   100.0
+#define GOAL_EVENT_LOG_VS_FWRITE 2.0
+#define GOAL_SCHED_BUS_IDLE     1.05
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
 
@@ -137,6 +146,7 @@
 #define REPS_DISK   7
 #define REPS_EVICT  5
 #define REPS_SCHED  31
+#define REPS_OBSERVE 9
 #define EVICT_ITERATIONS 8192  /* x 16 evictions per repetition */
 #define SCHED_PROMPT_BLOCKS 2  /* each request: 2 full blocks + 0..15 tokens, so 1 in 16 crosses a block per step */
 
@@ -324,7 +334,7 @@ typedef struct result {
     goal_kind kind;
 } result;
 
-#define MAX_RESULTS 32
+#define MAX_RESULTS 64
 typedef struct results {
     result items[MAX_RESULTS];
     size_t n;
@@ -1290,7 +1300,7 @@ static size_t sched_step(sched_bench *b)
     return decoded;
 }
 
-static void sched_setup(sched_bench *b, uint32_t requests)
+static void sched_setup(sched_bench *b, uint32_t requests, kvs_bus *bus)
 {
     uint32_t blocks = requests * (SCHED_PROMPT_BLOCKS + 8);
     memset(b, 0, sizeof *b);
@@ -1300,7 +1310,7 @@ static void sched_setup(sched_bench *b, uint32_t requests)
     kvo_manager_config mc = { .num_tiers = 2, .pools = { b->device, b->host }, .down = { b->copy },
                               .up = { NULL, b->copy }, .pipeline = { .mode = KVO_MODE_POLL } };
     expect_kvo(kvo_manager_create(&mc, &b->tiers), "kvo_manager_create");
-    kvs_sched_config sc = { .device = b->device, .tiers = b->tiers, .max_seqs = requests };
+    kvs_sched_config sc = { .device = b->device, .tiers = b->tiers, .max_seqs = requests, .bus = bus };
     if (kvs_sched_create(&sc, &b->sched) != KVS_OK) die("kvs_sched_create failed");
     uint32_t *prompt = xmalloc((SCHED_PROMPT_BLOCKS + 1) * BLOCK_TOKENS * sizeof *prompt);
     for (uint32_t r = 0; r < requests; r++) {
@@ -1339,10 +1349,134 @@ static double sched_step_once(void *ctx)
 static double measure_sched_step(uint32_t requests)
 {
     sched_bench b;
-    sched_setup(&b, requests);
+    sched_setup(&b, requests, NULL);
     double us = summarize_runs(MEDIAN, REPS_SCHED, sched_step_once, &b);
     sched_teardown(&b);
     return us;
+}
+
+/* ---- kvsched.h observability: events, the log, the cost to the scheduler ------------------------ */
+
+#define OBSERVE_EVENTS 100000
+
+typedef struct observe_bench {
+    char dir[64], path[96];
+    kvs_event event;
+} observe_bench;
+
+static kvs_bus *observe_bus(void)
+{
+    kvs_bus *bus;
+    if (kvs_bus_create(NULL, &bus) != KVS_OK) die("kvs_bus_create failed");
+    return bus;
+}
+
+static void observe_publish_all(kvs_bus *bus, kvs_event *e)
+{
+    for (int i = 0; i < OBSERVE_EVENTS; i++) {
+        e->request = (uint64_t)i;
+        if (kvs_bus_publish(bus, e) != KVS_OK) die("kvs_bus_publish failed");
+    }
+}
+
+/* A bus with a ring reader (never read: it drops the oldest) and an in-memory recorder. */
+static double publish_once(void *ctx)
+{
+    observe_bench *b = ctx;
+    kvs_bus *bus = observe_bus();
+    kvs_reader *reader;
+    kvs_recorder *rec;
+    kvs_recorder_config rc = { .capacity = 65536 };
+    if (kvs_reader_open(bus, 0, 4096, &reader) != KVS_OK || kvs_recorder_create(bus, &rc, &rec) != KVS_OK)
+        die("observe bench: reader or recorder");
+    uint64_t t0 = now_ns();
+    observe_publish_all(bus, &b->event);
+    uint64_t t1 = now_ns();
+    kvs_recorder_destroy(rec);
+    kvs_reader_close(reader);
+    kvs_bus_destroy(bus);
+    return (double)(t1 - t0) / OBSERVE_EVENTS;
+}
+
+/* The recorder appending every event to its log file, closed (flushed) at the end. */
+static double log_once(void *ctx)
+{
+    observe_bench *b = ctx;
+    kvs_bus *bus = observe_bus();
+    kvs_recorder *rec;
+    kvs_recorder_config rc = { .capacity = 1024, .log_path = b->path };
+    uint64_t t0 = now_ns();
+    if (kvs_recorder_create(bus, &rc, &rec) != KVS_OK) die("observe bench: recorder with a log");
+    observe_publish_all(bus, &b->event);
+    kvs_recorder_destroy(rec);
+    uint64_t t1 = now_ns();
+    kvs_bus_destroy(bus);
+    return (double)(t1 - t0) / OBSERVE_EVENTS;
+}
+
+/* The limit: fwrite of the same number of records of the same size to the same file, closed. */
+static double fwrite_once(void *ctx)
+{
+    observe_bench *b = ctx;
+    unsigned char rec[KVS_RECORD_BYTES];
+    memset(rec, 0x5a, sizeof rec);
+    uint64_t t0 = now_ns();
+    FILE *f = fopen(b->path, "wb");
+    if (!f) die("observe bench: cannot write %s", b->path);
+    for (int i = 0; i < OBSERVE_EVENTS; i++) {
+        rec[0] = (unsigned char)i;
+        if (fwrite(rec, sizeof rec, 1, f) != 1) die("observe bench: fwrite failed");
+    }
+    if (fclose(f) != 0) die("observe bench: fclose failed");
+    uint64_t t1 = now_ns();
+    return (double)(t1 - t0) / OBSERVE_EVENTS;
+}
+
+/* Two schedulers in the same steady state, one of them observed: their step times interleaved. */
+typedef struct sched_pair { sched_bench plain, observed; } sched_pair;
+
+static double sched_plain_once(void *ctx) { return sched_step_once(&((sched_pair *)ctx)->plain); }
+static double sched_observed_once(void *ctx) { return sched_step_once(&((sched_pair *)ctx)->observed); }
+
+static double measure_sched_observed(uint32_t requests, int record)
+{
+    sched_pair p;
+    kvs_bus *bus = observe_bus();
+    kvs_recorder *rec = NULL;
+    kvs_recorder_config rc = { .capacity = 1u << 20 };
+    if (record && kvs_recorder_create(bus, &rc, &rec) != KVS_OK) die("observe bench: recorder");
+    sched_setup(&p.plain, requests, NULL);
+    sched_setup(&p.observed, requests, bus);
+    double plain, observed;
+    summarize_interleaved(MEDIAN, REPS_SCHED, sched_plain_once, sched_observed_once, &p, &plain, &observed);
+    sched_teardown(&p.observed);
+    sched_teardown(&p.plain);
+    kvs_recorder_destroy(rec);
+    kvs_bus_destroy(bus);
+    return observed / plain;
+}
+
+static void bench_observe(results *rs)
+{
+    observe_bench b;
+    memset(&b, 0, sizeof b);
+    snprintf(b.dir, sizeof b.dir, "/tmp/kvbench_observe.XXXXXX");
+    if (!mkdtemp(b.dir)) die("observe bench: mkdtemp failed");
+    snprintf(b.path, sizeof b.path, "%s/events.kvslog", b.dir);
+    b.event.kind = KVS_EV_STEP;
+    b.event.u.step.step = 7;
+    b.event.u.step.decode = 1000;
+    double publish = summarize_runs(MEDIAN, REPS_OBSERVE, publish_once, &b);
+    double logged, plain;
+    summarize_interleaved(MEDIAN, REPS_OBSERVE, log_once, fwrite_once, &b, &logged, &plain);
+    unlink(b.path);
+    rmdir(b.dir);
+    results_add(rs, "event_publish_ns", publish, "ns/event", GOAL_EVENT_PUBLISH_NS, GOAL_AT_MOST);
+    results_add(rs, "event_log_ns", logged, "ns/event", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "event_log_vs_fwrite", logged / plain, "ratio", GOAL_EVENT_LOG_VS_FWRITE, GOAL_AT_MOST);
+    results_add(rs, "sched_step_bus_idle_ratio", measure_sched_observed(1000, 0), "ratio", GOAL_SCHED_BUS_IDLE,
+                GOAL_AT_MOST);
+    results_add(rs, "sched_step_recorded_ratio", measure_sched_observed(1000, 1), "ratio", NO_GOAL, GOAL_AT_MOST);
 }
 
 /* ---- kvremote.h: the Redis G4 tier over loopback ------------------------------------------------ */
@@ -1428,6 +1562,8 @@ int main(int argc, char **argv)
     bench_evict(&rs, &rng);
     progress("scheduler step, 1000 and 4000 decoding requests");
     bench_sched(&rs);
+    progress("events: publish, log, the scheduler observed");
+    bench_observe(&rs);
     progress("remote tier (Redis on loopback), 256 blocks of 2 MiB");
     bench_remote(&rs);
 
