@@ -15,11 +15,11 @@ MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
-TSAN_TESTS   := test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress test_remote
-DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server
+TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress test_remote
+DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server tmux
 
 .PHONY: all deps test tsan demo bench clean
-all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm
+all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm $(BUILD)/kvtop
 
 # Install missing Debian packages (apt-get as root; otherwise print the command and stop).
 deps:
@@ -58,7 +58,8 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru --eviction lineage" \
   "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000" \
-  "sh tests/remote_sim.sh"
+  "sh tests/remote_sim.sh" \
+  "sh tests/kvtop_tmux.sh"
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
 # `make cuda` -> build/libkvcuda.a; `make test` adds the CUDA tests (they skip without a device);
@@ -75,7 +76,7 @@ CFLAGS_CUDA_TEST := $(BASE) -g -O1 -fsanitize=undefined -fno-sanitize-recover=al
 CUDA_TESTS := $(if $(HAVE_NVCC),$(BUILD)/cuda/test_cuda)
 .PHONY: cuda bench-cuda
 
-test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(CUDA_TESTS)
+test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(BUILD)/kvtop $(CUDA_TESTS)
 	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS)) $(CHECK_PROGRAMS) $(CUDA_TESTS) $(TEST_MORE)
 
 tsan: deps $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))
@@ -92,6 +93,11 @@ $(BUILD)/tiny_llm: examples/tiny_llm.c $(HEADERS) | deps
 $(BUILD)/serve_sim: examples/serve_sim.c kvremote.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -DKVO_WITH_REDIS -o $@ $< -lcjson -lhiredis -lm
+
+# the console (issue 7): attaches to serve_sim --console PATH, or reads serve_sim --record FILE
+$(BUILD)/kvtop: examples/kvtop.c $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
 demo: deps $(BUILD)/serve_sim
 	./$(BUILD)/serve_sim

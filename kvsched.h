@@ -114,7 +114,8 @@
  * Console: kvs_console_start serves a Unix socket (mode 0600) from its own thread: a client gets the
  * log header, the live slots, the last step and tier events, the recent history, then every event as
  * it happens (records as in the log); it sends command lines: pause, resume, break state NAME,
- * break request ID, break call NAME, clear. A client that falls 8 MiB behind is disconnected.
+ * break request ID, break call NAME, clear. A client more than 4 MiB behind skips events until it
+ * catches up (the engine never waits for it): the gap in seq says how many it lost.
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
@@ -1798,7 +1799,7 @@ typedef struct kvs__client {
 
 typedef struct kvs__slot_last { uint64_t key; kvs_event value; } kvs__slot_last;
 
-#define KVS__CLIENT_BACKLOG (8u << 20) /* a client further behind than this is disconnected */
+#define KVS__CLIENT_BACKLOG (4u << 20) /* a client further behind than this skips events (seq shows the gap) */
 
 struct kvs_console {
     kvs_bus *bus;
@@ -1831,11 +1832,12 @@ static void kvs__console_note(kvs_console *k, const kvs_event *e)
 static void kvs__client_queue(kvs__client *c, const kvs_event *e)
 {
     unsigned char rec[KVS_RECORD_BYTES];
+    if (stbds_arrlenu(c->out) >= KVS__CLIENT_BACKLOG) return; /* too far behind: it loses this one */
     kvs_event_encode(e, rec);
     memcpy(stbds_arraddnptr(c->out, sizeof rec), rec, sizeof rec);
 }
 
-/* Send what the socket takes now; 0 when the client is gone or too far behind. */
+/* Send what the socket takes now; 0 when the client is gone. */
 static int kvs__client_flush(kvs__client *c)
 {
     size_t off = 0, len = stbds_arrlenu(c->out);
@@ -1853,7 +1855,7 @@ static int kvs__client_flush(kvs__client *c)
         memmove(c->out, c->out + off, len - off);
         KVB__ARR_SHRINK(c->out, len - off);
     }
-    return stbds_arrlenu(c->out) <= KVS__CLIENT_BACKLOG;
+    return 1;
 }
 
 /* A new client gets the header, the live slots, the last step / tiers / pause, then the history. */
@@ -1916,14 +1918,47 @@ static void kvs__client_drop(kvs_console *k, size_t i)
     stbds_arrdelswap(k->clients, i);
 }
 
+/* New events, a batch at a time: to the model, to every client, and out as far as the sockets take. */
+static void kvs__console_pump(kvs_console *k)
+{
+    kvs_event batch[256];
+    size_t i, n;
+    do {
+        kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, NULL);
+        for (i = 0; i < n; i++) {
+            size_t j;
+            kvs__console_note(k, &batch[i]);
+            for (j = 0; j < stbds_arrlenu(k->clients); j++) kvs__client_queue(&k->clients[j], &batch[i]);
+        }
+        for (i = stbds_arrlenu(k->clients); i-- > 0;)
+            if (!kvs__client_flush(&k->clients[i])) kvs__client_drop(k, i);
+    } while (n == sizeof batch / sizeof batch[0]);
+}
+
+/* Stopping: what is queued still goes out, for up to a second. */
+static void kvs__console_finish(kvs_console *k)
+{
+    uint64_t until = kvo__mono_us() + 1000000;
+    size_t i;
+    kvs__console_pump(k);
+    for (;;) {
+        size_t waiting = 0;
+        for (i = stbds_arrlenu(k->clients); i-- > 0;) {
+            if (!kvs__client_flush(&k->clients[i])) kvs__client_drop(k, i);
+            else waiting += stbds_arrlen(k->clients[i].out) > 0;
+        }
+        if (!waiting || kvo__mono_us() >= until) return;
+        poll(NULL, 0, 5);
+    }
+}
+
 static void *kvs__console_main(void *arg)
 {
     kvs_console *k = (kvs_console *)arg;
-    kvs_event batch[256];
     for (;;) {
         struct pollfd *fds = NULL;
         struct pollfd p;
-        size_t i, n;
+        size_t i;
         int stop = 0;
         p.fd = k->wake[0];
         p.events = POLLIN;
@@ -1953,17 +1988,11 @@ static void *kvs__console_main(void *arg)
             }
         }
         stbds_arrfree(fds);
-        do { /* new events: to the model, then to every client */
-            kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, NULL);
-            for (i = 0; i < n; i++) {
-                size_t j;
-                kvs__console_note(k, &batch[i]);
-                for (j = 0; j < stbds_arrlenu(k->clients); j++) kvs__client_queue(&k->clients[j], &batch[i]);
-            }
-        } while (n == sizeof batch / sizeof batch[0]);
-        for (i = stbds_arrlenu(k->clients); i-- > 0;)
-            if (!kvs__client_flush(&k->clients[i])) kvs__client_drop(k, i);
-        if (stop) return NULL;
+        kvs__console_pump(k);
+        if (stop) {
+            kvs__console_finish(k);
+            return NULL;
+        }
     }
 }
 

@@ -5,6 +5,7 @@
  *   make build/serve_sim && ./build/serve_sim                      # synthetic workload, report
  *   ./build/serve_sim --trace examples/traces/small.jsonl --json   # a trace, one JSON object
  *   ./build/serve_sim --sequential --trace FILE --device-blocks 10000 --host-blocks 0   # pure replay
+ *   ./build/serve_sim --pace-us 20000 --console /tmp/kv.sock & ./build/kvtop /tmp/kv.sock   # watch it
  *   ./build/serve_sim --help
  *
  * Build by hand (drop -DKVO_WITH_REDIS and -lhiredis to build without the remote tier):
@@ -79,6 +80,21 @@
  * workload against the same Redis, with cold local tiers, gets remote hits (tests/remote_sim.sh).
  * Built with -DKVO_WITH_REDIS -lhiredis (the Makefile does); without KVO_WITH_REDIS, --remote stops the
  * run at start with "remote tier not built in" (exit 2).
+ *
+ * OBSERVABILITY (the scheduler run with the cache on; not with --sequential, which stops with exit 2):
+ *   --console PATH  publish every event on a kvs_bus (slot transitions, admissions, steps, block events of
+ *                   every pool, transfer stages of every pipeline, tier occupancy) and serve it with
+ *                   kvs_console on the Unix socket PATH: build/kvtop PATH watches the run, pauses it and
+ *                   sets breakpoints.
+ *   --record FILE   a kvs_recorder writing every event to the log FILE (build/kvtop --log FILE reads it;
+ *                   kvs_replay can feed it back). Either option creates the bus; events carry simulated
+ *                   time, so the same run records the same log.
+ *   --metrics FILE  kvs_metrics_write's Prometheus text at the end of the run into FILE (- = stdout, after
+ *                   the report).
+ *   --pace-us N     sleep N microseconds of real time after every engine step, so that a person (or a
+ *                   test) can watch: ./build/serve_sim --pace-us 20000 --console /tmp/kv.sock &
+ *                   ./build/kvtop /tmp/kv.sock
+ *   The baseline run (cache off) is neither observed nor paced. Without these options there is no bus.
  *
  * EXIT STATUS: 0 ok; 1 a check failed (--check-lru, --bytes data check); 2 bad usage or input.
  */
@@ -303,6 +319,8 @@ typedef struct options {
     uint32_t eviction, offload; /* kvb_evict_policy, kvo_offload_mode; UNSET = default */
     uint64_t seed;
     const char *trace, *svg, *remote;
+    const char *console, *record, *metrics; /* observability of the scheduler run (NULL: off) */
+    uint32_t pace_us;        /* real microseconds slept after every engine step */
     int json, sequential, bytes, strict, check_lru, help;
     uint32_t remote_blocks; /* G4 pool size: set in main from the workload (its prompt blocks) */
 } options;
@@ -350,6 +368,10 @@ static const optdef optdefs[] = {
     {"--remote", OPT_STR, OPT(remote), NULL, "URL", "G4 tier in Redis, last: redis://host:port[,host:port...] (implies --bytes)"},
     {"--json", OPT_FLAG, OPT(json), NULL, NULL, "print one JSON object instead of the text report"},
     {"--svg", OPT_STR, OPT(svg), NULL, "FILE", "write a chart of hit rate and tier occupancy over time"},
+    {"--console", OPT_STR, OPT(console), NULL, "PATH", "serve kvs_console on this Unix socket (build/kvtop PATH attaches)"},
+    {"--record", OPT_STR, OPT(record), NULL, "FILE", "record every event to a log (build/kvtop --log FILE reads it)"},
+    {"--metrics", OPT_STR, OPT(metrics), NULL, "FILE", "write the Prometheus metrics at the end of the run, - = stdout"},
+    {"--pace-us", OPT_U32, OPT(pace_us), NULL, "N", "sleep N real microseconds after every engine step (default 0)"},
     {"--help", OPT_FLAG, OPT(help), NULL, NULL, "this text"},
 };
 #define NOPTS (sizeof optdefs / sizeof optdefs[0])
@@ -446,6 +468,11 @@ static void parse_options(int argc, char **argv, options *o)
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");
     if (o->check_lru && (o->host_blocks || o->disk_blocks))
         die(2, "--check-lru compares the device pool alone with the reference: add --host-blocks 0 --disk-blocks 0");
+    if (o->sequential && (o->console || o->record || o->metrics || o->pace_us))
+        die(2, "--console, --record, --metrics and --pace-us observe the scheduler: drop --sequential%s",
+            o->check_lru ? " and --check-lru (it implies --sequential)" : "");
+    if ((o->console && !*o->console) || (o->record && !*o->record) || (o->metrics && !*o->metrics))
+        die(2, "--console, --record and --metrics need a path");
     if (o->remote) {
         if (!*o->remote) die(2, "--remote needs redis://host:port");
         if (o->check_lru) die(2, "--check-lru compares the device pool alone with the reference: drop --remote");
@@ -795,6 +822,7 @@ static int null_submit(kvo_backend *self, kvo_copy_job *job)
 static void null_destroy(kvo_backend *self) { (void)self; }
 
 static char tmp_path[64]; /* the --bytes disk file, removed at exit (also on SIGINT / SIGTERM) */
+static char console_path[108]; /* --console: the socket, removed on SIGINT / SIGTERM too */
 static void remove_tmp(void)
 {
     if (tmp_path[0]) unlink(tmp_path);
@@ -803,6 +831,7 @@ static void remove_tmp(void)
 static void on_signal(int sig)
 {
     if (tmp_path[0]) unlink(tmp_path);
+    if (console_path[0]) unlink(console_path);
     signal(sig, SIG_DFL);
     raise(sig);
 }
@@ -851,10 +880,12 @@ static kvb_pool *make_pool(const options *o, uint32_t blocks, uint32_t tier, kvb
 }
 
 /* clock: the simulated time (NULL: the real clock). lower = 0: the device pool alone. on_events: the
- * device pool's event callback (may be NULL). */
+ * device pool's event callback (may be NULL; it forwards to the bus itself). bus (may be NULL): the lower
+ * pools' block events and every pipeline's transfer stages go there. */
 static void open_tiers(tiers *t, const options *o, int lower, int bytes, double *clock, int sequential,
-                       kvb_event_fn on_events, void *event_user)
+                       kvb_event_fn on_events, void *event_user, kvs_bus *bus)
 {
+    kvb_event_fn lower_events = bus ? kvs_bus_pool_events : NULL;
     kvo_manager_config mc;
     uint32_t i;
     memset(t, 0, sizeof *t);
@@ -872,18 +903,19 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
     if (!lower || (!o->host_blocks && !o->disk_blocks && !o->remote)) return;
     if (o->host_blocks) {
         t->pool[t->n] = make_pool(o, o->host_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, bytes,
-                                  KVB_LAYOUT_LAYER_SEPARATE, &t->layout, NULL, NULL);
+                                  KVB_LAYOUT_LAYER_SEPARATE, &t->layout, lower_events, bus);
         t->kind[t->n++] = TIER_HOST;
     }
     if (o->disk_blocks) {
-        t->pool[t->n] = make_pool(o, o->disk_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, NULL, NULL);
+        t->pool[t->n] = make_pool(o, o->disk_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, lower_events, bus);
         t->kind[t->n++] = TIER_DISK;
     }
     if (o->remote) { /* G4: a metadata-only pool standing for what Redis holds, filled through the backend */
         kvo_redis_config rc;
         char why[256] = "";
         int r;
-        t->pool[t->n] = make_pool(o, o->remote_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, NULL, NULL);
+        t->pool[t->n] = make_pool(o, o->remote_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, lower_events,
+                                  bus);
         t->kind[t->n++] = TIER_REMOTE;
         memset(&rc, 0, sizeof rc);
         rc.servers = o->remote;
@@ -938,6 +970,8 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
     mc.pipeline.clock = clock ? sim_clock_us : NULL;
     mc.pipeline.clock_user = clock;
     if (sequential) mc.pipeline.min_batch = 1; /* one request at a time: nothing to batch with */
+    mc.pipeline.on_stage = bus ? kvs_bus_transfer_stage : NULL;
+    mc.pipeline.stage_user = bus;
     check_kv(kvo_manager_create(&mc, &t->mgr), "tier manager");
 }
 
@@ -1073,6 +1107,7 @@ typedef struct results {
     traffic tr;
     double lru_rate;         /* --check-lru */
     int lru_checked;
+    char *metrics;           /* --metrics: the Prometheus text at the end of the run */
     char disk_note[160];
 } results;
 
@@ -1118,7 +1153,7 @@ static void replay(const workload *w, const options *o, results *res, series *sv
     kvb_block *blk;
     uint8_t *tier_of;
     double t0;
-    open_tiers(&t, o, 1, o->bytes, NULL, 1, NULL, NULL);
+    open_tiers(&t, o, 1, o->bytes, NULL, 1, NULL, NULL, NULL);
     for (q = 0; q < w->n; q++)
         if (w->reqs[q].num_blocks > maxb) maxb = w->reqs[q].num_blocks;
     if (maxb > o->device_blocks) maxb = o->device_blocks;
@@ -1283,7 +1318,7 @@ typedef struct live {                /* a request while the scheduler has it */
 /* Which blocks onboarding put on the device and no request has used yet: the device pool reports a
  * hash STORED during kvs_sched_step only when an onboard registered it (computed blocks are registered
  * by kvs_sched_complete); a block that is evicted again before use is forgotten. */
-typedef struct landed { u64map hashes; int in_step; } landed;
+typedef struct landed { u64map hashes; int in_step; kvs_bus *bus; } landed;
 
 static void on_device_events(const kvb_event *ev, size_t n, void *user)
 {
@@ -1293,6 +1328,83 @@ static void on_device_events(const kvb_event *ev, size_t n, void *user)
         if (ev[i].kind == KVB_EVENT_STORED && ld->in_step) map_put(&ld->hashes, ev[i].hash.lo, 1);
         else if (ev[i].kind == KVB_EVENT_REMOVED) map_del(&ld->hashes, ev[i].hash.lo);
     }
+    if (ld->bus) kvs_bus_pool_events(ev, n, ld->bus); /* --console, --record: the device pool's events too */
+}
+
+/* --console, --record, --metrics: the scheduler run with the cache on publishes every event on a bus
+ * stamped with simulated time (a recorded run is deterministic); the baseline run is not observed. */
+typedef struct observer {
+    kvs_bus *bus;            /* NULL: nothing observes the run */
+    kvs_console *console;
+    kvs_recorder *recorder;
+} observer;
+
+static uint64_t sim_clock_ns(void *user) { return (uint64_t)(*(const double *)user * 1e9); }
+
+static void observer_start(observer *ob, const options *o, double *clock)
+{
+    kvs_bus_config bc;
+    memset(ob, 0, sizeof *ob);
+    if (!o->console && !o->record) return;
+    memset(&bc, 0, sizeof bc);
+    bc.clock = sim_clock_ns;
+    bc.clock_user = clock;
+    check_kv(kvs_bus_create(&bc, &ob->bus), "kvs_bus_create");
+    if (o->record) {
+        kvs_recorder_config rc;
+        memset(&rc, 0, sizeof rc);
+        rc.log_path = o->record;
+        if (kvs_recorder_create(ob->bus, &rc, &ob->recorder) != KVS_OK)
+            die(2, "--record %s: cannot create the log", o->record);
+    }
+    if (o->console) {
+        kvs_console_config cc;
+        memset(&cc, 0, sizeof cc);
+        cc.path = o->console;
+        if (strlen(o->console) >= sizeof console_path)
+            die(2, "--console %s: path too long for a Unix socket", o->console);
+        if (kvs_console_start(ob->bus, &cc, &ob->console) != KVS_OK)
+            die(2, "--console %s: cannot create the socket", o->console);
+        snprintf(console_path, sizeof console_path, "%s", o->console);
+        signal(SIGINT, on_signal);
+        signal(SIGTERM, on_signal);
+    }
+}
+
+/* After the scheduler and the tiers (everything publishing) are gone. */
+static void observer_stop(observer *ob)
+{
+    if (ob->console) kvs_console_stop(ob->console);
+    console_path[0] = 0;
+    if (ob->recorder) kvs_recorder_destroy(ob->recorder);
+    if (ob->bus) kvs_bus_destroy(ob->bus);
+    memset(ob, 0, sizeof *ob);
+}
+
+/* kvs_metrics_write's text, in a buffer of the size it asks for. */
+static char *metrics_text(kvs_sched *s, kvo_backend *disk)
+{
+    size_t cap = 16384, len = 0;
+    char *buf = NULL;
+    for (;;) {
+        int r;
+        buf = (char *)xrealloc(buf, cap);
+        r = kvs_metrics_write(s, disk, buf, cap, &len);
+        if (r != KVS_ENOSPACE) {
+            check_kv(r, "kvs_metrics_write");
+            return buf;
+        }
+        if (len + 1 <= cap) die(2, "kvs_metrics_write: asks for %zu bytes with %zu given", len + 1, cap);
+        cap = len + 1;
+    }
+}
+
+static void pace(uint32_t us)
+{
+    struct timespec ts;
+    ts.tv_sec = (time_t)(us / 1000000);
+    ts.tv_nsec = (long)(us % 1000000) * 1000;
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {}
 }
 
 /* Hits of a request, counted once, when it is first admitted: its cached blocks (device + onboarded).
@@ -1349,16 +1461,21 @@ static void run_sched(const workload *w, const options *o, int cache_on, results
     int bytes = cache_on && o->bytes;
     const char *label = cache_on ? "cache on" : "cache off";
     landed ld;
+    observer ob;
 
     memset(&hp, 0, sizeof hp);
     map_init(&ids, 1024);
     map_init(&ld.hashes, 1024);
     ld.in_step = 0;
-    open_tiers(&t, o, cache_on, bytes, &now, 0, on_device_events, &ld);
+    if (cache_on) observer_start(&ob, o, &now);
+    else memset(&ob, 0, sizeof ob);
+    ld.bus = ob.bus;
+    open_tiers(&t, o, cache_on, bytes, &now, 0, on_device_events, &ld, ob.bus);
     memset(&sc, 0, sizeof sc);
     sc.device = t.pool[0];
     sc.tiers = t.mgr;
     sc.offload = o->offload == KVO_OFFLOAD_LAZY ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
+    sc.bus = ob.bus;
     check_kv(kvs_sched_create(&sc, &s), "kvs_sched_create");
     for (q = 0; q < w->n; q++)
         if (w->is_trace || w->reqs[q].turn == 0) heap_push(&hp, w->reqs[q].arrival, q);
@@ -1518,6 +1635,7 @@ static void run_sched(const workload *w, const options *o, int cache_on, results
             }
         }
         if (sv) series_add(sv, &t, now, res->tier_hits, res->prompt_blocks);
+        if (cache_on && o->pace_us) pace(o->pace_us);
         if (progress && (res->steps & 255) == 0 && wall_now() - shown > 0.1) {
             shown = wall_now();
             show_progress(label, w->n - remaining, w->n, now, 0);
@@ -1529,8 +1647,10 @@ static void run_sched(const workload *w, const options *o, int cache_on, results
     res->wall_seconds = wall_now() - wall0;
     collect_traffic(&t, o, bytes, &res->tr);
     snprintf(res->disk_note, sizeof res->disk_note, "%s", t.disk_note);
+    if (cache_on && o->metrics) res->metrics = metrics_text(s, t.disk);
     kvs_sched_destroy(s);
     close_tiers(&t);
+    observer_stop(&ob);
     map_free(&ids);
     map_free(&ld.hashes);
     for (q = 0; q < w->n; q++) free(L[q].load_tier);
@@ -1940,6 +2060,12 @@ int main(int argc, char **argv)
             int checks = (o.check_lru != 0) + (o.bytes != 0);
             printf("%d passed, %d failed\n", checks - failed, failed);
         }
+    }
+    if (res.metrics) { /* after the report: --metrics - puts it last on stdout */
+        FILE *f = strcmp(o.metrics, "-") ? fopen(o.metrics, "w") : stdout;
+        if (!f || fputs(res.metrics, f) < 0 || (f != stdout && fclose(f) != 0))
+            die(2, "--metrics %s: %s", o.metrics, strerror(errno));
+        free(res.metrics);
     }
     free(res.ttft);
     free(res.cpu);
