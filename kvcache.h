@@ -6454,6 +6454,8 @@ KVS_API kvs_result kvs_event_from_json(const char *json, kvs_event *out)
         if (n >= sizeof vals / sizeof vals[0]) return KVS_EINVAL;
         memset(&vals[n], 0, sizeof vals[n]);
         if (!(p = kvs__jstring(p, vals[n].key, sizeof vals[n].key))) return KVS_EINVAL;
+        for (i = 0; i < n; i++) /* a key twice is not something the writer writes */
+            if (strcmp(vals[i].key, vals[n].key) == 0) return KVS_EINVAL;
         p = kvs__skip(p);
         if (*p++ != ':' || !(p = kvs__jvalue(p, &vals[n]))) return KVS_EINVAL;
         n++;

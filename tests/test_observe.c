@@ -570,7 +570,9 @@ static void json_parser_rejects_what_the_writer_never_writes(void)
     size_t len;
     const char *p;
     static const char *garbage[] = {"", "{", "}", "[]", "null", "not json", "{\"kind\":\"slot\"", "{\"kind\":42}",
-                                    "{\"kind\":\"no_such_kind\",\"seq\":1}"};
+                                    "{\"kind\":\"no_such_kind\",\"seq\":1}",
+                                    /* a key twice (found by fuzzing: the second array left the first's tail) */
+                                    "{\"kind\":\"tokens\",\"words\":[1,2,3],\"words\":[4]}"};
     for (size_t i = 0; i < sizeof garbage / sizeof garbage[0]; i++)
         KVT_EQ(kvs_event_from_json(garbage[i], &out), KVS_EINVAL);
     KVT_EQ(kvs_event_to_json(&e, json, sizeof json, &len), KVS_OK);
