@@ -5390,8 +5390,9 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *     transfer    [transfer, stage, src_tier, dst_tier, blocks, moved, error, onboard]; stages:
  *                 PendingEvaluation -> Promoted -> Skipped | Completed | Cancelled | Failed
  *     tiers       once per step [num_tiers, used[4], total[4]] (used: blocks holding data)
- *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs (the
- *                 prompt and appended tokens in `tokens` events of up to 11 words [words])
+ *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs; the
+ *                 prompt follows an add in `tokens` events of up to 11 words [words]; an append carries
+ *                 its first 10 tokens itself [n, words], the rest follow in `tokens` events
  *     paused / resumed   a thread stopped at a breakpoint or pause [call, state, finished]
  * Every event also has seq (from 1 per bus), t_ns, request (0 when none) and v. kvs_event_to_json
  * writes one flat JSON object, kvs_event_from_json reads it back.
@@ -5759,7 +5760,7 @@ typedef struct kvs_event {
                  uint32_t num_extra; } add;
         struct { uint32_t n, words[11]; } tokens;                                /* ADD: extra keys (lo, hi) then prompt */
         struct { uint64_t step; } run;                                           /* RUN_STEP (id to be), COMPLETE */
-        struct { uint64_t n; } append;
+        struct { uint64_t n; uint32_t words[10]; } append;                      /* the first 10 tokens */
         struct { uint32_t call, state, finished; } pause;                        /* where: a call or a slot state */
         uint8_t raw[48];
     } u;
@@ -6146,7 +6147,7 @@ KVS_API kvs_result kvs_event_decode(const unsigned char *in, kvs_event *out)
 
 /* JSON: every kind names its fields; a table drives both the writer and the parser. */
 typedef enum kvs__ftype { KVS__F_U32, KVS__F_I32, KVS__F_U64, KVS__F_STATE, KVS__F_STAGE, KVS__F_CALL,
-                          KVS__F_HASH, KVS__F_WORDS, KVS__F_ARR4 } kvs__ftype;
+                          KVS__F_HASH, KVS__F_WORDS, KVS__F_ARR4, KVS__F_APPEND_WORDS } kvs__ftype;
 typedef struct kvs__field { unsigned char kind; unsigned char type; unsigned short offset; const char *name; } kvs__field;
 
 #define KVS__F(kind, type, member, name) {kind, type, (unsigned short)offsetof(kvs_event, u.member), name}
@@ -6187,6 +6188,7 @@ static const kvs__field kvs__fields[] = {
     KVS__F(KVS_EV_TOKENS, KVS__F_WORDS, tokens, "words"),
     KVS__F(KVS_EV_RUN_STEP, KVS__F_U64, run.step, "step"), KVS__F(KVS_EV_COMPLETE, KVS__F_U64, run.step, "step"),
     KVS__F(KVS_EV_APPEND, KVS__F_U64, append.n, "n"),
+    KVS__F(KVS_EV_APPEND, KVS__F_APPEND_WORDS, append.words, "words"),
     KVS__F(KVS_EV_PAUSED, KVS__F_CALL, pause.call, "call"), KVS__F(KVS_EV_PAUSED, KVS__F_STATE, pause.state, "state"),
     KVS__F(KVS_EV_PAUSED, KVS__F_U32, pause.finished, "finished"),
     KVS__F(KVS_EV_RESUMED, KVS__F_CALL, pause.call, "call"), KVS__F(KVS_EV_RESUMED, KVS__F_STATE, pause.state, "state"),
@@ -6238,6 +6240,11 @@ static void kvs__json_field(kvs__text *t, const kvs_event *e, const kvs__field *
     case KVS__F_WORDS:
         kvs__printf(t, "[");
         for (i = 0; i < e->u.tokens.n && i < 11; i++) kvs__printf(t, "%s%u", i ? "," : "", e->u.tokens.words[i]);
+        kvs__printf(t, "]");
+        break;
+    case KVS__F_APPEND_WORDS:
+        kvs__printf(t, "[");
+        for (i = 0; i < e->u.append.n && i < 10; i++) kvs__printf(t, "%s%u", i ? "," : "", e->u.append.words[i]);
         kvs__printf(t, "]");
         break;
     case KVS__F_ARR4:
@@ -6414,6 +6421,13 @@ static int kvs__json_set(kvs_event *e, const kvs__field *f, const kvs__jval *v)
             e->u.tokens.words[i] = (uint32_t)v->arr[i];
         }
         return 1;
+    case KVS__F_APPEND_WORDS: /* their count is checked against n once n is known */
+        if (!v->is_arr || v->n_arr > 10) return 0;
+        for (i = 0; i < v->n_arr; i++) {
+            if (v->arr[i] > UINT32_MAX) return 0;
+            e->u.append.words[i] = (uint32_t)v->arr[i];
+        }
+        return 1;
     case KVS__F_ARR4:
         if (!v->is_arr || v->n_arr != 4) return 0;
         for (i = 0; i < 4; i++) {
@@ -6478,6 +6492,12 @@ KVS_API kvs_result kvs_event_from_json(const char *json, kvs_event *out)
                 done = 1;
             }
         if (!done && !kvs__json_common(&e, &vals[i])) return KVS_EINVAL;
+    }
+    if (e.kind == KVS_EV_APPEND) { /* as the writer writes it: min(n, 10) words */
+        size_t words = 0;
+        for (i = 0; i < n; i++)
+            if (strcmp(vals[i].key, "words") == 0) words = vals[i].n_arr;
+        if (words != (e.u.append.n < 10 ? e.u.append.n : 10)) return KVS_EINVAL;
     }
     *out = e;
     return KVS_OK;
@@ -8565,7 +8585,8 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         e.kind = KVS_EV_APPEND;
         e.request = request;
         e.u.append.n = n;
-        kvs__emit_input(sched, &e, tokens, n);
+        memcpy(e.u.append.words, tokens, (n < 10 ? n : 10) * sizeof *tokens);
+        kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
     if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
@@ -8713,10 +8734,13 @@ static uint64_t kvs__map(kvs__id_map **m, uint64_t id)
     return i < 0 ? 0 : (*m)[i].value;
 }
 
-/* The words of the TOKENS events after events[at]; returns the index after them. */
-static size_t kvs__replay_words(kvs__replay *rp, const kvs_event *events, size_t n, size_t at)
+/* `first` (carried by the input itself), then the words of the TOKENS events after events[at]; returns
+ * the index after them. */
+static size_t kvs__replay_words(kvs__replay *rp, const kvs_event *events, size_t n, size_t at, const uint32_t *first,
+                                size_t n_first)
 {
     KVB__ARR_SHRINK(rp->words, 0);
+    if (n_first) memcpy(stbds_arraddnptr(rp->words, n_first), first, n_first * sizeof *first);
     while (++at < n && events[at].kind == KVS_EV_TOKENS && events[at].u.tokens.n <= 11)
         memcpy(stbds_arraddnptr(rp->words, events[at].u.tokens.n), events[at].u.tokens.words,
                events[at].u.tokens.n * sizeof *rp->words);
@@ -8752,13 +8776,15 @@ static size_t kvs__replay_input(kvs_sched *s, kvs__replay *rp, const kvs_event *
     size_t next = at + 1;
     switch ((kvs_event_kind)e->kind) {
     case KVS_EV_ADD:
-        next = kvs__replay_words(rp, events, n, at);
+        next = kvs__replay_words(rp, events, n, at, NULL, 0);
         kvs__replay_add(s, rp, e);
         break;
-    case KVS_EV_APPEND:
-        next = kvs__replay_words(rp, events, n, at);
+    case KVS_EV_APPEND: { /* its first tokens inline, the rest in TOKENS */
+        size_t inline_n = e->u.append.n < 10 ? (size_t)e->u.append.n : 10;
+        next = kvs__replay_words(rp, events, n, at, e->u.append.words, inline_n);
         kvs_sched_append(s, id, rp->words, stbds_arrlenu(rp->words));
         break;
+    }
     case KVS_EV_RUN_STEP: kvs_sched_step(s, &rp->step); break;
     case KVS_EV_COMPLETE: kvs_sched_complete(s, &rp->step); break;
     case KVS_EV_FINISH: kvs_sched_finish(s, id); break;

@@ -312,8 +312,13 @@ static wl_result run_workload(kvs_sched *s, uint64_t seed)
             kvs_slot_info info;
             if (kvs_sched_get_slot(s, id, &info) != KVS_OK) continue;
             if (info.state == KVS_SLOT_DECODING && info.num_computed == info.num_tokens) {
-                uint32_t tok = sf_sample(id, info.num_tokens);
-                KVT_EQ(kvs_sched_append(s, id, &tok, 1), KVS_OK);
+                /* one token, or for the open-ended requests (ids 5, 10, ...) several at once, as
+                 * speculative decoding accepts them: up to more than an APPEND event carries itself, so
+                 * TOKENS events follow it */
+                uint32_t tok[24];
+                size_t nt = id % 5 == 0 ? 1 + (size_t)(sf_rand(&rng) % 24) : 1;
+                for (size_t j = 0; j < nt; j++) tok[j] = sf_sample(id, info.num_tokens + j);
+                KVT_EQ(kvs_sched_append(s, id, tok, nt), KVS_OK);
                 res.appends++;
                 for (int i = 0; i < added; i++)
                     if (ids[i] == id && open_ended[i] && info.generated + 1 >= 12 &&
@@ -572,7 +577,10 @@ static void json_parser_rejects_what_the_writer_never_writes(void)
     static const char *garbage[] = {"", "{", "}", "[]", "null", "not json", "{\"kind\":\"slot\"", "{\"kind\":42}",
                                     "{\"kind\":\"no_such_kind\",\"seq\":1}",
                                     /* a key twice (found by fuzzing: the second array left the first's tail) */
-                                    "{\"kind\":\"tokens\",\"words\":[1,2,3],\"words\":[4]}"};
+                                    "{\"kind\":\"tokens\",\"words\":[1,2,3],\"words\":[4]}",
+                                    /* an append carries min(n, 10) of its tokens, no more, no fewer */
+                                    "{\"kind\":\"append\",\"n\":3,\"words\":[1,2]}",
+                                    "{\"kind\":\"append\",\"n\":12,\"words\":[1,2,3,4,5,6,7,8,9,10,11]}"};
     for (size_t i = 0; i < sizeof garbage / sizeof garbage[0]; i++)
         KVT_EQ(kvs_event_from_json(garbage[i], &out), KVS_EINVAL);
     KVT_EQ(kvs_event_to_json(&e, json, sizeof json, &len), KVS_OK);
@@ -1103,7 +1111,7 @@ static void recorder_keeps_only_its_kinds_and_counts_what_no_longer_fits(void)
 
 static void recorded_run_preempts_and_hits_the_device_cache(void)
 {
-    size_t n = 0, preempted = 0, hits = 0, admits = 0, adds = 0;
+    size_t n = 0, preempted = 0, hits = 0, admits = 0, adds = 0, long_appends = 0;
     wl_result res;
     kvs_event *ev = record_workload(1, &n, NULL, &res);
     KVT_EQ(res.adds, WL_REQUESTS);
@@ -1117,8 +1125,13 @@ static void recorded_run_preempts_and_hits_the_device_cache(void)
             if (ev[i].u.admit.device_hit_tokens > 0) hits++;
         }
         if (ev[i].kind == KVS_EV_ADD) adds++;
+        if (ev[i].kind == KVS_EV_APPEND && ev[i].u.append.n > 10) { /* the rest follows in TOKENS */
+            long_appends++;
+            KVT_CHECK(i + 1 < n && ev[i + 1].kind == KVS_EV_TOKENS && ev[i + 1].u.tokens.n == ev[i].u.append.n - 10);
+        }
         KVT_EQ(ev[i].seq, i + 1);
     }
+    KVT_CHECK(long_appends > 0);
     KVT_CHECK(preempted > 0);
     KVT_CHECK(hits > 0);
     KVT_CHECK(admits >= WL_REQUESTS);
