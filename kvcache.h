@@ -108,6 +108,28 @@
  * ring, the one with the smallest last + W[class], W = {-inf, 0, step, 2 step, 3 step}; ties go to the
  * deeper block. A parent is touched whenever its child is, so it scores no lower unless its count
  * restarted (horizon); victims are leaves, so no block is evicted before its cached children.
+ * Defaults: H = 40,000 block references, G = 2 x num_blocks (at most 40,000), and the step adapted
+ * online (below); a step set in the config is used as given, with the W above. (Issue 6 made step
+ * 10,000 and G 40,000 the defaults; set them to get that policy exactly.)
+ *
+ * FOL's adaptive step (fol_class_step = 0, the default). No fixed step suits every pool: one that helps
+ * a small cache keeps once-popular blocks in a large one long after they stop paying for their space.
+ * So the step s follows the pool, and W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so
+ * that s = 0 is exactly LRU order among leaves; ties still go to the deeper block). It starts at 0.
+ * Raising s by d keeps a block of class c (c - 1) d longer and, the pool's size being fixed, every
+ * block about m d less, m = the mean of (c - 1) over recent evictions: the hit rate changes by the
+ * references that arrive at blocks near the eviction frontier, each weighted (c - 1) - m. The pool
+ * counts those references on both sides of the frontier, within a window of num_blocks / 2 evictions
+ * (at most G): a ghost hit on a block evicted less than that many evictions ago (it came back soon
+ * after it left; of one request, at most its 16 deepest such blocks, the ones that left first), and a
+ * reference (kvb_match, kvb_upgrade) to an inactive leaf whose key was less than that many evictions'
+ * worth of clock below the last victim's (it came back just before it would have left). Each moves s
+ * by (c - 1 - m) times the clock's mean advance per eviction; m and that mean come from the evictions
+ * of the last few turnovers of the pool. The estimate may go down to -(num_blocks / 4 + 16 evictions'
+ * worth of clock) and the keys use max(0, estimate), so a pool whose best order is LRU stays there
+ * instead of wandering above it; it is at most 8 x num_blocks. kvb_pool_stats.fol_class_step
+ * reports the step in use. This adds a few arithmetic operations per eviction and per reference to an
+ * inactive block; per-block state is unchanged (the ghost entry keeps the class in its padding).
  *
  * Storage: KVB_STORAGE_NONE (metadata only, for schedulers and simulators: 10M blocks fit in about
  * 1 GiB), KVB_STORAGE_HOST (the pool allocates 4 KiB-aligned memory from the allocator) or
@@ -328,8 +350,8 @@ typedef struct kvb_pool_config {
     void *hash_user;
     kvb_evict_ops custom_eviction; /* with KVB_EVICT_CUSTOM */
     uint32_t fol_horizon;       /* KVB_EVICT_FOL: H, default 40,000 block references */
-    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 40,000 */
-    uint32_t fol_class_step;    /* W[c] = (c - 1) * step for classes 1..4, default 10,000 */
+    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 2 x num_blocks, at most 40,000 */
+    uint32_t fol_class_step;    /* W[c] = (c - 1) * step for classes 1..4; 0 (default): adapted online */
 } kvb_pool_config;
 
 typedef struct kvb_pool_stats {
@@ -343,6 +365,7 @@ typedef struct kvb_pool_stats {
     uint64_t dedups;         /* registrations that found the hash already present */
     uint32_t num_blocks, free_blocks, active_blocks, inactive_blocks;
     uint32_t cached_hashes;  /* distinct hashes matchable */
+    uint32_t fol_class_step; /* KVB_EVICT_FOL: the class step in use (adapted when the config's is 0) */
 } kvb_pool_stats;
 
 typedef struct kvb_block_info {
@@ -722,7 +745,7 @@ typedef struct kvb__ring {
     uint32_t live;      /* inactive blocks at this level */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
-typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live; } kvb__ghost;
+typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
 
 struct kvb_pool {
     kvb_pool_config cfg;
@@ -737,7 +760,15 @@ struct kvb_pool {
     kvb__ghost *ghosts;              /* FOL: the last fol_ghost evicted hashes, a circle in eviction order */
     uint32_t *ghost_index;           /* open addressing on the hash: circle position + 1, 0 = empty */
     uint64_t ghost_mask;
-    uint32_t ghost_pos;
+    uint32_t ghost_pos;              /* FOL: where the next evicted hash goes in the circle */
+    int64_t fol_step;                /* FOL: the class step the keys use */
+    int fol_adaptive;                /* FOL: fol_class_step 0, the step follows the pool (section 2) */
+    uint32_t fol_ghost_hits;         /* adaptive: ghost hits counted for the request being released */
+    double fol_estimate;             /* adaptive: the step's estimate, may be negative */
+    double fol_evc[KVB__CLASSES];    /* adaptive: recent evictions per class (halved as they add up) */
+    double fol_evn, fol_evclock;     /* adaptive: their sum, and the clock's advance over them */
+    uint32_t fol_evlast;             /* adaptive: the clock at the last eviction */
+    int64_t fol_front;               /* adaptive: the key of the last victim: the eviction frontier */
     kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
     kvb_event *events;      /* pending batch (stb_ds array) */
@@ -1182,12 +1213,13 @@ static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 }
 
 /* FOL: how far block v is from eviction in its class: age minus W[class]; larger goes first. Ages are
- * measured back from the clock, so the 32-bit clock may wrap. */
+ * measured back from the clock, so the 32-bit clock may wrap. W[0] is -infinity with a configured
+ * step, -step with the adaptive one. */
 static int64_t kvb__fol_key(const kvb_pool *p, uint32_t v)
 {
     const kvb__meta *m = &p->meta[v];
-    if (m->cls == 0) return INT64_MAX; /* W[0] = -infinity */
-    return (int64_t)(uint32_t)(p->clock - m->last) - (int64_t)(m->cls - 1) * p->cfg.fol_class_step;
+    if (m->cls == 0 && !p->fol_adaptive) return INT64_MAX;
+    return (int64_t)(uint32_t)(p->clock - m->last) - ((int64_t)m->cls - 1) * p->fol_step;
 }
 
 static int kvb__fol_before(const kvb_pool *p, uint32_t a, int64_t ka, uint32_t b, int64_t kb)
@@ -1217,6 +1249,7 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
             best_key = key;
         }
     }
+    if (best != KVB__NIL) p->fol_front = best_key; /* the adaptive step's frontier (section 2) */
     return best;
 }
 
@@ -1243,6 +1276,57 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
 }
 
 /* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
+
+/* The adaptive step (section 2). */
+#define KVB__FOL_GHOST_HITS 16 /* a request's ghost hits that count (its deepest) */
+
+/* How far from the frontier a reference still counts, in evictions: num_blocks / 2, at most G. */
+static double kvb__fol_window(const kvb_pool *p)
+{
+    uint32_t w = p->cfg.num_blocks / 2;
+    return (double)(w < 1 ? 1 : w < p->cfg.fol_ghost ? w : p->cfg.fol_ghost);
+}
+
+/* The clock's mean advance per eviction, recently. */
+static double kvb__fol_tick(const kvb_pool *p) { return p->fol_evclock / p->fol_evn; }
+
+/* A victim leaves (kvb__fol_victim noted its key: the frontier): its class and the clock's advance
+ * join the statistics. */
+static void kvb__fol_evicted(kvb_pool *p, const kvb__meta *m)
+{
+    uint32_t c;
+    p->fol_evc[m->cls] += 1.0;
+    p->fol_evn += 1.0;
+    p->fol_evclock += (double)(uint32_t)(p->clock - p->fol_evlast);
+    p->fol_evlast = p->clock;
+    if (p->fol_evn > 4.0 * (double)p->cfg.num_blocks) { /* the last few turnovers weigh most */
+        for (c = 0; c < KVB__CLASSES; c++) p->fol_evc[c] *= 0.5;
+        p->fol_evn *= 0.5;
+        p->fol_evclock *= 0.5;
+    }
+}
+
+/* A reference at the frontier to a block of class cls: the step moves by its weight. */
+static void kvb__fol_adapt(kvb_pool *p, uint32_t cls)
+{
+    double mean = 0, tick = kvb__fol_tick(p), n = (double)p->cfg.num_blocks;
+    double lo = -(n / 4.0 + 16.0 * tick), hi = 8.0 * n < 2147483647.0 ? 8.0 * n : 2147483647.0;
+    uint32_t c;
+    for (c = 0; c < KVB__CLASSES; c++) mean += p->fol_evc[c] * ((double)c - 1.0);
+    mean /= p->fol_evn;
+    p->fol_estimate += tick * ((double)cls - 1.0 - mean);
+    p->fol_estimate = p->fol_estimate < lo ? lo : p->fol_estimate > hi ? hi : p->fol_estimate;
+    p->fol_step = p->fol_estimate > 0 ? (int64_t)p->fol_estimate : 0;
+}
+
+/* An inactive cached block is referenced again (kvb__take_ref): a leaf near the frontier counts. */
+static void kvb__fol_reuse(kvb_pool *p, uint32_t idx)
+{
+    double slack;
+    if (p->fol_evn <= 0 || !p->meta[idx].cnt || !kvb__is_leaf(p, idx)) return;
+    slack = (double)(p->fol_front - kvb__fol_key(p, idx));
+    if (slack >= 0 && slack < kvb__fol_window(p) * kvb__fol_tick(p)) kvb__fol_adapt(p, p->meta[idx].cls);
+}
 
 /* The ghost table: a circle of the last G evicted hashes with their (count, last), found through an
  * open-addressing index on the (uniform) hash, like the prefix index. */
@@ -1299,7 +1383,8 @@ static void kvb__ghost_put(kvb_pool *p, const kvb__meta *m)
     uint32_t pos;
     uint64_t s;
     if (!kvb__ghost_init(p)) return;
-    pos = p->ghost_pos++ % p->cfg.fol_ghost;
+    pos = p->ghost_pos;
+    p->ghost_pos = pos + 1 < p->cfg.fol_ghost ? pos + 1 : 0;
     if (p->ghosts[pos].live) kvb__ghost_drop(p, kvb__ghost_slot(p, &p->ghosts[pos].hash)); /* the oldest leaves */
     s = kvb__ghost_slot(p, &m->hash);
     if (p->ghost_index[s]) { /* put again: the older entry goes */
@@ -1309,6 +1394,7 @@ static void kvb__ghost_put(kvb_pool *p, const kvb__meta *m)
     p->ghosts[pos].hash = m->hash;
     p->ghosts[pos].last = m->last;
     p->ghosts[pos].cnt = m->cnt;
+    p->ghosts[pos].cls = m->cls;
     p->ghosts[pos].live = 1;
     p->ghost_index[s] = pos + 1;
 }
@@ -1320,9 +1406,18 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
     if (!m->cnt && p->ghosts) { /* first touch since it was registered: an evicted past may be a ghost */
         uint64_t s = kvb__ghost_slot(p, &m->hash);
         if (p->ghost_index[s]) {
-            const kvb__ghost *g = &p->ghosts[p->ghost_index[s] - 1];
+            uint32_t pos = p->ghost_index[s] - 1;
+            const kvb__ghost *g = &p->ghosts[pos];
             m->cnt = g->cnt;
             m->last = g->last;
+            if (p->fol_adaptive && p->fol_evn > 0 && p->fol_ghost_hits < KVB__FOL_GHOST_HITS) {
+                /* evictions since it left: the circle keeps them in eviction order */
+                uint64_t ago = ((uint64_t)p->ghost_pos + p->cfg.fol_ghost - 1 - pos) % p->cfg.fol_ghost;
+                if ((double)ago < kvb__fol_window(p)) {
+                    kvb__fol_adapt(p, g->cls);
+                    p->fol_ghost_hits++;
+                }
+            }
             kvb__ghost_drop(p, s);
         }
     }
@@ -1406,6 +1501,7 @@ static uint32_t kvb__alloc_one(kvb_pool *p)
     } else {
         idx = kvb__choose_victim(p);
         if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
+        if (p->fol_adaptive) kvb__fol_evicted(p, &p->meta[idx]);
         kvb__list_remove(p, idx);
         if (p->cfg.eviction == KVB_EVICT_FOL && p->meta[idx].cnt) kvb__ghost_put(p, &p->meta[idx]);
         kvb__make_free(p, idx);
@@ -1436,6 +1532,7 @@ static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->
 static void kvb__take_ref(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
+    if (m->refs == 0 && p->fol_adaptive) kvb__fol_reuse(p, idx);
     if (m->refs++ == 0) {
         kvb__list_remove(p, idx);
         p->n_active++;
@@ -1463,6 +1560,7 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 {
     size_t i, tail = n;
     if (touch && p->cfg.eviction == KVB_EVICT_FOL) {
+        p->fol_ghost_hits = 0;
         for (i = n; i-- > 0;)
             if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) {
                 if (tail == n) tail = i;
@@ -1527,8 +1625,7 @@ static kvb_result kvb__resolve_config(const kvb_pool_config *in, kvb_pool_config
     if (c->duplicates == KVB_DUP_DEFAULT) c->duplicates = KVB_DUP_ALLOW;
     if (!c->priority_levels) c->priority_levels = 1;
     if (!c->fol_horizon) c->fol_horizon = 40000;
-    if (!c->fol_ghost) c->fol_ghost = 40000;
-    if (!c->fol_class_step) c->fol_class_step = 10000;
+    if (!c->fol_ghost) c->fol_ghost = c->num_blocks > 20000 ? 40000 : c->num_blocks ? 2 * c->num_blocks : 1;
     c->layout = kvb__layout_resolved(&c->layout);
     if (!c->num_blocks || c->num_blocks > INT32_MAX || c->block_tokens > KVB__MAX_BLOCK_TOKENS ||
         c->priority_levels > KVB__MAX_LEVELS || (unsigned)c->eviction >= KVB_EVICT__COUNT ||
@@ -1608,6 +1705,8 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
         p->free_stack[i] = c.num_blocks - 1 - i;
     }
     p->n_free = c.num_blocks;
+    p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
+    p->fol_step = c.fol_class_step;
     *out_pool = p;
     return KVB_OK;
 }
@@ -1639,6 +1738,7 @@ KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
     out->active_blocks = pool->n_active;
     out->inactive_blocks = pool->n_inactive;
     out->cached_hashes = pool->n_cached;
+    out->fol_class_step = pool->cfg.eviction == KVB_EVICT_FOL ? (uint32_t)pool->fol_step : 0;
     pthread_mutex_unlock(&pool->lock);
     return KVB_OK;
 }
