@@ -1207,12 +1207,40 @@ KVS_API kvs_result kvs_event_from_json(const char *json, kvs_event *out)
 
 typedef struct kvs__sub { uint32_t id; uint64_t kinds; kvs_event_fn fn; void *user; } kvs__sub;
 
+/* The last `cap` events: when full, a new one pushes out the oldest, counted in `dropped`. Readers,
+ * the recorder and the console's history are all one of these. */
+typedef struct kvs__ring {
+    kvs_event *ev;
+    uint32_t cap, head, count;   /* oldest at head */
+    uint64_t dropped;
+} kvs__ring;
+
+static int kvs__ring_init(kvs__ring *r, uint32_t cap)
+{
+    memset(r, 0, sizeof *r);
+    r->cap = cap;
+    r->ev = (kvs_event *)KVB_MALLOC((size_t)cap * sizeof *r->ev);
+    return r->ev != NULL;
+}
+
+static void kvs__ring_put(kvs__ring *r, const kvs_event *e)
+{
+    if (r->count == r->cap) {
+        r->head = (r->head + 1) % r->cap;
+        r->count--;
+        r->dropped++;
+    }
+    r->ev[(r->head + r->count) % r->cap] = *e;
+    r->count++;
+}
+
+/* The i-th oldest event kept. */
+static const kvs_event *kvs__ring_at(const kvs__ring *r, uint32_t i) { return &r->ev[(r->head + i) % r->cap]; }
+
 struct kvs_reader {
     kvs_bus *bus;
     uint64_t kinds;
-    kvs_event *ring;
-    uint32_t cap, head, count;   /* oldest at head */
-    uint64_t lost;
+    kvs__ring ring;              /* ring.dropped: lost since the last read */
 };
 
 struct kvs_bus {
@@ -1301,17 +1329,6 @@ KVS_API void kvs_bus_destroy(kvs_bus *bus)
     KVB_FREE(bus);
 }
 
-static void kvs__ring_put(kvs_reader *r, const kvs_event *e)
-{
-    if (r->count == r->cap) { /* full: the oldest goes, counted */
-        r->head = (r->head + 1) % r->cap;
-        r->count--;
-        r->lost++;
-    }
-    r->ring[(r->head + r->count) % r->cap] = *e;
-    r->count++;
-}
-
 /* Locked. */
 static void kvs__publish_locked(kvs_bus *b, kvs_event *e)
 {
@@ -1323,7 +1340,7 @@ static void kvs__publish_locked(kvs_bus *b, kvs_event *e)
     for (i = 0; i < stbds_arrlenu(b->subs); i++)
         if (!b->subs[i].kinds || (b->subs[i].kinds & bit)) b->subs[i].fn(b->subs[i].user, e);
     for (i = 0; i < stbds_arrlenu(b->readers); i++)
-        if (!b->readers[i]->kinds || (b->readers[i]->kinds & bit)) kvs__ring_put(b->readers[i], e);
+        if (!b->readers[i]->kinds || (b->readers[i]->kinds & bit)) kvs__ring_put(&b->readers[i]->ring, e);
 }
 
 KVS_API kvs_result kvs_bus_publish(kvs_bus *bus, kvs_event *event)
@@ -1376,14 +1393,12 @@ KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capaci
     r = (kvs_reader *)KVB_MALLOC(sizeof *r);
     if (!r) return KVS_ENOMEM;
     memset(r, 0, sizeof *r);
-    r->ring = (kvs_event *)KVB_MALLOC((size_t)capacity * sizeof *r->ring);
-    if (!r->ring) {
+    if (!kvs__ring_init(&r->ring, capacity)) {
         KVB_FREE(r);
         return KVS_ENOMEM;
     }
     r->bus = bus;
     r->kinds = kinds;
-    r->cap = capacity;
     pthread_mutex_lock(&bus->lock);
     stbds_arrput(bus->readers, r);
     kvs__rewant(bus);
@@ -1406,7 +1421,7 @@ KVS_API void kvs_reader_close(kvs_reader *reader)
         kvs__rewant(reader->bus);
         pthread_mutex_unlock(&reader->bus->lock);
     }
-    KVB_FREE(reader->ring);
+    KVB_FREE(reader->ring.ev);
     KVB_FREE(reader);
 }
 
@@ -1415,14 +1430,15 @@ KVS_API kvs_result kvs_reader_read(kvs_reader *reader, kvs_event *out, size_t ma
     size_t n = 0;
     if (!reader || !out_n || (max && !out)) return KVS_EINVAL;
     if (reader->bus) pthread_mutex_lock(&reader->bus->lock);
-    while (n < max && reader->count) {
-        out[n++] = reader->ring[reader->head];
-        reader->head = (reader->head + 1) % reader->cap;
-        reader->count--;
+    kvs__ring *ring = &reader->ring;
+    for (; n < max && ring->count; n++) { /* consumed: the head moves on */
+        out[n] = *kvs__ring_at(ring, 0);
+        ring->head = (ring->head + 1) % ring->cap;
+        ring->count--;
     }
     if (out_lost) {
-        *out_lost = reader->lost;
-        reader->lost = 0;
+        *out_lost = ring->dropped;
+        ring->dropped = 0;
     }
     if (reader->bus) pthread_mutex_unlock(&reader->bus->lock);
     *out_n = n;
@@ -1668,9 +1684,7 @@ static void kvs__log_header(unsigned char *h)
 struct kvs_recorder {
     kvs_bus *bus;
     uint32_t sub;
-    kvs_event *ring;
-    uint32_t cap, head, count;
-    uint64_t dropped;
+    kvs__ring ring;
     FILE *log;
     int io_error;
 };
@@ -1679,13 +1693,7 @@ struct kvs_recorder {
 static void kvs__record(void *user, const kvs_event *e)
 {
     kvs_recorder *r = (kvs_recorder *)user;
-    if (r->count == r->cap) {
-        r->head = (r->head + 1) % r->cap;
-        r->count--;
-        r->dropped++;
-    }
-    r->ring[(r->head + r->count) % r->cap] = *e;
-    r->count++;
+    kvs__ring_put(&r->ring, e);
     if (r->log && !r->io_error) {
         unsigned char rec[KVS_RECORD_BYTES];
         kvs_event_encode(e, rec);
@@ -1703,8 +1711,7 @@ KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *
     if (!r) return KVS_ENOMEM;
     memset(r, 0, sizeof *r);
     r->bus = bus;
-    r->cap = cap;
-    if (!(r->ring = (kvs_event *)KVB_MALLOC((size_t)cap * sizeof *r->ring))) {
+    if (!kvs__ring_init(&r->ring, cap)) {
         KVB_FREE(r);
         return KVS_ENOMEM;
     }
@@ -1713,14 +1720,14 @@ KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *
         kvs__log_header(h);
         if (!(r->log = fopen(config->log_path, "wb")) || fwrite(h, sizeof h, 1, r->log) != 1) {
             if (r->log) fclose(r->log);
-            KVB_FREE(r->ring);
+            KVB_FREE(r->ring.ev);
             KVB_FREE(r);
             return KVS_EIO;
         }
     }
     if ((res = kvs_bus_subscribe(bus, config ? config->kinds : 0, kvs__record, r, &r->sub)) != KVS_OK) {
         if (r->log) fclose(r->log);
-        KVB_FREE(r->ring);
+        KVB_FREE(r->ring.ev);
         KVB_FREE(r);
         return res;
     }
@@ -1733,7 +1740,7 @@ KVS_API void kvs_recorder_destroy(kvs_recorder *recorder)
     if (!recorder) return;
     kvs_bus_unsubscribe(recorder->bus, recorder->sub);
     if (recorder->log) fclose(recorder->log);
-    KVB_FREE(recorder->ring);
+    KVB_FREE(recorder->ring.ev);
     KVB_FREE(recorder);
 }
 
@@ -1743,10 +1750,10 @@ KVS_API kvs_result kvs_recorder_snapshot(kvs_recorder *recorder, kvs_event *out,
     size_t n = 0;
     if (!recorder || !out_n || (max && !out)) return KVS_EINVAL;
     pthread_mutex_lock(&recorder->bus->lock);
-    if (!out) n = recorder->count;
+    if (!out) n = recorder->ring.count;
     else
-        for (; n < max && n < recorder->count; n++) out[n] = recorder->ring[(recorder->head + n) % recorder->cap];
-    if (out_dropped) *out_dropped = recorder->dropped;
+        for (; n < max && n < recorder->ring.count; n++) out[n] = *kvs__ring_at(&recorder->ring, (uint32_t)n);
+    if (out_dropped) *out_dropped = recorder->ring.dropped;
     pthread_mutex_unlock(&recorder->bus->lock);
     *out_n = n;
     return KVS_OK;
@@ -1830,20 +1837,14 @@ struct kvs_console {
     int listen_fd, wake[2];
     pthread_t thread;
     kvs__client *clients;        /* stb_ds */
-    kvs_event *history;          /* ring of cfg.history */
-    uint32_t hcap, hhead, hcount;
+    kvs__ring history;           /* the last cfg.history events */
     kvs__slot_last *slots;       /* stb_ds map: request -> its last SLOT event (until released) */
     kvs_event last_step, last_tiers, last_pause;
 };
 
 static void kvs__console_note(kvs_console *k, const kvs_event *e)
 {
-    if (k->hcount == k->hcap) {
-        k->hhead = (k->hhead + 1) % k->hcap;
-        k->hcount--;
-    }
-    k->history[(k->hhead + k->hcount) % k->hcap] = *e;
-    k->hcount++;
+    kvs__ring_put(&k->history, e);
     if (e->kind == KVS_EV_SLOT) stbds_hmput(k->slots, e->request, *e);
     else if (e->kind == KVS_EV_RELEASE) (void)stbds_hmdel(k->slots, e->request);
     else if (e->kind == KVS_EV_STEP) k->last_step = *e;
@@ -1892,7 +1893,7 @@ static void kvs__client_welcome(kvs_console *k, kvs__client *c)
     if (k->last_step.kind) kvs__client_queue(c, &k->last_step);
     if (k->last_tiers.kind) kvs__client_queue(c, &k->last_tiers);
     if (k->last_pause.kind) kvs__client_queue(c, &k->last_pause);
-    for (j = 0; j < k->hcount; j++) kvs__client_queue(c, &k->history[(k->hhead + j) % k->hcap]);
+    for (j = 0; j < k->history.count; j++) kvs__client_queue(c, kvs__ring_at(&k->history, j));
 }
 
 /* One command line from a client: pause, resume, break state|request|call X, clear. */
@@ -2033,10 +2034,8 @@ KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *con
     memset(k, 0, sizeof *k);
     k->bus = bus;
     k->listen_fd = k->wake[0] = k->wake[1] = -1;
-    k->hcap = config->history ? config->history : 8192;
-    k->history = (kvs_event *)KVB_MALLOC((size_t)k->hcap * sizeof *k->history);
     k->path = (char *)KVB_MALLOC(len + 1);
-    if (!k->history || !k->path) goto fail;
+    if (!kvs__ring_init(&k->history, config->history ? config->history : 8192) || !k->path) goto fail;
     memcpy(k->path, config->path, len + 1);
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
@@ -2059,7 +2058,7 @@ fail:
     }
     if (k->wake[0] >= 0) close(k->wake[0]);
     if (k->wake[1] >= 0) close(k->wake[1]);
-    KVB_FREE(k->history);
+    KVB_FREE(k->history.ev);
     KVB_FREE(k->path);
     KVB_FREE(k);
     return KVS_EIO;
@@ -2078,7 +2077,7 @@ KVS_API void kvs_console_stop(kvs_console *console)
     close(console->wake[0]);
     close(console->wake[1]);
     unlink(console->path);
-    KVB_FREE(console->history);
+    KVB_FREE(console->history.ev);
     KVB_FREE(console->path);
     KVB_FREE(console);
 }
@@ -3159,12 +3158,12 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
     if (!kvs__wants(s->cfg.bus, KVS_EV_TIERS)) return;
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_TIERS;
-    for (t = 0; t < 4; t++) {
-        kvb_pool *pool = t == 0 ? s->cfg.device : NULL;
+    for (t = 0; t < 4; t++) { /* G1's stats are those of the step event above */
         kvo_pipeline_config pc;
-        if (t && s->cfg.tiers && kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, t - 1, 0), &pc) == KVO_OK)
-            pool = pc.dst;
-        if (!pool || kvb_pool_get_stats(pool, &ps) != KVB_OK) break;
+        if (t && (!s->cfg.tiers ||
+                  kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, t - 1, 0), &pc) != KVO_OK ||
+                  kvb_pool_get_stats(pc.dst, &ps) != KVB_OK))
+            break;
         e.u.tiers.used[t] = ps.num_blocks - ps.free_blocks;
         e.u.tiers.total[t] = ps.num_blocks;
         e.u.tiers.num_tiers = t + 1;
