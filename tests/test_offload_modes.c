@@ -183,6 +183,10 @@ static void run_script(kvo_mode mode, run *out)
         }                                                                                              \
     } while (0)
 
+/* A container cancelled right after its enqueue (E) may or may not have met the policy first: in
+ * threads mode the evaluator runs concurrently and can count its skips before the cancel lands (seen
+ * under ThreadSanitizer on a loaded machine). What the policy saw of a cancelled container is
+ * therefore not compared; everything else is. */
 static int compare_info(const char *name, const kvo_transfer_info *a, const kvo_transfer_info *b)
 {
     int diffs = 0;
@@ -191,11 +195,22 @@ static int compare_info(const char *name, const kvo_transfer_info *a, const kvo_
     SAME(blocks);
     SAME(transferred);
     SAME(present);
-    SAME(skipped);
-    SAME(timed_out);
+    if (a->status != KVO_STATUS_CANCELLED || b->status != KVO_STATUS_CANCELLED) {
+        SAME(skipped);
+        SAME(timed_out);
+    }
     SAME(dropped);
     SAME(failed);
     return diffs;
+}
+
+/* Skips the policy counted in cancelled containers (see compare_info). */
+static uint64_t cancelled_skips(const run *r)
+{
+    uint64_t n = 0;
+    for (int k = 0; k < HANDLES; k++)
+        if (r->info[k].status == KVO_STATUS_CANCELLED) n += r->info[k].skipped;
+    return n;
 }
 
 /* The counts the script implies (checked on the poll run; the threaded run must equal it). */
@@ -259,7 +274,8 @@ static void test_threads_and_poll_agree(void)
     KVT_EQ(threads->drain2, poll->drain2);
     KVT_CHECK(memcmp(threads->in_dst, poll->in_dst, sizeof poll->in_dst) == 0);
     KVT_EQ(threads->stats.transferred, poll->stats.transferred);
-    KVT_EQ(threads->stats.skipped + threads->stats.present, poll->stats.skipped + poll->stats.present);
+    KVT_EQ(threads->stats.skipped - cancelled_skips(threads) + threads->stats.present,
+           poll->stats.skipped - cancelled_skips(poll) + poll->stats.present);
     KVT_EQ(threads->stats.dropped, poll->stats.dropped);
     KVT_EQ(threads->stats.cancelled, poll->stats.cancelled);
     KVT_EQ(threads->stats.failed, poll->stats.failed);
