@@ -151,7 +151,7 @@ clean:
 # `make test` also runs every test against kvcache.h, the compile matrix and the fuzz corpus, all counted
 # in its one summary line.
 .PHONY: amalgamate check-amalgamation test-single matrix fuzz install uninstall
-AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvsched.h)
+AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvremote.h kvsched.h kvcuda.h)
 OTHER_HEADERS := $(filter-out $(AMALG_PARTS) kvcache.h,$(wildcard kv*.h))
 DEB_PACKAGES  += clang libclang-rt-dev g++ pkg-config
 
@@ -208,6 +208,7 @@ test matrix: export MATRIX_DIR           := $(BUILD)/matrix
 test matrix: export MATRIX_PARTS         := $(AMALG_PARTS)
 test matrix: export MATRIX_OTHER_HEADERS := $(OTHER_HEADERS)
 test matrix: export MATRIX_STB_INC       := $(STB_INC)
+test matrix: export MATRIX_CUDA_LIB      := $(BUILD)/libkvcuda.a
 test matrix: export MATRIX_JOBS          := $(NPROC)
 test matrix: export MATRIX_MAKE          := $(MAKE)
 test matrix: export MATRIX_WARN_C        := $(MATRIX_WARN_C)
@@ -241,19 +242,24 @@ fuzz: deps $(BUILD)/fuzz/fuzz_ops
 test: $(SINGLE_TESTS) $(BUILD)/fuzz/replay
 TEST_MORE := $(SINGLE_TESTS) $(MATRIX_RUN) $(BUILD)/fuzz/replay
 
-# Install the headers, kvcache.h and kvcache.pc (header-only, so share/pkgconfig); DESTDIR is honoured.
+# Install every header, kvcache.h and kvcache.pc (header-only, so share/pkgconfig), and build/libkvcuda.a
+# into LIBDIR when `make cuda` built it (link it as kvcuda.h says); DESTDIR is honoured.
 PREFIX       ?= /usr/local
 INCLUDEDIR   ?= $(PREFIX)/include
+LIBDIR       ?= $(PREFIX)/lib
 PKGCONFIGDIR ?= $(PREFIX)/share/pkgconfig
 PC_VERSION    = $(shell sed -n 's/^.define KVCACHE_VERSION_[A-Z]* \([0-9]*\)$$/\1/p' kvcache.h | paste -sd. -)
 
 install: check-amalgamation
 	install -d $(DESTDIR)$(INCLUDEDIR) $(DESTDIR)$(PKGCONFIGDIR)
 	install -m 644 $(AMALG_PARTS) kvcache.h $(DESTDIR)$(INCLUDEDIR)/
+	if [ -f $(BUILD)/libkvcuda.a ]; then install -d $(DESTDIR)$(LIBDIR) && \
+	    install -m 644 $(BUILD)/libkvcuda.a $(DESTDIR)$(LIBDIR)/; fi
 	printf '%s\n' 'prefix=$(PREFIX)' 'includedir=$(INCLUDEDIR)' '' 'Name: kvcache' \
 	    'Description: tiered KV-cache block manager for LLM inference engines (header-only C11)' \
 	    'Version: $(PC_VERSION)' 'Cflags: -I$(INCLUDEDIR) -I$(STB_INC) -pthread' 'Libs: -pthread' \
 	    >$(DESTDIR)$(PKGCONFIGDIR)/kvcache.pc
 
 uninstall:
-	rm -f $(addprefix $(DESTDIR)$(INCLUDEDIR)/,$(AMALG_PARTS) kvcache.h) $(DESTDIR)$(PKGCONFIGDIR)/kvcache.pc
+	rm -f $(addprefix $(DESTDIR)$(INCLUDEDIR)/,$(AMALG_PARTS) kvcache.h) $(DESTDIR)$(PKGCONFIGDIR)/kvcache.pc \
+	    $(DESTDIR)$(LIBDIR)/libkvcuda.a

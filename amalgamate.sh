@@ -3,9 +3,11 @@
 #
 #   sh amalgamate.sh [OUTPUT]        (default: kvcache.h next to this script)
 #
-# Inlines kvblock.h, kvoffload.h and kvsched.h (when it exists), in that order, each once and verbatim
-# (its manual and its own guards included) after a marker line, with the `#include "kvblock.h"` style
-# lines between them removed. Above them: one documentation block, the KVCACHE_H guard and the version.
+# Inlines kvblock.h, kvoffload.h, kvremote.h, kvsched.h and kvcuda.h (each when it exists), in that order,
+# each once and verbatim (its manual and its own guards included) after a marker line, with the
+# `#include "kvblock.h"` style lines between them removed. kvremote.h's Redis code stays behind
+# KVO_WITH_REDIS (without it, stubs: nothing needs hiredis); kvcuda.h is declarations only (its code is
+# kvcuda.cu, compiled by nvcc). kvremote.h comes before kvsched.h so that kvsched.h may use it. Above them: one documentation block, the KVCACHE_H guard and the version.
 # The output depends only on the headers, so `make check-amalgamation` can compare it byte for byte.
 set -eu
 
@@ -13,7 +15,9 @@ dir=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$dir/kvcache.h}
 
 parts="kvblock.h kvoffload.h"
-[ -f "$dir/kvsched.h" ] && parts="$parts kvsched.h"
+for p in kvremote.h kvsched.h kvcuda.h; do
+    [ -f "$dir/$p" ] && parts="$parts $p"
+done
 
 die() { echo "amalgamate.sh: $*" >&2; exit 1; }
 
@@ -54,7 +58,9 @@ trap 'rm -f "$tmp"' EXIT INT TERM
  *
  * Do this in exactly one C or C++ file:    #define KVCACHE_IMPLEMENTATION
  *                                           #include "kvcache.h"
- * Everywhere else just include it. KVCACHE_IMPLEMENTATION defines every implementation in this file;
+ * Everywhere else just include it. KVCACHE_IMPLEMENTATION defines every implementation in this file
+ * (kvremote.h's Redis code only with KVO_WITH_REDIS defined too, linked with -lhiredis; without it the
+ * remote tier's create fails with KVO_ENOREMOTE; kvcuda.h's code is kvcuda.cu, built apart by nvcc);
  * the macros of the parts (KVBLOCK_IMPLEMENTATION, KVOFFLOAD_IMPLEMENTATION, ...) still select one part
  * each, and their configuration macros (KVB_STATIC, KVO_STATIC, KVS_STATIC, KVB_MALLOC, ...) apply
  * unchanged. Using this file and the split headers in one program is fine: the parts keep their guards.
@@ -71,6 +77,8 @@ EOF
             kvblock.h)   d="kvb_  blocks: lifecycle, sharing, prefix lookup, storage of one tier" ;;
             kvoffload.h) d="kvo_  moving blocks between tiers: queues, offload pipeline, backends, tier manager" ;;
             kvsched.h)   d="kvs_  the engine's step loop: request slots, connector, continuous-batching scheduler" ;;
+            kvremote.h)  d="kvo_  G4: blocks in Redis (Cluster); the code needs KVO_WITH_REDIS and -lhiredis" ;;
+            kvcuda.h)    d="kvc_  GPU tier, declarations only: link build/libkvcuda.a (make cuda, kvcuda.cu)" ;;
         esac
         printf ' *     %-12s %s\n' "$p" "$d"
     done
@@ -88,7 +96,7 @@ EOF
         i=$((i + 1))
         printf '\n/* ==== kvcache part %s of %s: %s ==== */\n' "$i" "$count" "$p"
         # An include of another part becomes a note: that part is inlined above.
-        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvsched)\.h".*$@/* \1.h: inlined above */@' \
+        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvremote|kvsched|kvcuda)\.h".*$@/* \1.h: inlined above */@' \
             "$dir/$p"
     done
 } >"$tmp"

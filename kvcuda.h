@@ -12,6 +12,9 @@
  *     // everywhere else
  *     #include "kvcuda.h"              // includes kvoffload.h (and kvblock.h); no CUDA header needed
  *
+ * kvcache.h carries these declarations too: with the single file, its KVCACHE_IMPLEMENTATION is that
+ * C translation unit and no other header is needed.
+ *
  * Link: kv_impl.o your.o build/libkvcuda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread
  * (built with the Makefile's flags the library needs no C++ runtime, so cc can link it). The Makefile
  * compiles sm_90 code (Hopper) plus compute_90 PTX that newer GPUs JIT-compile; for older GPUs build

@@ -9,7 +9,7 @@
  * C11, POSIX threads and sockets, -D_GNU_SOURCE (MSG_NOSIGNAL, MSG_MORE).
  * Without KVO_WITH_REDIS nothing needs hiredis: the declarations stay, and the implementation macro
  * compiles stubs whose create fails with KVO_ENOREMOTE, so a program can offer the remote tier as an
- * option and still build where hiredis is missing.
+ * option and still build where hiredis is missing. kvcache.h carries this header whole (same macros).
  *
  * Manual: 1. Quick start  2. Concepts  3. Keys and values  4. Redis Cluster  5. Security  6. Faults
  *         7. Configuration  8. Thread safety  9. Errors
@@ -98,6 +98,9 @@
  */
 #ifndef KVREMOTE_H
 #define KVREMOTE_H
+#define KVREMOTE_VERSION_MAJOR 0
+#define KVREMOTE_VERSION_MINOR 1
+#define KVREMOTE_VERSION_PATCH 0
 
 #include "kvoffload.h"
 

@@ -12,6 +12,7 @@ B=${MATRIX_DIR:-build/matrix}
 PARTS=${MATRIX_PARTS:-kvblock.h kvoffload.h}
 OTHER=${MATRIX_OTHER_HEADERS:-}   # headers outside kvcache.h (kvcuda.h, ...): C and C++, not static mode
 STB=${MATRIX_STB_INC:-/usr/include/stb}
+CUDA_LIB=${MATRIX_CUDA_LIB:-build/libkvcuda.a} # installed too when it was built (make cuda)
 JOBS=${MATRIX_JOBS:-2}
 MAKE_CMD=${MATRIX_MAKE:-make}
 GCC=${MATRIX_GCC:-gcc}
@@ -71,8 +72,10 @@ impl_of() { # the implementation macros a header needs in one translation unit
     esac
 }
 
-top_part() { # the last split header: it includes the others
-    for p in $PARTS; do t=$p; done
+top_part() { # the last split header with its own implementation macro: it includes the ones below
+    for p in $PARTS; do
+        case $p in kvblock.h | kvoffload.h | kvsched.h) t=$p ;; esac
+    done
     echo "$t"
 }
 
@@ -89,6 +92,7 @@ fresh() { # kvcache.h is what amalgamate.sh writes from the split headers
 
 compile() { # compile CC FLAGS HEADER: the header with its implementation as one translation unit
     have "$1"
+    case "$2" in *-DKVO_WITH_REDIS*) [ -f /usr/include/hiredis/hiredis.h ] || { echo "no hiredis/hiredis.h"; exit 77; } ;; esac
     # shellcheck disable=SC2046,SC2086
     "$1" $2 -D_GNU_SOURCE -I. -I"$STB" $(impl_of "$3") -DMATRIX_HEADER="\"$3\"" \
         -c tests/compile/header.c -o "$B/$(echo "$1 $2 $3" | cksum | tr ' ' _).o"
@@ -164,6 +168,9 @@ install_prefix() { # make install into a fresh prefix, use it through pkg-config
     rm -rf "$prefix"
     MAKEFLAGS='' MFLAGS='' MAKELEVEL='' $MAKE_CMD --no-print-directory -s install PREFIX="$prefix" || exit 1
     for f in $PARTS kvcache.h; do [ -f "$prefix/include/$f" ] || { echo "not installed: include/$f"; exit 1; }; done
+    if [ -f "$CUDA_LIB" ]; then
+        [ -f "$prefix/lib/libkvcuda.a" ] || { echo "$CUDA_LIB was built but not installed into lib/"; exit 1; }
+    fi
     pc=$prefix/share/pkgconfig
     [ -f "$pc/kvcache.pc" ] || { echo "not installed: share/pkgconfig/kvcache.pc"; exit 1; }
     cflags=$(PKG_CONFIG_PATH=$pc pkg-config --cflags kvcache) || exit 1
@@ -185,6 +192,10 @@ for f in examples/*.c; do
 done
 entry "c11 gcc $OPT kvcache.h" compile "$GCC" "$WARN_C $CONV_GCC $OPT" kvcache.h
 entry "c11 gcc -O3 kvcache.h" compile "$GCC" "$WARN_C $CONV_GCC -O3" kvcache.h
+# kvremote.h's Redis code (KVO_WITH_REDIS; the entries below compile its stubs)
+entry "c11 gcc $OPT kvcache.h with KVO_WITH_REDIS" compile "$GCC" "$WARN_C $CONV_GCC $OPT -DKVO_WITH_REDIS" kvcache.h
+entry "c11 clang kvcache.h with KVO_WITH_REDIS" compile "$CLANG" "$WARN_C $CONV_CLANG -fsyntax-only -DKVO_WITH_REDIS" kvcache.h
+entry "c++17 g++ kvcache.h with KVO_WITH_REDIS" compile "$GXX" "-x c++ $WARN_CXX $CONV_GCC -fsyntax-only -DKVO_WITH_REDIS" kvcache.h
 entry "make install into a prefix, pkg-config, make uninstall" install_prefix
 top=$(top_part)
 entry "link: implementation and use in two C files ($top)" link_two split "$top" "$top" "$GCC" "$WARN_C"
