@@ -66,9 +66,9 @@ trap 'rm -f "$tmp"' EXIT INT TERM
  * unchanged. Using this file and the split headers in one program is fine: the parts keep their guards.
  *
  * Compile (C11 or C++11, POSIX threads, stb_ds.h from Debian's libstb-dev):
- *     cc -std=c11 -D_GNU_SOURCE -I/usr/include/stb app.c -o app -pthread
- * (under -std=c11 the offload part needs -D_GNU_SOURCE for its POSIX calls; the disk backend uses
- * O_DIRECT with it)
+ *     cc -std=c11 -I/usr/include/stb app.c -o app -pthread
+ * (the implementation defines _GNU_SOURCE for its POSIX calls and O_DIRECT before its system includes;
+ * a file that includes a system header before it needs -D_GNU_SOURCE, and an #error says so)
  *
  * Parts, in order; each starts at a line "==== kvcache part N of $count: NAME ====", then its manual:
 EOF

@@ -151,6 +151,18 @@
  * Every function returns a kvb_result: KVB_OK (0) or a negative code; kvb_result_string names it.
  * A call that fails changes nothing.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVBLOCK_H
 #define KVBLOCK_H
 #define KVBLOCK_VERSION_MAJOR 0

@@ -14,9 +14,9 @@
  * unchanged. Using this file and the split headers in one program is fine: the parts keep their guards.
  *
  * Compile (C11 or C++11, POSIX threads, stb_ds.h from Debian's libstb-dev):
- *     cc -std=c11 -D_GNU_SOURCE -I/usr/include/stb app.c -o app -pthread
- * (under -std=c11 the offload part needs -D_GNU_SOURCE for its POSIX calls; the disk backend uses
- * O_DIRECT with it)
+ *     cc -std=c11 -I/usr/include/stb app.c -o app -pthread
+ * (the implementation defines _GNU_SOURCE for its POSIX calls and O_DIRECT before its system includes;
+ * a file that includes a system header before it needs -D_GNU_SOURCE, and an #error says so)
  *
  * Parts, in order; each starts at a line "==== kvcache part N of 5: NAME ====", then its manual:
  *     kvblock.h    kvb_  blocks: lifecycle, sharing, prefix lookup, storage of one tier
@@ -186,6 +186,18 @@
  * Every function returns a kvb_result: KVB_OK (0) or a negative code; kvb_result_string names it.
  * A call that fails changes nothing.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVBLOCK_H
 #define KVBLOCK_H
 #define KVBLOCK_VERSION_MAJOR 0
@@ -2689,8 +2701,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *                                           #include "kvoffload.h"
  * (it includes kvblock.h; define KVBLOCK_IMPLEMENTATION there too, or KVCACHE_IMPLEMENTATION for all).
  * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread, and _GNU_SOURCE (O_DIRECT,
- * preadv, posix_fallocate, clock_gettime under -std=c11): define it before any include, or pass
- * -D_GNU_SOURCE.
+ * preadv, posix_fallocate, clock_gettime under -std=c11): the implementation defines it before its first
+ * include; a file that includes a system header before it must pass -D_GNU_SOURCE (an #error says so).
  *
  * Manual: 1. Quick start  2. Concepts  3. Pipeline rules  4. Backends  5. Tier manager
  *         6. Thread safety  7. Errors
@@ -2761,6 +2773,18 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
  * from the pools. kvo_result_string names both. A failed call changes nothing.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVOFFLOAD_H
 #define KVOFFLOAD_H
 #define KVOFFLOAD_VERSION_MAJOR 0
@@ -3127,7 +3151,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVOFFLOAD_IMPL_INCLUDED
 #define KVOFFLOAD_IMPL_INCLUDED
 #ifndef KVBLOCK_IMPL_INCLUDED
@@ -5410,7 +5434,8 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *                                     #include "kvremote.h"
  * and link with -lhiredis (Debian: libhiredis-dev; `make deps` installs it and redis-server). It includes
  * kvoffload.h (define its implementation macros there too, or KVCACHE_IMPLEMENTATION for all). Needs
- * C11, POSIX threads and sockets, -D_GNU_SOURCE (MSG_NOSIGNAL, MSG_MORE).
+ * C11, POSIX threads and sockets, _GNU_SOURCE (MSG_NOSIGNAL, MSG_MORE; defined by the implementation
+ * unless a system header came first: then pass -D_GNU_SOURCE, as an #error says).
  * Without KVO_WITH_REDIS nothing needs hiredis: the declarations stay, and the implementation macro
  * compiles stubs whose create fails with KVO_ENOREMOTE, so a program can offer the remote tier as an
  * option and still build where hiredis is missing. kvcache.h carries this header whole (same macros).
@@ -5500,6 +5525,18 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * KVO_EREMOTE (an error reply, a cluster that does not serve the slot, too many redirects),
  * KVO_ENOREMOTE (built without KVO_WITH_REDIS). Lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVREMOTE_H
 #define KVREMOTE_H
 #define KVREMOTE_VERSION_MAJOR 0
@@ -5610,7 +5647,7 @@ KVO_API const char *kvo_redis_result_string(int result);
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVREMOTE_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVREMOTE_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVREMOTE_IMPL_INCLUDED
 #define KVREMOTE_IMPL_INCLUDED
 #if defined(KVO_STATIC) && (defined(__GNUC__) || defined(__clang__))
@@ -7543,6 +7580,18 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
  * from any thread (pipelines publish from theirs).
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVSCHED_H
 #define KVSCHED_H
 #define KVSCHED_VERSION_MAJOR 0
@@ -8041,7 +8090,7 @@ KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVSCHED_IMPL_INCLUDED
 #define KVSCHED_IMPL_INCLUDED
 #ifndef KVOFFLOAD_IMPL_INCLUDED

@@ -5,8 +5,8 @@
  *                                           #include "kvoffload.h"
  * (it includes kvblock.h; define KVBLOCK_IMPLEMENTATION there too, or KVCACHE_IMPLEMENTATION for all).
  * Needs C11, POSIX threads and stb_ds.h (-I/usr/include/stb), -pthread, and _GNU_SOURCE (O_DIRECT,
- * preadv, posix_fallocate, clock_gettime under -std=c11): define it before any include, or pass
- * -D_GNU_SOURCE.
+ * preadv, posix_fallocate, clock_gettime under -std=c11): the implementation defines it before its first
+ * include; a file that includes a system header before it must pass -D_GNU_SOURCE (an #error says so).
  *
  * Manual: 1. Quick start  2. Concepts  3. Pipeline rules  4. Backends  5. Tier manager
  *         6. Thread safety  7. Errors
@@ -77,6 +77,18 @@
  * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
  * from the pools. kvo_result_string names both. A failed call changes nothing.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVOFFLOAD_H
 #define KVOFFLOAD_H
 #define KVOFFLOAD_VERSION_MAJOR 0
@@ -443,7 +455,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVOFFLOAD_IMPL_INCLUDED
 #define KVOFFLOAD_IMPL_INCLUDED
 #ifndef KVBLOCK_IMPL_INCLUDED

@@ -6,7 +6,8 @@
  *                                     #include "kvremote.h"
  * and link with -lhiredis (Debian: libhiredis-dev; `make deps` installs it and redis-server). It includes
  * kvoffload.h (define its implementation macros there too, or KVCACHE_IMPLEMENTATION for all). Needs
- * C11, POSIX threads and sockets, -D_GNU_SOURCE (MSG_NOSIGNAL, MSG_MORE).
+ * C11, POSIX threads and sockets, _GNU_SOURCE (MSG_NOSIGNAL, MSG_MORE; defined by the implementation
+ * unless a system header came first: then pass -D_GNU_SOURCE, as an #error says).
  * Without KVO_WITH_REDIS nothing needs hiredis: the declarations stay, and the implementation macro
  * compiles stubs whose create fails with KVO_ENOREMOTE, so a program can offer the remote tier as an
  * option and still build where hiredis is missing. kvcache.h carries this header whole (same macros).
@@ -96,6 +97,18 @@
  * KVO_EREMOTE (an error reply, a cluster that does not serve the slot, too many redirects),
  * KVO_ENOREMOTE (built without KVO_WITH_REDIS). Lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVREMOTE_H
 #define KVREMOTE_H
 #define KVREMOTE_VERSION_MAJOR 0
@@ -206,7 +219,7 @@ KVO_API const char *kvo_redis_result_string(int result);
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVREMOTE_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVREMOTE_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVREMOTE_IMPL_INCLUDED
 #define KVREMOTE_IMPL_INCLUDED
 #if defined(KVO_STATIC) && (defined(__GNUC__) || defined(__clang__))

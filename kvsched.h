@@ -125,6 +125,18 @@
  * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
  * from any thread (pipelines publish from theirs).
  */
+/* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
+ * it reads its first header. A system header included earlier has fixed what it declares (glibc's
+ * features.h), so then the compile stops here with the flag to add instead of deep inside the code. */
+#if defined(KVCACHE_IMPLEMENTATION) || defined(KVOFFLOAD_IMPLEMENTATION) || defined(KVSCHED_IMPLEMENTATION) || \
+    defined(KVREMOTE_IMPLEMENTATION)
+#if !defined(_GNU_SOURCE) && !defined(_FEATURES_H)
+#define _GNU_SOURCE
+#elif defined(__GLIBC__) && !defined(_DEFAULT_SOURCE) && !defined(KVCACHE__POSIX_MISSING)
+#define KVCACHE__POSIX_MISSING /* one #error, and the implementations below are left out */
+#error "kvcache: a system header was included before the implementation without POSIX: compile with -D_GNU_SOURCE"
+#endif
+#endif
 #ifndef KVSCHED_H
 #define KVSCHED_H
 #define KVSCHED_VERSION_MAJOR 0
@@ -623,7 +635,7 @@ KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *
 /* ================================================================================================ */
 /*                                        IMPLEMENTATION                                            */
 /* ================================================================================================ */
-#if defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)
+#if (defined(KVSCHED_IMPLEMENTATION) || defined(KVCACHE_IMPLEMENTATION)) && !defined(KVCACHE__POSIX_MISSING)
 #ifndef KVSCHED_IMPL_INCLUDED
 #define KVSCHED_IMPL_INCLUDED
 #ifndef KVOFFLOAD_IMPL_INCLUDED

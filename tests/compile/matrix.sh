@@ -29,8 +29,11 @@ STATIC_WAIVE=${MATRIX_STATIC_WAIVE:-}
 # -O3, where gcc's -Wmaybe-uninitialized runs (make demo builds at -O2, make bench at -O3).
 OPT=${MATRIX_OPT:--O2}
 # The commands the README gives for its quick start; entries below run them as written.
-README_SPLIT='cc -std=c11 -D_GNU_SOURCE -I. -I/usr/include/stb example.c -o example -pthread && ./example'
-README_SINGLE='cc -std=c11 -D_GNU_SOURCE -I/usr/include/stb example.c -o example -pthread && ./example'
+README_SPLIT='cc -std=c11 -I. -I/usr/include/stb example.c -o example -pthread && ./example'
+README_SINGLE='cc -std=c11 -I/usr/include/stb example.c -o example -pthread && ./example'
+# A new user's first try: strict C11, warnings as errors, no -D_GNU_SOURCE (the implementation asks for
+# POSIX itself), no -pthread (glibc 2.34+ has the threads in libc).
+PLAIN_C11="$GCC -std=c11 -Wall -Wextra -Werror -I. -I$STB" 
 
 ROOT=$(pwd)
 rm -rf "$B"
@@ -141,8 +144,30 @@ example() { # example FILE: the cc command its first comment documents, output i
     sh -c "$cmd"
 }
 
-readme_quickstart() { # readme_quickstart split|single: the README's program and command, as written
-    d=$B/readme-$1
+single_example() { # single_example FILE: the quick start made the README's single-file program
+    sed -i -e 's/^#define KVBLOCK_IMPLEMENTATION$/#define KVCACHE_IMPLEMENTATION/' \
+        -e 's/^#include "kvblock.h"$/#include "kvcache.h"/' "$1"
+    grep -q '^#include "kvcache.h"$' "$1" || { echo "quick start: no kvblock.h include to replace"; exit 1; }
+}
+
+posix_late() { # a system header before the implementation: one #error naming the flag; with it, a build
+    d=$B/posix-late
+    mkdir -p "$d"
+    awk '/^## Quick start/ { q = 1 } q && /^```c$/ { c = 1; next } c && /^```$/ { exit } c' README.md >"$d/body.c"
+    single_example "$d/body.c" || exit 1
+    { echo '#include <stdio.h> /* before the implementation: too late to ask for POSIX */'; cat "$d/body.c"; } >"$d/example.c"
+    cp kvcache.h "$d/"
+    # shellcheck disable=SC2086
+    out=$(cd "$d" && $PLAIN_C11 example.c -o example 2>&1) && { echo "compiled without -D_GNU_SOURCE"; exit 1; }
+    errors=$(printf '%s\n' "$out" | grep -c ': error:')
+    printf '%s\n' "$out" | grep -q ': error: #error.*compile with -D_GNU_SOURCE' && [ "$errors" -eq 1 ] || {
+        printf '%s\n' "$out" | head -20; echo "expected one #error naming -D_GNU_SOURCE ($errors error lines)"; exit 1; }
+    # shellcheck disable=SC2086
+    (cd "$d" && $PLAIN_C11 -D_GNU_SOURCE example.c -o example && ./example) || exit 1
+}
+
+readme_quickstart() { # readme_quickstart split|single|plain: the README's program and command, as written
+    d=$B/readme-$1               # (plain: the single-file program with $PLAIN_C11)
     mkdir -p "$d"
     awk '/^## Quick start/ { q = 1 } q && /^```c$/ { c = 1; next } c && /^```$/ { exit } c' README.md >"$d/example.c"
     [ -s "$d/example.c" ] || { echo "README.md: no c block under ## Quick start"; exit 1; }
@@ -152,11 +177,13 @@ readme_quickstart() { # readme_quickstart split|single: the README's program and
     else
         cmd=$README_SINGLE
         cp kvcache.h "$d/"
-        sed -i -e 's/^#define KVBLOCK_IMPLEMENTATION$/#define KVCACHE_IMPLEMENTATION/' \
-            -e 's/^#include "kvblock.h"$/#include "kvcache.h"/' "$d/example.c"
-        grep -q '^#include "kvcache.h"$' "$d/example.c" || { echo "quick start: no kvblock.h include to replace"; exit 1; }
+        single_example "$d/example.c" || exit 1
     fi
-    grep -qF -- "$cmd" README.md || { echo "README.md no longer gives: $cmd (update tests/compile/matrix.sh with it)"; exit 1; }
+    if [ "$1" = plain ]; then
+        cmd="$PLAIN_C11 example.c -o example && ./example"
+    else
+        grep -qF -- "$cmd" README.md || { echo "README.md no longer gives: $cmd (update tests/compile/matrix.sh with it)"; exit 1; }
+    fi
     out=$(cd "$d" && sh -c "$cmd") || { echo "$out"; exit 1; }
     echo "$out"
     echo "$out" | grep -q '32 of 40' || { echo "expected '32 of 40' in the output"; exit 1; }
@@ -217,6 +244,8 @@ for h in $OTHER; do
 done
 entry "README quick start, split headers, as written" readme_quickstart split
 entry "README quick start, kvcache.h, as written" readme_quickstart single
+entry "README quick start, kvcache.h, $PLAIN_C11 (no -D_GNU_SOURCE)" readme_quickstart plain
+entry "a system header before kvcache.h's implementation: one #error naming -D_GNU_SOURCE" posix_late
 entry "kvcache.h matches amalgamate.sh's output" fresh
 
 l=0
