@@ -42,12 +42,12 @@
  *     Complete             kvb_register                                  Registered
  *     Empty                kvb_register_hashed (content made elsewhere)  Registered
  *
- * Reading of the seed's two "addTokens" exits of Partial: adding tokens keeps a block Partial while
- * space remains and the caller has more tokens to come (ready = 0); it becomes ReadyForScheduling when
- * the block is full (always) or when the caller says the tokens so far are to be computed now
- * (ready = 1, e.g. the last, partial block of a decode step; n may be 0 for that). Tokens can be added
- * only in Partial. kvb_register_hashed is the import path used by onboarding and trace replay: the
- * bytes were computed elsewhere and arrive with their hash. The last reference to a block that is not
+ * Dynamo's block state diagram labels both exits of Partial "addTokens"; read here as: adding tokens keeps
+ * a block Partial while space remains and the caller has more tokens to come (ready = 0); it becomes
+ * ReadyForScheduling when the block is full (always) or when the caller says the tokens so far are to be
+ * computed now (ready = 1, e.g. the last, partial block of a decode step; n may be 0 for that). Tokens can
+ * be added only in Partial. kvb_register_hashed is the import path used by onboarding and trace replay:
+ * the bytes were computed elsewhere and arrive with their hash. The last reference to a block that is not
  * Registered returns it to the free set; a Registered one becomes inactive.
  *
  * Handles are values: index + generation. A strong handle (kvb_block) stands for one counted
@@ -78,8 +78,8 @@
  * deeper block. A parent is touched whenever its child is, so it scores no lower unless its count
  * restarted (horizon); victims are leaves, so no block is evicted before its cached children.
  * Defaults: H = 40,000 block references, G = 2 x num_blocks (at most 40,000), and the step adapted
- * online (below); a step set in the config is used as given, with the W above. (Issue 6 made step
- * 10,000 and G 40,000 the defaults; set them to get that policy exactly.)
+ * online (below); a step set in the config is used as given, with the W above. (FOL with a fixed step
+ * of 10,000 and G 40,000 was the first default; set them to get that policy exactly.)
  *
  * FOL's adaptive step (fol_class_step = 0, the default). No fixed step suits every pool: one that helps
  * a small cache keeps once-popular blocks in a large one long after they stop paying for their space.

@@ -77,12 +77,12 @@
  *     Complete             kvb_register                                  Registered
  *     Empty                kvb_register_hashed (content made elsewhere)  Registered
  *
- * Reading of the seed's two "addTokens" exits of Partial: adding tokens keeps a block Partial while
- * space remains and the caller has more tokens to come (ready = 0); it becomes ReadyForScheduling when
- * the block is full (always) or when the caller says the tokens so far are to be computed now
- * (ready = 1, e.g. the last, partial block of a decode step; n may be 0 for that). Tokens can be added
- * only in Partial. kvb_register_hashed is the import path used by onboarding and trace replay: the
- * bytes were computed elsewhere and arrive with their hash. The last reference to a block that is not
+ * Dynamo's block state diagram labels both exits of Partial "addTokens"; read here as: adding tokens keeps
+ * a block Partial while space remains and the caller has more tokens to come (ready = 0); it becomes
+ * ReadyForScheduling when the block is full (always) or when the caller says the tokens so far are to be
+ * computed now (ready = 1, e.g. the last, partial block of a decode step; n may be 0 for that). Tokens can
+ * be added only in Partial. kvb_register_hashed is the import path used by onboarding and trace replay:
+ * the bytes were computed elsewhere and arrive with their hash. The last reference to a block that is not
  * Registered returns it to the free set; a Registered one becomes inactive.
  *
  * Handles are values: index + generation. A strong handle (kvb_block) stands for one counted
@@ -113,8 +113,8 @@
  * deeper block. A parent is touched whenever its child is, so it scores no lower unless its count
  * restarted (horizon); victims are leaves, so no block is evicted before its cached children.
  * Defaults: H = 40,000 block references, G = 2 x num_blocks (at most 40,000), and the step adapted
- * online (below); a step set in the config is used as given, with the W above. (Issue 6 made step
- * 10,000 and G 40,000 the defaults; set them to get that policy exactly.)
+ * online (below); a step set in the config is used as given, with the W above. (FOL with a fixed step
+ * of 10,000 and G 40,000 was the first default; set them to get that policy exactly.)
  *
  * FOL's adaptive step (fol_class_step = 0, the default). No fixed step suits every pool: one that helps
  * a small cache keeps once-popular blocks in a large one long after they stop paying for their space.
@@ -2730,7 +2730,7 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * CancelSweeper every sweep interval. A block that passes lands in the destination pool Registered
  * under the source block's hash (kvb_register_hashed), so a later lookup there finds it.
  *
- * 3. PIPELINE RULES (the seed's P1-P6)
+ * 3. PIPELINE RULES (P1-P6 of Dynamo KVBM's offload pipeline)
  * P1 the container is the unit of cancellation; P2 its token travels with it through every queue;
  * P3 the upgrade weak -> strong is the point of no return for eviction: a block evicted before it is
  * dropped (counted), never copied; P4 the queues are swept of cancelled containers right before each
@@ -7512,10 +7512,10 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
  * engine with its own scheduler and worker threads calls them directly.
  *
- * 5. SIZING — kvs_blocks_for_bytes turns a byte budget (like the seed's cpu_bytes_to_use_per_rank)
- * into a block count for a layout; kvs_model_preset gives model layouts. KVS_MODEL_LLAMA3_8B is the
- * seed's: 16-token blocks, 32 layers, 32 KV heads x head dim 128, fp16: pages of 128 KiB (one layer,
- * K or V), 8 MiB per block.
+ * 5. SIZING — kvs_blocks_for_bytes turns a byte budget (like cpu_bytes_to_use_per_rank of vLLM's
+ * SimpleCPUOffloadConnector) into a block count for a layout; kvs_model_preset gives model layouts.
+ * KVS_MODEL_LLAMA3_8B: 16-token blocks, 32 layers, 32 KV heads x head dim 128, fp16: pages of 128 KiB
+ * (one layer, K or V), 8 MiB per block.
  *
  * 6. THREAD SAFETY — a kvs_sched is used by one thread at a time (the engine's scheduler thread);
  * a kvs_connector's scheduler side and worker side may run on two threads (each side's calls from one

@@ -34,7 +34,7 @@
  * CancelSweeper every sweep interval. A block that passes lands in the destination pool Registered
  * under the source block's hash (kvb_register_hashed), so a later lookup there finds it.
  *
- * 3. PIPELINE RULES (the seed's P1-P6)
+ * 3. PIPELINE RULES (P1-P6 of Dynamo KVBM's offload pipeline)
  * P1 the container is the unit of cancellation; P2 its token travels with it through every queue;
  * P3 the upgrade weak -> strong is the point of no return for eviction: a block evicted before it is
  * dropped (counted), never copied; P4 the queues are swept of cancelled containers right before each

@@ -57,10 +57,10 @@
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
  * engine with its own scheduler and worker threads calls them directly.
  *
- * 5. SIZING — kvs_blocks_for_bytes turns a byte budget (like the seed's cpu_bytes_to_use_per_rank)
- * into a block count for a layout; kvs_model_preset gives model layouts. KVS_MODEL_LLAMA3_8B is the
- * seed's: 16-token blocks, 32 layers, 32 KV heads x head dim 128, fp16: pages of 128 KiB (one layer,
- * K or V), 8 MiB per block.
+ * 5. SIZING — kvs_blocks_for_bytes turns a byte budget (like cpu_bytes_to_use_per_rank of vLLM's
+ * SimpleCPUOffloadConnector) into a block count for a layout; kvs_model_preset gives model layouts.
+ * KVS_MODEL_LLAMA3_8B: 16-token blocks, 32 layers, 32 KV heads x head dim 128, fp16: pages of 128 KiB
+ * (one layer, K or V), 8 MiB per block.
  *
  * 6. THREAD SAFETY — a kvs_sched is used by one thread at a time (the engine's scheduler thread);
  * a kvs_connector's scheduler side and worker side may run on two threads (each side's calls from one
