@@ -2765,6 +2765,14 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * destination fails the offload quietly (counted); the next offer tries again. kvo_manager_lookup finds
  * the longest prefix across tiers and which tier holds each block; kvo_manager_onboard loads blocks from
  * a lower tier into G1.
+ * A branch (branch_from = b): the last tier is fed from tier b instead of the one above it, beside b's
+ * own chain, e.g. G1 -> G2 -> G3 with G2 -> G4 (num_tiers 4, branch_from 1). Whatever lands in (or is
+ * offered to, or is backed from) tier b goes to both; the tier above the last is then a leaf. This is how
+ * all four tiers run at once: G4 (kvremote.h) is fed from G2 rather than from G3 because its backend sends
+ * block bytes straight from a memory pool to the socket; G3 is a file, so G3 -> G4 would read every block
+ * back from disk first (disk bandwidth taken from onboarding) and reach the shared cache only after the
+ * disk write, while every block G3 gets has passed through G2 anyway. down[i] is always the pipeline
+ * into tier i + 1 (for the last tier, from b).
  *
  * 6. THREAD SAFETY — queues, tokens, events, pipelines and managers are safe from any thread. Completion
  * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
@@ -3097,7 +3105,8 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
 
 typedef enum kvo_offload_mode { KVO_OFFLOAD_EAGER = 0, KVO_OFFLOAD_LAZY } kvo_offload_mode;
 
-/* Told of every finished offload tier -> tier + 1 (the transfer handle is released right after). */
+/* Told of every finished offload into tier + 1 (from tier, or from branch_from into the last tier; the
+ * transfer handle is released right after). */
 typedef void (*kvo_offloaded_fn)(void *user, uint32_t tier, kvo_transfer transfer, const kvo_transfer_info *info);
 
 typedef struct kvo_manager_config {
@@ -3106,6 +3115,8 @@ typedef struct kvo_manager_config {
     kvo_backend *down[KVO_MAX_TIERS];       /* down[i] copies tier i -> i + 1 */
     kvo_backend *up[KVO_MAX_TIERS];         /* up[i] copies tier i -> G1 (i >= 1) */
     kvo_offload_mode offload;
+    uint32_t branch_from;                   /* 0 = a chain; else the tier (1 .. num_tiers - 3) the last tier
+                                               copies from, with backend down[num_tiers - 2] (section 5) */
     uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 */
     kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools ignored) */
     kvo_offloaded_fn on_offloaded;          /* optional */
@@ -5214,10 +5225,29 @@ typedef struct kvo__edge { kvo_manager *m; uint32_t tier; } kvo__edge;
 struct kvo_manager {
     kvo_manager_config cfg;
     kvo_pipeline *down[KVO_MAX_TIERS], *up[KVO_MAX_TIERS];
+    uint32_t from[KVO_MAX_TIERS];   /* down[i] copies from[i] -> i + 1: i, or branch_from for the last */
     kvo__edge edges[KVO_MAX_TIERS];
 };
 
-/* An offload tier -> tier + 1 finished: eager mode sends what landed on down the chain. */
+/* Blocks of `tier` go down every pipeline that copies from it (two at a branch). *out gets the first
+ * transfer; the handles are released when the transfers are done (kvo__manager_down_done). */
+static kvo_result kvo__manager_send(kvo_manager *m, uint32_t tier, const kvb_weak *w, size_t n, kvo_transfer *out)
+{
+    kvo_result r = KVO_OK, ri;
+    uint32_t i;
+    int first = 1;
+    for (i = 0; i + 1 < m->cfg.num_tiers; i++) {
+        kvo_transfer t;
+        if (!m->down[i] || m->from[i] != tier) continue;
+        ri = kvo_enqueue(m->down[i], w, n, NULL, &t);
+        if (first && out && ri == KVO_OK) *out = t;
+        if (first) r = ri;
+        first = 0;
+    }
+    return r;
+}
+
+/* An offload into tier + 1 finished: eager mode sends what landed on down. */
 static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfer_info *info,
                                    const kvb_weak *dst, size_t n)
 {
@@ -5225,15 +5255,12 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     kvo_manager *m = e->m;
     uint32_t next = e->tier + 1;
     if (m->cfg.on_offloaded) m->cfg.on_offloaded(m->cfg.offloaded_user, e->tier, t, info);
-    if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers && m->down[next]) {
+    if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
         kvb_weak *landed = (kvb_weak *)KVB_MALLOC((n ? n : 1) * sizeof *landed);
         size_t i, k = 0;
-        kvo_transfer t2;
         for (i = 0; landed && i < n; i++)
             if (dst[i].id) landed[k++] = dst[i];
-        if (k && kvo_enqueue(m->down[next], landed, k, NULL, &t2) == KVO_OK) {
-            /* the handle is released when that transfer is done, in this same callback */
-        }
+        if (k) kvo__manager_send(m, next, landed, k, NULL);
         KVB_FREE(landed);
     }
     kvo_transfer_release(m->down[e->tier], t);
@@ -5245,7 +5272,7 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     uint32_t i;
     kvo_result r = KVO_OK;
     if (!config || !out || config->num_tiers < 2 || config->num_tiers > KVO_MAX_TIERS ||
-        (unsigned)config->offload > KVO_OFFLOAD_LAZY)
+        (unsigned)config->offload > KVO_OFFLOAD_LAZY || (config->branch_from && config->branch_from + 3 > config->num_tiers))
         return KVO_EINVAL;
     for (i = 0; i < config->num_tiers; i++)
         if (!config->pools[i]) return KVO_EINVAL;
@@ -5258,8 +5285,9 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
         kvo_pipeline_config pc = config->pipeline;
         m->edges[i].m = m;
         m->edges[i].tier = i;
+        m->from[i] = config->branch_from && i + 2 == config->num_tiers ? config->branch_from : i;
         if (i + 1 < config->num_tiers && config->down[i]) {
-            pc.src = config->pools[i];
+            pc.src = config->pools[m->from[i]];
             pc.dst = config->pools[i + 1];
             pc.backend = config->down[i];
             pc.on_done = kvo__manager_down_done;
@@ -5300,17 +5328,15 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
                                      kvo_transfer *out)
 {
     kvb_weak stack[64], *w;
-    kvo_transfer t;
     kvo_result r;
     size_t i;
     if (out) out->id = 0;
     if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
-    if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER || !manager->down[tier]) return KVO_OK;
+    if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
     w = n <= 64 ? stack : (kvb_weak *)KVB_MALLOC(n * sizeof *w);
     if (!w) return KVO_ENOMEM;
     for (i = 0; i < n; i++) w[i] = kvb_weak_of(blocks[i]);
-    r = kvo_enqueue(manager->down[tier], w, n, NULL, &t); /* released by kvo__manager_down_done */
-    if (r == KVO_OK && out) *out = t;
+    r = kvo__manager_send(manager, tier, w, n, out); /* released by kvo__manager_down_done */
     if (w != stack) KVB_FREE(w);
     return r;
 }
@@ -5322,12 +5348,10 @@ static void kvo__manager_back_candidates(kvo_manager *m, uint32_t tier)
     kvb_pool_stats st;
     kvb_weak *w;
     size_t n = 0, want;
-    kvo_transfer t;
     if (kvb_pool_get_stats(m->cfg.pools[tier], &st) != KVB_OK || st.free_blocks >= m->cfg.lazy_reserve) return;
     want = m->cfg.lazy_reserve - st.free_blocks;
     if (!(w = (kvb_weak *)KVB_MALLOC(want * sizeof *w))) return;
-    if (kvb_eviction_candidates(m->cfg.pools[tier], want, w, &n) == KVB_OK && n)
-        kvo_enqueue(m->down[tier], w, n, NULL, &t);
+    if (kvb_eviction_candidates(m->cfg.pools[tier], want, w, &n) == KVB_OK && n) kvo__manager_send(m, tier, w, n, NULL);
     KVB_FREE(w);
 }
 
@@ -5336,7 +5360,8 @@ KVO_API kvo_result kvo_manager_poll(kvo_manager *manager)
     uint32_t i;
     if (!manager) return KVO_EINVAL;
     for (i = 0; i < manager->cfg.num_tiers; i++) {
-        if (manager->cfg.offload == KVO_OFFLOAD_LAZY && manager->down[i]) kvo__manager_back_candidates(manager, i);
+        if (manager->cfg.offload == KVO_OFFLOAD_LAZY && manager->down[i] && manager->from[i] == i)
+            kvo__manager_back_candidates(manager, i); /* a branch's source is backed for both with its own */
         if (manager->down[i]) kvo_pipeline_poll(manager->down[i]);
         if (manager->up[i]) kvo_pipeline_poll(manager->up[i]);
     }

@@ -2,7 +2,11 @@
  * offered blocks all the way down; kvo_manager_lookup tells for a prefix which tier holds each block
  * after G1 evicted some (and after G2 lost everything); blocks come back from G3 with
  * kvo_manager_onboard; a full G2 makes the offload fail quietly and a later offer succeeds; lazy mode
- * offloads nothing until blocks come near eviction, then keeps the next candidates backed in G2. */
+ * offloads nothing until blocks come near eviction, then keeps the next candidates backed in G2.
+ * A branch (branch_from 1): G1 -> G2 -> G3 (disk) and G2 -> G4 (a memory pool standing in for Redis):
+ * offered blocks reach all four tiers, G4 gets them from G2 with the same bytes, lookup and onboarding
+ * from G4 work with G2 and G3 gone; lazy mode backs G2's candidates in both G3 and G4; bad branches are
+ * refused. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -311,6 +315,117 @@ static void test_eager_threaded(void)
     tiers_close(&t);
 }
 
+/* Four tiers with G4 beside G3, both fed from G2. */
+static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
+{
+    kvo_manager_config mc;
+    memset(t, 0, sizeof *t);
+    t->g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    t->g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE);
+    t->g3 = of_meta_pool(32);
+    *g4 = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    KVT_EQ(kvo_memcpy_backend_create(0, &t->mem), KVO_OK);
+    KVT_CHECK(of_tmpdir(t->dir, sizeof t->dir));
+    snprintf(t->path, sizeof t->path, "%s/g3.kv", t->dir);
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    dc.path = t->path;
+    dc.disk_pool = t->g3;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    KVT_EQ(kvo_disk_backend_create(&dc, &t->disk), KVO_OK);
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 4;
+    mc.pools[0] = t->g1;
+    mc.pools[1] = t->g2;
+    mc.pools[2] = t->g3;
+    mc.pools[3] = *g4;
+    mc.down[0] = t->mem;
+    mc.down[1] = t->disk;
+    mc.down[2] = t->mem; /* the edge into G4, from G2 */
+    mc.up[1] = t->mem;
+    mc.up[2] = t->disk;
+    mc.up[3] = t->mem;
+    mc.offload = mode;
+    mc.lazy_reserve = 4;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.branch_from = 3; /* refused: the last tier cannot feed itself, nor can the tier just above it */
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
+    mc.branch_from = 2;
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
+    mc.branch_from = 1;
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_OK);
+}
+
+static void test_branch_four_tiers(void)
+{
+    tiers t;
+    kvb_pool *g4;
+    kvb_hash h[4];
+    kvb_block b[4];
+    uint8_t tier_of[4];
+    size_t n = 0;
+    kvo_pipeline_config pc;
+    branch_open(&t, &g4, KVO_OFFLOAD_EAGER);
+    KVT_EQ(kvo_pipeline_get_config(kvo_manager_pipeline(t.m, 2, 0), &pc), KVO_OK);
+    KVT_CHECK(pc.src == t.g2 && pc.dst == g4);
+    of_chain(71, 4, h);
+    of_register(t.g1, h, 4, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 4), 4);
+    KVT_EQ(of_present(t.g3, h, 4), 4);
+    KVT_EQ(of_holds_all(g4, h, 4), 4);
+    kvo_manager_stats s = mstats(&t);
+    KVT_EQ(s.down[1].transferred, 4);
+    KVT_EQ(s.down[2].transferred, 4);
+    KVT_EQ(kvb_release(t.g1, b, 4, NULL), KVB_OK);
+
+    /* G1 and G2 lose everything: G3 is looked up before G4; then G3 too: all from G4 */
+    KVT_EQ(kvb_pool_reset(t.g1), KVB_OK);
+    KVT_EQ(kvb_pool_reset(t.g2), KVB_OK);
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(tier_of[i], 2);
+    KVT_EQ(kvb_pool_reset(t.g3), KVB_OK);
+    KVT_EQ(kvo_manager_lookup(t.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < 4; i++) KVT_EQ(tier_of[i], 3);
+    kvo_transfer tr;
+    KVT_EQ(kvo_manager_onboard(t.m, 3, &h[2], 2, &tr), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    kvo_pipeline *up = kvo_manager_pipeline(t.m, 3, 1);
+    kvb_block got[2];
+    size_t ngot = 0;
+    KVT_EQ(kvo_transfer_take_blocks(up, tr, got, 2, &ngot), KVO_OK);
+    KVT_EQ(ngot, 2);
+    for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(t.g1, got[i], h[2 + i]));
+    if (ngot) KVT_EQ(kvb_release(t.g1, got, ngot, NULL), KVB_OK);
+    KVT_EQ(kvo_transfer_release(up, tr), KVO_OK);
+    tiers_close(&t);
+    KVT_EQ(of_active(g4), 0);
+    kvb_pool_destroy(g4);
+}
+
+/* Lazy: G2's eviction candidates are backed in G3 and in G4 alike. */
+static void test_branch_lazy(void)
+{
+    tiers t;
+    kvb_pool *g4;
+    kvb_hash h[16];
+    branch_open(&t, &g4, KVO_OFFLOAD_LAZY);
+    of_chain(81, 16, h);
+    of_register(t.g2, h, 16, NULL, NULL); /* G2 full of inactive blocks: none free */
+    KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_present(t.g3, h, 16), 4);
+    KVT_EQ(of_holds_all(g4, h, 16), 4);
+    kvo_manager_stats s = mstats(&t);
+    KVT_EQ(s.down[1].transferred, 4);
+    KVT_EQ(s.down[2].transferred, 4);
+    tiers_close(&t);
+    kvb_pool_destroy(g4);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -318,5 +433,7 @@ int main(void)
     KVT_RUN(test_full_destination_then_retry);
     KVT_RUN(test_lazy_backs_eviction_candidates);
     KVT_RUN(test_eager_threaded);
+    KVT_RUN(test_branch_four_tiers);
+    KVT_RUN(test_branch_lazy);
     return kvt_summary();
 }
