@@ -199,6 +199,11 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
  * lookup_errors). Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *redis, const kvb_hash *hashes,
                                             size_t n, uint8_t *tier_of, size_t *out_n);
+/* The same with the backend as user data first: the shape of kvsched.h's kvs_lookup_fn, so a connector
+ * or scheduler looks up device, host, disk, then Redis (config.lookup = kvo_redis_tiers_lookup,
+ * config.lookup_user = the Redis backend). Thread safety: any thread. */
+KVO_API kvo_result kvo_redis_tiers_lookup(void *redis, kvo_manager *manager, const kvb_hash *hashes, size_t n,
+                                          uint8_t *tier_of, size_t *out_n);
 
 /* The key of a block: written to buf (NUL-terminated) when it fits; returns its length (0 on error). */
 KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf, size_t size);
@@ -306,6 +311,12 @@ KVO_API size_t kvo_redis_format_key(const char *namespace_prefix, uint64_t salt,
 static void kvo__rsay_error(const kvo_redis_config *config, const char *msg)
 {
     if (config && config->error && config->error_size) kvo__rmsg(config->error, config->error_size, "%s", msg);
+}
+
+KVO_API kvo_result kvo_redis_tiers_lookup(void *redis, kvo_manager *manager, const kvb_hash *hashes, size_t n,
+                                          uint8_t *tier_of, size_t *out_n)
+{
+    return kvo_redis_manager_lookup(manager, (kvo_backend *)redis, hashes, n, tier_of, out_n);
 }
 
 #ifndef KVO_WITH_REDIS

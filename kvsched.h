@@ -51,7 +51,12 @@
  * stores, each with an event id), update_output (what the worker finished), request_finished. Worker
  * side: bind_meta, start_loads (before the forward pass), start_stores (after it), get_finished.
  * Loads onboard into the device pool (allocating and registering the device blocks there), so the
- * request's own match then finds them. Stores: eager mode offers every newly registered device block;
+ * request's own match then finds them. The lookup is kvo_manager_lookup over the manager's tiers, or
+ * config.lookup: with a G4 tier in Redis, kvo_redis_tiers_lookup (kvremote.h) looks up device, host,
+ * disk, then Redis, importing what other processes stored; loads from G4 go through the same
+ * onboarding pipelines as host and disk. A load that fails or finds its entry gone (a Redis node lost,
+ * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
+ * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block;
  * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
  * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
@@ -251,11 +256,18 @@ typedef enum kvs_offload_mode { KVS_OFFLOAD_EAGER = 0, KVS_OFFLOAD_LAZY } kvs_of
 
 typedef struct kvs_bus kvs_bus;
 
+/* A lookup over the tiers, kvo_manager_lookup's contract with user data first. kvremote.h's
+ * kvo_redis_tiers_lookup (user = the Redis backend) also finds what other processes stored in G4. */
+typedef kvo_result (*kvs_lookup_fn)(void *user, kvo_manager *tiers, const kvb_hash *hashes, size_t n,
+                                    uint8_t *tier_of, size_t *out_n);
+
 typedef struct kvs_connector_config {
     kvb_pool *device;             /* required: G1 */
     kvo_manager *tiers;           /* required: its G1 must be `device` */
     kvs_offload_mode offload;
     kvs_bus *bus;                 /* optional: hooks and breakpoints (section 8) */
+    kvs_lookup_fn lookup;         /* optional: default kvo_manager_lookup (section 4) */
+    void *lookup_user;
 } kvs_connector_config;
 
 typedef struct kvs_connector kvs_connector;
@@ -309,6 +321,8 @@ typedef struct kvs_sched_config {
     kvs_preempt_mode preempt;     /* swap needs tiers */
     kvs_offload_mode offload;
     kvs_bus *bus;                 /* optional: events, hooks, breakpoints (section 8) */
+    kvs_lookup_fn lookup;         /* optional: the connector's (kvs_connector_config) */
+    void *lookup_user;
 } kvs_sched_config;
 
 typedef struct kvs_request {
@@ -2231,7 +2245,8 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     if (first >= num_hashes) return KVS_OK;
     tier_of = (uint8_t *)KVB_MALLOC(num_hashes);
     if (!tier_of) return KVS_ENOMEM;
-    kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     pthread_mutex_lock(&c->lock);
     if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
     if (found > first) {
@@ -2741,10 +2756,13 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     s->next_id = 1;
     if (config->tiers) {
         kvs_connector_config cc;
+        memset(&cc, 0, sizeof cc);
         cc.device = config->device;
         cc.tiers = config->tiers;
         cc.offload = config->offload;
         cc.bus = config->bus;
+        cc.lookup = config->lookup;
+        cc.lookup_user = config->lookup_user;
         if ((r = kvs_connector_create(&cc, &s->conn)) != KVS_OK) {
             KVB_FREE(s);
             return r;

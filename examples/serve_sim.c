@@ -72,10 +72,14 @@
  * backend copying into it from the tier above and onboarding from it to the device. Blocks are keyed by
  * their hashes under the namespace "serve_sim" (salt 0), so runs of the same workload, in any process or
  * on any machine pointed at the same servers, share them. --remote implies --bytes (Redis stores real
- * bytes; every hit is checked byte for byte) and needs --disk-blocks 0 (Redis copies from a memory tier).
- * In --sequential the lookup is kvo_redis_manager_lookup: device, host, then Redis, the entries other
- * runs stored imported into G4 and onboarded. The reports gain remote_hit_blocks (prompt blocks whose
- * hit came from G4: stored by this run and lost from the device, or by an earlier run) and
+ * bytes; every hit is checked byte for byte). With --disk-blocks too, all four tiers run at once:
+ * G1 -> G2 -> G3 and G2 -> G4 (a manager branch: Redis is fed from host memory, never read back from
+ * disk; kvoffload.h section 5 says why), so a disk tier needs --host-blocks. Onboarding from G4 is
+ * modeled at REMOTE_GBPS (2.5 GB/s). Both modes look up device, host, disk, then Redis
+ * (kvo_redis_tiers_lookup; the scheduler through its connector), the entries other runs stored
+ * imported into G4 and onboarded; a load that fails (an entry gone, a node lost) is recomputed.
+ * The reports gain remote_hit_blocks (prompt blocks whose hit came from G4: stored by this run and lost
+ * from the device, or by an earlier run) and
  * remote_imported_blocks (blocks found in Redis that this run did not store). A second run of the same
  * workload against the same Redis, with cold local tiers, gets remote hits (tests/remote_sim.sh).
  * Built with -DKVO_WITH_REDIS -lhiredis (the Makefile does); without KVO_WITH_REDIS, --remote stops the
@@ -124,6 +128,7 @@
 #define KV_BYTES_PER_TOKEN 131072.0 /* 32 layers x 8 KV heads x head dim 128 x (K, V) x fp16 */
 #define HOST_GBPS 25.0
 #define DISK_GBPS 4.0
+#define REMOTE_GBPS 2.5 /* Redis over a 25 GbE link */
 
 /* ---- the synthetic workload (defaults: 5000 requests, device 2048 blocks, host 16384) ------------- */
 
@@ -476,7 +481,8 @@ static void parse_options(int argc, char **argv, options *o)
     if (o->remote) {
         if (!*o->remote) die(2, "--remote needs redis://host:port");
         if (o->check_lru) die(2, "--check-lru compares the device pool alone with the reference: drop --remote");
-        if (o->disk_blocks) die(2, "--remote takes blocks from a memory tier: add --disk-blocks 0");
+        if (o->disk_blocks && !o->host_blocks) /* G4 is fed from G2 (a memory tier), beside G3 */
+            die(2, "--remote with --disk-blocks needs a host tier (--host-blocks N): Redis is fed from host memory");
         o->bytes = 1; /* Redis stores real bytes: every pool above it is memory-backed */
     }
 }
@@ -942,6 +948,7 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
             if (i) mc.up[i] = t->kind[i] == TIER_DISK ? NULL : t->mem;
         }
         if (o->disk_blocks) {
+            uint32_t d = t->kind[t->n - 1] == TIER_DISK ? t->n - 1 : t->n - 2; /* before G4, when there */
             kvo_disk_config dc;
             int fd;
             snprintf(tmp_path, sizeof tmp_path, "/tmp/serve_sim.XXXXXX");
@@ -952,17 +959,18 @@ static void open_tiers(tiers *t, const options *o, int lower, int bytes, double 
             signal(SIGTERM, on_signal);
             memset(&dc, 0, sizeof dc);
             dc.path = tmp_path;
-            dc.disk_pool = t->pool[t->n - 1];
+            dc.disk_pool = t->pool[d];
             dc.block_bytes = t->block_bytes;
             dc.log = disk_log;
             dc.log_user = t;
             check_kv(kvo_disk_backend_create(&dc, &t->disk), "disk backend");
-            mc.down[t->n - 2] = t->disk;
-            mc.up[t->n - 1] = t->disk;
+            mc.down[d - 1] = t->disk;
+            mc.up[d] = t->disk;
         }
-        if (t->redis) {
+        if (t->redis) { /* with a disk tier, G4 is a branch from G2: G1 -> G2 -> G3 and G2 -> G4 */
             mc.down[t->n - 2] = t->redis;
             mc.up[t->n - 1] = t->redis;
+            if (o->disk_blocks) mc.branch_from = 1;
         }
     }
     mc.offload = (kvo_offload_mode)o->offload;
@@ -986,12 +994,13 @@ static void close_tiers(tiers *t)
     remove_tmp();
 }
 
-/* Transfer totals per direction, by tier kind: down[k] = from kind k to the next tier, up[k] = from k
- * to the device. Bytes are real with --bytes, modeled otherwise. */
+/* Transfer totals per direction, by tier kind: down[k] = into kind k (from down_from[k]: the tier above,
+ * or host for G4 beside a disk tier), up[k] = from k to the device. Bytes are real with --bytes, modeled
+ * otherwise. */
 typedef struct traffic {
     uint64_t down_blocks[TIER_ALL], down_bytes[TIER_ALL], up_blocks[TIER_ALL], up_bytes[TIER_ALL];
     uint64_t evictions[TIER_ALL];
-    int down_to[TIER_ALL];  /* kind of the tier below, -1 */
+    int down_from[TIER_ALL]; /* kind of the tier it is fed from, -1 */
     int present[TIER_ALL];
     kvo_redis_stats redis;  /* --remote: the backend's counters (imported = blocks other runs stored) */
 } traffic;
@@ -1002,7 +1011,7 @@ static void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
     uint32_t i;
     double modeled = (double)o->block_tokens * KV_BYTES_PER_TOKEN;
     memset(tr, 0, sizeof *tr);
-    for (i = 0; i < TIER_ALL; i++) tr->down_to[i] = -1;
+    for (i = 0; i < TIER_ALL; i++) tr->down_from[i] = -1;
     memset(&ms, 0, sizeof ms);
     if (t->mgr) kvo_manager_get_stats(t->mgr, &ms);
     if (t->redis) kvo_redis_backend_stats(t->redis, &tr->redis);
@@ -1014,10 +1023,15 @@ static void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
         tr->present[k] = 1;
         tr->evictions[k] = ps.evictions;
         if (!t->mgr) continue;
-        if (i + 1 < t->n) {
-            tr->down_to[k] = t->kind[i + 1];
-            tr->down_blocks[k] = ms.down[i].transferred;
-            tr->down_bytes[k] = bytes ? ms.down[i].bytes : (uint64_t)(modeled * (double)ms.down[i].transferred);
+        if (i + 1 < t->n && kvo_manager_pipeline(t->mgr, i, 0)) { /* the edge into tier i + 1 */
+            int to = t->kind[i + 1];
+            kvo_pipeline_config pc;
+            uint32_t from = i;
+            if (kvo_pipeline_get_config(kvo_manager_pipeline(t->mgr, i, 0), &pc) == KVO_OK)
+                while (from > 0 && t->pool[from] != pc.src) from--;
+            tr->down_from[to] = t->kind[from];
+            tr->down_blocks[to] = ms.down[i].transferred;
+            tr->down_bytes[to] = bytes ? ms.down[i].bytes : (uint64_t)(modeled * (double)ms.down[i].transferred);
         }
         if (i) {
             tr->up_blocks[k] = ms.up[i].transferred;
@@ -1476,6 +1490,10 @@ static void run_sched(const workload *w, const options *o, int cache_on, results
     sc.tiers = t.mgr;
     sc.offload = o->offload == KVO_OFFLOAD_LAZY ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
     sc.bus = ob.bus;
+    if (t.redis) { /* device, host, disk, then Redis, with what other processes stored */
+        sc.lookup = kvo_redis_tiers_lookup;
+        sc.lookup_user = t.redis;
+    }
     check_kv(kvs_sched_create(&sc, &s), "kvs_sched_create");
     for (q = 0; q < w->n; q++)
         if (w->is_trace || w->reqs[q].turn == 0) heap_push(&hp, w->reqs[q].arrival, q);
@@ -1533,7 +1551,7 @@ static void run_sched(const workload *w, const options *o, int cache_on, results
             const kvs_load *lo = &st.meta.loads[i];
             uint32_t req = map_get(&ids, lo->request);
             int kind = t.kind[lo->tier < t.n ? lo->tier : 0];
-            double gbps = kind == TIER_DISK ? DISK_GBPS : HOST_GBPS;
+            double gbps = kind == TIER_DISK ? DISK_GBPS : kind == TIER_REMOTE ? REMOTE_GBPS : HOST_GBPS;
             load_us += (double)lo->num_blocks * bt * KV_BYTES_PER_TOKEN / (gbps * 1e3);
             if (req != UINT32_MAX && !L[req].counted) {
                 const sim_req *r = &w->reqs[req];
@@ -1837,7 +1855,7 @@ static void describe(char *out, size_t len, const workload *w, const options *o)
 static void print_text(const workload *w, const options *o, results *r)
 {
     char d[256], b1[32];
-    int k, nk = o->remote ? TIER_ALL : TIER_KINDS;
+    int k, first, nk = o->remote ? TIER_ALL : TIER_KINDS;
     uint32_t bt = o->block_tokens;
     describe(d, sizeof d, w, o);
     printf("serve_sim — %s\n", d);
@@ -1862,13 +1880,14 @@ static void print_text(const workload *w, const options *o, results *r)
     for (k = 0; k < nk; k++)
         if (r->tr.present[k]) printf(" %s %llu ", tier_names[k], (unsigned long long)r->tr.evictions[k]);
     printf("\n");
-    for (k = 0; k < nk; k++) {
+    for (k = 0, first = 1; k < nk; k++) {
         char lbl[32];
-        if (r->tr.down_to[k] < 0) continue;
-        snprintf(lbl, sizeof lbl, "%s -> %s", tier_names[k], tier_names[r->tr.down_to[k]]);
+        if (r->tr.down_from[k] < 0) continue;
+        snprintf(lbl, sizeof lbl, "%s -> %s", tier_names[r->tr.down_from[k]], tier_names[k]);
         human_bytes(b1, sizeof b1, r->tr.down_bytes[k]);
-        printf("%-22s %-16s %10llu blocks %12s%s\n", k == 0 ? "offloaded" : "", lbl,
+        printf("%-22s %-16s %10llu blocks %12s%s\n", first ? "offloaded" : "", lbl,
                (unsigned long long)r->tr.down_blocks[k], b1, o->bytes ? "" : " (modeled)");
+        first = 0;
     }
     for (k = 1; k < nk; k++) {
         char lbl[32];
@@ -1952,10 +1971,10 @@ static void print_json(const workload *w, const options *o, results *r)
         json_num(j, key, (double)r->tr.evictions[k]);
     }
     for (k = 0; k < nk; k++) {
-        if (r->tr.down_to[k] >= 0) {
-            snprintf(key, sizeof key, "offloaded_blocks_%s_to_%s", tier_names[k], tier_names[r->tr.down_to[k]]);
+        if (r->tr.down_from[k] >= 0) {
+            snprintf(key, sizeof key, "offloaded_blocks_%s_to_%s", tier_names[r->tr.down_from[k]], tier_names[k]);
             json_num(j, key, (double)r->tr.down_blocks[k]);
-            snprintf(key, sizeof key, "offloaded_bytes_%s_to_%s", tier_names[k], tier_names[r->tr.down_to[k]]);
+            snprintf(key, sizeof key, "offloaded_bytes_%s_to_%s", tier_names[r->tr.down_from[k]], tier_names[k]);
             json_num(j, key, (double)r->tr.down_bytes[k]);
         }
         if (k && r->tr.present[k]) {

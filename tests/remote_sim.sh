@@ -3,6 +3,8 @@
 # fresh process with cold local tiers, share one Redis. The first finds nothing another run stored
 # (remote_imported_blocks 0; its remote hits are blocks it offloaded itself and then lost from the
 # device); the second gets remote hits for blocks the first stored, more hits in all, the bytes intact.
+# Then the same in scheduler mode with all four tiers (--host-blocks --disk-blocks --remote): a second
+# process with cold local tiers gets remote hits through the connector, every hit byte-checked.
 # Run from the repository root after `make build/serve_sim`. Ends with "N passed, N failed[, N skipped]".
 SIM=${SIM:-build/serve_sim}
 TRACE=examples/traces/small.jsonl
@@ -69,10 +71,24 @@ run() {
 run 1
 run 2
 
-python3 - "$dir/1.json" "$dir/2.json" <<'EOF' || fail "checks above"
+# scheduler mode, four tiers, on an empty Redis
+python3 -c 'import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), 2)
+s.sendall(b"FLUSHALL\r\n")
+sys.exit(0 if s.recv(16).startswith(b"+OK") else 1)' "$port" || fail "FLUSHALL"
+run_sched() {
+    "$SIM" --requests 300 --device-blocks 512 --host-blocks 1024 --disk-blocks 3000 \
+        --remote "redis://127.0.0.1:$port" --json >"$dir/$1.json" 2>"$dir/$1.err"
+    rc=$?
+    [ $rc -eq 0 ] || { cat "$dir/$1.err"; fail "serve_sim run $1 exited $rc"; }
+}
+run_sched s1
+run_sched s2
+
+python3 - "$dir/1.json" "$dir/2.json" "$dir/s1.json" "$dir/s2.json" <<'EOF' || fail "checks above"
 import json, sys
-a, b = (json.load(open(p)) for p in sys.argv[1:3])
-for n, r in (("first", a), ("second", b)):
+a, b, sa, sb = (json.load(open(p)) for p in sys.argv[1:5])
+for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb)):
     print("%-6s run: hit_blocks %d of %d, remote_hit_blocks %d, remote_imported_blocks %d, data_mismatches %d"
           % (n, r["hit_blocks"], r["prompt_blocks"], r["remote_hit_blocks"], r["remote_imported_blocks"],
              r["data_mismatches"]))
@@ -81,10 +97,18 @@ if a["remote_imported_blocks"] != 0: bad.append("the first run found blocks it d
 if b["remote_imported_blocks"] <= 0: bad.append("the second run found nothing the first stored")
 if b["remote_hit_blocks"] <= a["remote_hit_blocks"]: bad.append("the second run got no more remote hits")
 if b["hit_blocks"] <= a["hit_blocks"]: bad.append("the second run got no more hits")
-for n, r in (("first", a), ("second", b)):
+if sa["remote_imported_blocks"] != 0: bad.append("the first scheduler run found blocks it did not store")
+if sb["remote_imported_blocks"] <= 0 or sb["remote_hit_blocks"] <= 0:
+    bad.append("the second scheduler run got no remote hits from what the first stored")
+for n, r in (("sched first", sa), ("sched second", sb)):
+    if not (r["offloaded_blocks_host_to_disk"] > 0 and r["offloaded_blocks_host_to_remote"] > 0 and r["disk_hit_blocks"] > 0):
+        bad.append("%s run: host, disk and remote tiers not all in use" % n)
+for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb)):
     if r["data_mismatches"] or r["remote_checksum_errors"] or r["remote_io_errors"]:
         bad.append("%s run: data mismatches or remote errors" % n)
+    if r["verified_blocks"] < r["hit_blocks"]:
+        bad.append("%s run: not every hit byte-checked" % n)
 for m in bad: print("FAIL:", m)
 sys.exit(1 if bad else 0)
 EOF
-echo "1 passed, 0 failed"
+echo "2 passed, 0 failed"
