@@ -11,10 +11,14 @@
  * - tenants with different salts do not see each other's blocks;
  * - AUTH: no password and a wrong one fail create with KVO_EAUTH and a clear message that never holds
  *   the password; the right one from an environment variable works.
+ * - the connector (kvsched.h) with kvo_redis_tiers_lookup: a cold engine finds another's blocks in Redis,
+ *   loads them through its onboarding pipeline with the bytes intact; when the entries are gone by the
+ *   time the load runs, the load lands nothing and the request computes those blocks (a miss).
  * Without redis-server the server tests are skipped with one line. */
 #define KVO_WITH_REDIS
 #define KVCACHE_IMPLEMENTATION
 #include "kvremote.h"
+#include "kvsched.h"
 #include "kvtest.h"
 #include "offload_fixtures.h"
 #include "redis_fixtures.h"
@@ -982,6 +986,86 @@ static void test_auth(void)
     rf_stop(&s);
 }
 
+/* The connector's lookup and loads for request 1 over e's tiers: tokens it plans, device blocks it
+ * landed (references in got, *ngot). */
+static size_t connector_load(engine *e, const kvb_hash *h, size_t n, int flush_port, kvb_block *got, size_t *ngot)
+{
+    kvs_connector_config cc;
+    kvs_connector *c = NULL;
+    kvs_connector_meta meta;
+    size_t tokens = 0;
+    int async = 0, done = 0;
+    memset(&cc, 0, sizeof cc);
+    cc.device = e->g1;
+    cc.tiers = e->m;
+    cc.lookup = kvo_redis_tiers_lookup;
+    cc.lookup_user = e->redis;
+    KVT_EQ(kvs_connector_create(&cc, &c), KVS_OK);
+    if (!c) return 0;
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(c, 1, h, n, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(async, tokens > 0);
+    KVT_EQ(kvs_connector_update_state_after_alloc(c, 1, tokens), KVS_OK);
+    if (flush_port) { /* lost between the lookup and the load */
+        redisReply *r = rf_cmd(flush_port, NULL, "FLUSHALL");
+        if (r) freeReplyObject(r);
+    }
+    KVT_EQ(kvs_connector_build_meta(c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_bind_meta(c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_loads(c), KVS_OK);
+    for (int i = 0; i < 100 && !done; i++) {
+        kvs_worker_output out;
+        KVT_EQ(kvo_manager_drain(e->m, 5000000), KVO_OK);
+        KVT_EQ(kvs_connector_get_finished(c, &out), KVS_OK);
+        for (size_t k = 0; k < out.num_finished_loads; k++) done |= out.finished_loads[k] == 1;
+        KVT_EQ(kvs_connector_update_output(c, &out), KVS_OK);
+    }
+    KVT_CHECK(done);
+    *ngot = 0;
+    KVT_EQ(kvb_match(e->g1, h, n, got, ngot), KVB_OK); /* what the request's own match finds */
+    KVT_EQ(kvs_connector_release_loads(c, 1), KVS_OK);
+    KVT_EQ(kvs_connector_request_finished(c, 1, NULL), KVS_OK);
+    kvs_connector_destroy(c);
+    return tokens;
+}
+
+static void test_connector_g4(void)
+{
+    rf_server s;
+    engine a, b;
+    kvb_hash h[CONV_BLOCKS + 2];
+    kvb_block blocks[CONV_BLOCKS], got[CONV_BLOCKS];
+    size_t ngot = 0;
+    kvo_redis_stats st;
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    KVT_EQ(conversation(CONV_BLOCKS, 5, h), CONV_BLOCKS);
+    if (engine_open(&a, s.port)) { /* A computes the conversation: G1 -> G2 -> G4 */
+        of_register(a.g1, h, CONV_BLOCKS, blocks, NULL);
+        KVT_EQ(kvo_manager_offer(a.m, 0, blocks, CONV_BLOCKS, NULL), KVO_OK);
+        KVT_EQ(kvo_manager_drain(a.m, 10000000), KVO_OK);
+        KVT_EQ(kvb_release(a.g1, blocks, CONV_BLOCKS, NULL), KVB_OK);
+        engine_close(&a);
+    }
+    KVT_EQ(rf_int(s.port, NULL, "DBSIZE"), CONV_BLOCKS);
+    if (engine_open(&b, s.port)) { /* B, cold: every block comes from Redis */
+        KVT_EQ(connector_load(&b, h, CONV_BLOCKS, 0, got, &ngot), CONV_BLOCKS * OF_TOKENS);
+        KVT_EQ(ngot, CONV_BLOCKS);
+        for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(b.g1, got[i], h[i]));
+        if (ngot) KVT_EQ(kvb_release(b.g1, got, ngot, NULL), KVB_OK);
+        engine_close(&b);
+    }
+    if (engine_open(&b, s.port)) { /* cold again, and the entries vanish after the lookup: a miss */
+        KVT_EQ(connector_load(&b, h, CONV_BLOCKS, s.port, got, &ngot), CONV_BLOCKS * OF_TOKENS);
+        KVT_EQ(ngot, 0);
+        KVT_EQ(kvo_redis_backend_stats(b.redis, &st), KVO_OK);
+        KVT_CHECK(st.misses > 0);
+        engine_close(&b);
+    }
+    rf_stop(&s);
+}
+
 static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
 
 int main(int argc, char **argv)
@@ -1001,6 +1085,7 @@ int main(int argc, char **argv)
         return kvt_summary();
     }
     KVT_RUN(test_two_processes);
+    KVT_RUN(test_connector_g4);
     KVT_RUN(test_cluster);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
