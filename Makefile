@@ -8,7 +8,7 @@ SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-fram
 CFLAGS_TEST  := $(BASE) -g -O1 $(SAN)
 CFLAGS_TSAN  := $(BASE) -g -O1 -fsanitize=thread
 CFLAGS_OPT   := $(BASE) -O2 -g
-HEADERS := kvblock.h kvoffload.h kvsched.h
+HEADERS := kvblock.h kvoffload.h kvsched.h kvroute.h
 TEST_HEADERS := $(wildcard tests/*.h)
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += -j$(NPROC)
