@@ -248,7 +248,7 @@ static uint32_t KVS__RCTZ(uint64_t x)
 #define KVS__RDEF_WEIGHT 1.0
 #define KVS__RDEF_EXPECTED 16384u
 #define KVS__RDEF_AFFINITY 4u
-#define KVS__RAHEAD 8 /* probes prefetched ahead of the one made */
+#define KVS__RAHEAD 16 /* probes prefetched ahead of the one made */
 
 typedef struct kvs__feed { kvs_router *router; uint32_t worker; } kvs__feed;
 
