@@ -151,7 +151,7 @@ clean:
 # `make test` also runs every test against kvcache.h, the compile matrix and the fuzz corpus, all counted
 # in its one summary line.
 .PHONY: amalgamate check-amalgamation test-single matrix fuzz install uninstall
-AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvsched.h)
+AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvsched.h kvroute.h)
 OTHER_HEADERS := $(filter-out $(AMALG_PARTS) kvcache.h,$(wildcard kv*.h))
 DEB_PACKAGES  += clang libclang-rt-dev g++ pkg-config
 

@@ -3,7 +3,7 @@
 #
 #   sh amalgamate.sh [OUTPUT]        (default: kvcache.h next to this script)
 #
-# Inlines kvblock.h, kvoffload.h and kvsched.h (when it exists), in that order, each once and verbatim
+# Inlines kvblock.h, kvoffload.h, kvsched.h and kvroute.h (each when it exists), in that order, each once and verbatim
 # (its manual and its own guards included) after a marker line, with the `#include "kvblock.h"` style
 # lines between them removed. Above them: one documentation block, the KVCACHE_H guard and the version.
 # The output depends only on the headers, so `make check-amalgamation` can compare it byte for byte.
@@ -14,6 +14,7 @@ out=${1:-$dir/kvcache.h}
 
 parts="kvblock.h kvoffload.h"
 [ -f "$dir/kvsched.h" ] && parts="$parts kvsched.h"
+[ -f "$dir/kvroute.h" ] && parts="$parts kvroute.h"
 
 die() { echo "amalgamate.sh: $*" >&2; exit 1; }
 
@@ -71,6 +72,7 @@ EOF
             kvblock.h)   d="kvb_  blocks: lifecycle, sharing, prefix lookup, storage of one tier" ;;
             kvoffload.h) d="kvo_  moving blocks between tiers: queues, offload pipeline, backends, tier manager" ;;
             kvsched.h)   d="kvs_  the engine's step loop: request slots, connector, continuous-batching scheduler" ;;
+            kvroute.h)   d="kvs_  a fleet of engines: the KV-aware router and its index of who holds which block" ;;
         esac
         printf ' *     %-12s %s\n' "$p" "$d"
     done
@@ -88,7 +90,7 @@ EOF
         i=$((i + 1))
         printf '\n/* ==== kvcache part %s of %s: %s ==== */\n' "$i" "$count" "$p"
         # An include of another part becomes a note: that part is inlined above.
-        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvsched)\.h".*$@/* \1.h: inlined above */@' \
+        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvsched|kvroute)\.h".*$@/* \1.h: inlined above */@' \
             "$dir/$p"
     done
 } >"$tmp"
