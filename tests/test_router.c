@@ -3,9 +3,12 @@
  * 70 workers: one bitmap word and two); lost, reordered and repeated events are survived (a stale entry
  * costs a mispredicted hit, the engine's own lookup decides) and a resync restores the truth; each
  * policy's rules; bad arguments give specific errors and change nothing; routing and steady-state
- * events do not allocate. All deterministic (seeded). */
+ * events do not allocate; engines on their own threads feed one router while another thread routes
+ * (also under TSan). All deterministic (seeded) but the interleaving of that last one, whose final
+ * index does not depend on it. */
+#include <stdatomic.h>
 #include <stdlib.h>
-static size_t g_allocs;      /* every KVB_MALLOC / KVB_REALLOC */
+static atomic_size_t g_allocs; /* every KVB_MALLOC / KVB_REALLOC (pools allocate from several threads) */
 static int g_fail_allocs;    /* when set, they fail */
 static void *count_malloc(size_t n)
 {
@@ -549,6 +552,68 @@ static void test_kv_finds_more_than_round_robin(void)
     KVT_CHECK(kv > rr);
 }
 
+/* ---- threads: each engine feeds the router from its own thread while another routes -------------- */
+
+typedef struct engine_thread {
+    kvb_pool *pool;
+    uint64_t seed;
+} engine_thread;
+
+static void *engine_main(void *arg)
+{
+    engine_thread *e = (engine_thread *)arg;
+    int i;
+    for (i = 0; i < 400; i++) {
+        if (rnd(&e->seed) % 50 == 0) (void)kvb_pool_reset(e->pool);
+        else serve(e->pool, g_chain[rnd(&e->seed) % CONVS], 1 + rnd(&e->seed) % MAXL);
+    }
+    return NULL;
+}
+
+typedef struct router_thread { kvs_router *r; atomic_int stop; size_t routes; } router_thread;
+
+static void *router_main(void *arg)
+{
+    router_thread *t = (router_thread *)arg;
+    double loads[4] = { 1, 2, 3, 4 };
+    uint32_t w;
+    size_t overlap, c = 0;
+    while (!atomic_load(&t->stop) || c < 100) {
+        if (kvs_router_route(t->r, g_chain[c % CONVS], 1 + c % MAXL, loads, &w, &overlap) != KVS_OK || w >= 4) break;
+        c++;
+    }
+    t->routes = c;
+    return NULL;
+}
+
+static void test_engines_on_threads_feed_one_router(void)
+{
+    enum { NW = 4 };
+    kvb_pool *pools[NW];
+    engine_thread eng[NW];
+    pthread_t th[NW], rt;
+    router_thread rtd;
+    uint32_t w;
+    make_chains();
+    memset(&rtd, 0, sizeof rtd);
+    rtd.r = make_router(NW, KVS_ROUTE_KV, 32);
+    for (w = 0; w < NW; w++) {
+        pools[w] = make_pool(kvs_router_pool_events, kvs_router_feed(rtd.r, w));
+        eng[w].pool = pools[w];
+        eng[w].seed = 100 + w;
+    }
+    KVT_EQ(pthread_create(&rt, NULL, router_main, &rtd), 0);
+    for (w = 0; w < NW; w++) KVT_EQ(pthread_create(&th[w], NULL, engine_main, &eng[w]), 0);
+    for (w = 0; w < NW; w++) pthread_join(th[w], NULL);
+    atomic_store(&rtd.stop, 1);
+    pthread_join(rt, NULL);
+    KVT_CHECK(rtd.routes >= 100);
+    KVT_EQ(stats_of(rtd.r).routes, rtd.routes);
+    expect_index_matches(rtd.r, pools, NW); /* each engine's events arrive in its order: exact again */
+    for (w = 0; w < NW; w++) kvb_pool_destroy(pools[w]);
+    kvs_router_destroy(rtd.r);
+}
+
 /* ---- bad arguments -------------------------------------------------------------------------------- */
 
 static void test_bad_arguments_change_nothing(void)
@@ -724,6 +789,7 @@ int main(void)
     KVT_RUN(test_kv_routes_to_least_prefill_plus_load);
     KVT_RUN(test_workers_beyond_64);
     KVT_RUN(test_kv_finds_more_than_round_robin);
+    KVT_RUN(test_engines_on_threads_feed_one_router);
     KVT_RUN(test_bad_arguments_change_nothing);
     KVT_RUN(test_steady_state_does_not_allocate);
     return kvt_summary();
