@@ -8,14 +8,14 @@ SAN     := -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-fram
 CFLAGS_TEST  := $(BASE) -g -O1 $(SAN)
 CFLAGS_TSAN  := $(BASE) -g -O1 -fsanitize=thread
 CFLAGS_OPT   := $(BASE) -O2 -g
-HEADERS := kvblock.h kvoffload.h kvsched.h
+HEADERS := kvblock.h kvoffload.h kvsched.h kvroute.h
 TEST_HEADERS := $(wildcard tests/*.h)
 NPROC   := $(shell nproc 2>/dev/null || echo 2)
 MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
-TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress test_remote
+TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress test_remote test_router
 DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server tmux
 
 .PHONY: all deps test tsan demo bench clean
@@ -151,7 +151,7 @@ clean:
 # `make test` also runs every test against kvcache.h, the compile matrix and the fuzz corpus, all counted
 # in its one summary line.
 .PHONY: amalgamate check-amalgamation test-single matrix fuzz install uninstall
-AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvremote.h kvsched.h kvcuda.h)
+AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvremote.h kvsched.h kvroute.h kvcuda.h)
 OTHER_HEADERS := $(filter-out $(AMALG_PARTS) kvcache.h,$(wildcard kv*.h))
 DEB_PACKAGES  += clang libclang-rt-dev g++ pkg-config
 

@@ -3,7 +3,7 @@
 #
 #   sh amalgamate.sh [OUTPUT]        (default: kvcache.h next to this script)
 #
-# Inlines kvblock.h, kvoffload.h, kvremote.h, kvsched.h and kvcuda.h (each when it exists), in that order,
+# Inlines kvblock.h, kvoffload.h, kvremote.h, kvsched.h, kvroute.h and kvcuda.h (each when it exists), in that order,
 # each once and verbatim (its manual and its own guards included) after a marker line, with the
 # `#include "kvblock.h"` style lines between them removed. kvremote.h's Redis code stays behind
 # KVO_WITH_REDIS (without it, stubs: nothing needs hiredis); kvcuda.h is declarations only (its code is
@@ -15,7 +15,7 @@ dir=$(cd "$(dirname "$0")" && pwd)
 out=${1:-$dir/kvcache.h}
 
 parts="kvblock.h kvoffload.h"
-for p in kvremote.h kvsched.h kvcuda.h; do
+for p in kvremote.h kvsched.h kvroute.h kvcuda.h; do
     [ -f "$dir/$p" ] && parts="$parts $p"
 done
 
@@ -79,6 +79,7 @@ EOF
             kvsched.h)   d="kvs_  the engine's step loop: request slots, connector, continuous-batching scheduler" ;;
             kvremote.h)  d="kvo_  G4: blocks in Redis (Cluster); the code needs KVO_WITH_REDIS and -lhiredis" ;;
             kvcuda.h)    d="kvc_  GPU tier, declarations only: link build/libkvcuda.a (make cuda, kvcuda.cu)" ;;
+            kvroute.h)   d="kvs_  a fleet of engines: the KV-aware router and its index of who holds which block" ;;
         esac
         printf ' *     %-12s %s\n' "$p" "$d"
     done
@@ -96,7 +97,7 @@ EOF
         i=$((i + 1))
         printf '\n/* ==== kvcache part %s of %s: %s ==== */\n' "$i" "$count" "$p"
         # An include of another part becomes a note: that part is inlined above.
-        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvremote|kvsched|kvcuda)\.h".*$@/* \1.h: inlined above */@' \
+        sed -E 's@^[[:space:]]*#[[:space:]]*include[[:space:]]*"(kvblock|kvoffload|kvremote|kvsched|kvroute|kvcuda)\.h".*$@/* \1.h: inlined above */@' \
             "$dir/$p"
     done
 } >"$tmp"

@@ -7,6 +7,12 @@
  *   block_cycle_ns        alloc 16 (each evicts) + register_hashed 16 + release 16, in a full pool
  *                         of 1,048,576 metadata-only blocks, per block; _1k: the same in 1,024 blocks
  *   match_ns_per_block    kvb_match of a 256-block chain + kvb_release of it, metadata not in cache
+ *   route_ns_per_block    kvs_router_route (KV-aware, kvroute.h) over an index of 8 workers and 1,048,576
+ *                         hashes (16,384 chains of 64 blocks: each held whole by one worker, a prefix by
+ *                         another, half of them the first 0-16 blocks by a third), 4,096 requests per
+ *                         repetition, each a random chain's first 4, 16, 32 or 64 blocks then 8 blocks
+ *                         nobody holds, caches emptied before each repetition; per index probe (a route
+ *                         stops at the first block no worker holds); route_ns: the same per route
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
  * and from kvoffload.h (section "kvoffload.h" below):
@@ -57,7 +63,8 @@
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
-#include "kvsched.h" /* includes kvoffload.h and kvblock.h */
+#define KVROUTE_IMPLEMENTATION
+#include "kvroute.h" /* includes kvsched.h, kvoffload.h and kvblock.h */
 #ifdef KVO_WITH_REDIS /* the G4 tier's keys: needs hiredis (-lhiredis) */
 #define KVREMOTE_IMPLEMENTATION
 #include "kvremote.h"
@@ -102,6 +109,7 @@
 #define GOAL_EVENT_PUBLISH_NS   100.0
 #define GOAL_EVENT_LOG_VS_FWRITE 2.0
 #define GOAL_SCHED_BUS_IDLE     1.05
+#define GOAL_ROUTE_NS           50.0
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
 
@@ -116,6 +124,13 @@
 #define HASH_PASSES         64
 #define DRAM_READS          (1u << 21)
 #define MIN_BIG_BUFFER      ((size_t)64 << 20)
+
+/* kvroute.h */
+#define ROUTE_WORKERS       8u
+#define ROUTE_CHAINS        16384u
+#define ROUTE_CHAIN_BLOCKS  64u       /* x 16,384 chains: 1,048,576 hashes */
+#define ROUTE_REQUESTS      4096u
+#define ROUTE_NEW_BLOCKS    8u        /* each request ends in blocks nobody holds (its new turn) */
 
 /* kvoffload.h */
 #define GATHER_BLOCKS       256u      /* copied per job: 32 MiB */
@@ -147,6 +162,7 @@
 #define REPS_EVICT  5
 #define REPS_SCHED  31
 #define REPS_OBSERVE 9
+#define REPS_ROUTE  9
 #define EVICT_ITERATIONS 8192  /* x 16 evictions per repetition */
 #define SCHED_PROMPT_BLOCKS 2  /* each request: 2 full blocks + 0..15 tokens, so 1 in 16 crosses a block per step */
 
@@ -1479,6 +1495,101 @@ static void bench_observe(results *rs)
     results_add(rs, "sched_step_recorded_ratio", measure_sched_observed(1000, 1), "ratio", NO_GOAL, GOAL_AT_MOST);
 }
 
+/* ---- kvroute.h: routing over a fleet's index ------------------------------------------------------ */
+
+typedef struct route_bench {
+    kvs_router *router;
+    kvb_hash *chains;       /* ROUTE_CHAINS x ROUTE_CHAIN_BLOCKS */
+    kvb_hash *requests;     /* ROUTE_REQUESTS x (ROUTE_CHAIN_BLOCKS + ROUTE_NEW_BLOCKS) */
+    size_t *lengths;
+    double loads[ROUTE_WORKERS];
+    uint64_t *rng;
+    unsigned char *evict_buffer;
+    size_t evict_bytes;
+    double last_route_ns;
+} route_bench;
+
+static void route_store(kvs_router *r, uint32_t worker, const kvb_hash *chain, size_t n)
+{
+    kvb_event ev[ROUTE_CHAIN_BLOCKS];
+    memset(ev, 0, sizeof ev);
+    for (size_t i = 0; i < n; i++) {
+        ev[i].kind = KVB_EVENT_STORED;
+        ev[i].hash = chain[i];
+    }
+    if (kvs_router_events(r, worker, ev, n) != KVS_OK) die("route bench: kvs_router_events");
+}
+
+/* Each repetition routes fresh requests (built untimed, then the caches emptied) with fresh loads. */
+static double route_once(void *ctx)
+{
+    route_bench *b = ctx;
+    enum { STRIDE = ROUTE_CHAIN_BLOCKS + ROUTE_NEW_BLOCKS };
+    static const size_t prefixes[] = { 4, 16, 32, 64 };
+    for (size_t q = 0; q < ROUTE_REQUESTS; q++) {
+        const kvb_hash *chain = b->chains + (splitmix64(b->rng) % ROUTE_CHAINS) * ROUTE_CHAIN_BLOCKS;
+        size_t k = prefixes[splitmix64(b->rng) % 4];
+        memcpy(b->requests + q * STRIDE, chain, k * sizeof *chain);
+        fill_random_hashes(b->requests + q * STRIDE + k, ROUTE_NEW_BLOCKS, b->rng);
+        b->lengths[q] = k + ROUTE_NEW_BLOCKS;
+    }
+    for (uint32_t w = 0; w < ROUTE_WORKERS; w++) b->loads[w] = (double)(splitmix64(b->rng) % 64);
+    evict_caches(b->evict_buffer, b->evict_bytes);
+    kvs_router_stats before, after;
+    if (kvs_router_get_stats(b->router, &before) != KVS_OK) die("route bench: kvs_router_get_stats");
+    uint64_t sum = 0, t0 = now_ns();
+    for (size_t q = 0; q < ROUTE_REQUESTS; q++) {
+        uint32_t w;
+        size_t overlap;
+        if (kvs_router_route(b->router, b->requests + q * STRIDE, b->lengths[q], b->loads, &w, &overlap) != KVS_OK)
+            die("route bench: kvs_router_route");
+        sum += w + overlap;
+    }
+    uint64_t t1 = now_ns();
+    sink = sum;
+    if (kvs_router_get_stats(b->router, &after) != KVS_OK) die("route bench: kvs_router_get_stats");
+    b->last_route_ns = (double)(t1 - t0) / ROUTE_REQUESTS;
+    return (double)(t1 - t0) / (double)(after.probes - before.probes);
+}
+
+static double route_per_route_once(void *ctx)
+{
+    route_bench *b = ctx;
+    (void)route_once(b);
+    return b->last_route_ns;
+}
+
+static void bench_route(results *rs, unsigned char *evict_buffer, size_t evict_bytes, uint64_t *rng)
+{
+    route_bench b = { .evict_buffer = evict_buffer, .evict_bytes = evict_bytes, .rng = rng };
+    kvs_router_config rc = { .num_workers = ROUTE_WORKERS, .expected_blocks = ROUTE_CHAINS * ROUTE_CHAIN_BLOCKS };
+    if (kvs_router_create(&rc, &b.router) != KVS_OK) die("route bench: kvs_router_create");
+    b.chains = xmalloc((size_t)ROUTE_CHAINS * ROUTE_CHAIN_BLOCKS * sizeof *b.chains);
+    b.requests = xmalloc((size_t)ROUTE_REQUESTS * (ROUTE_CHAIN_BLOCKS + ROUTE_NEW_BLOCKS) * sizeof *b.requests);
+    b.lengths = xmalloc(ROUTE_REQUESTS * sizeof *b.lengths);
+    fill_random_hashes(b.chains, (size_t)ROUTE_CHAINS * ROUTE_CHAIN_BLOCKS, rng);
+    for (uint32_t c = 0; c < ROUTE_CHAINS; c++) {
+        const kvb_hash *chain = b.chains + (size_t)c * ROUTE_CHAIN_BLOCKS;
+        uint32_t home = c % ROUTE_WORKERS;
+        route_store(b.router, home, chain, ROUTE_CHAIN_BLOCKS);
+        route_store(b.router, (home + 1 + (uint32_t)(splitmix64(rng) % (ROUTE_WORKERS - 1))) % ROUTE_WORKERS, chain,
+                    splitmix64(rng) % (ROUTE_CHAIN_BLOCKS + 1));
+        if (c & 1) route_store(b.router, (uint32_t)(splitmix64(rng) % ROUTE_WORKERS), chain, splitmix64(rng) % 17);
+    }
+    kvs_router_stats st;
+    if (kvs_router_get_stats(b.router, &st) != KVS_OK) die("route bench: kvs_router_get_stats");
+    if (st.hashes != (uint64_t)ROUTE_CHAINS * ROUTE_CHAIN_BLOCKS) die("route bench: index holds %llu hashes",
+                                                                      (unsigned long long)st.hashes);
+    double per_block = summarize_runs(MEDIAN, REPS_ROUTE, route_once, &b);
+    double per_route = summarize_runs(MEDIAN, REPS_ROUTE, route_per_route_once, &b);
+    free(b.lengths);
+    free(b.requests);
+    free(b.chains);
+    kvs_router_destroy(b.router);
+    results_add(rs, "route_ns_per_block", per_block, "ns/block", GOAL_ROUTE_NS, GOAL_AT_MOST);
+    results_add(rs, "route_ns", per_route, "ns/route", NO_GOAL, GOAL_AT_MOST);
+}
+
 /* ---- kvremote.h: the Redis G4 tier over loopback ------------------------------------------------ */
 
 static void bench_remote(results *rs)
@@ -1538,6 +1649,9 @@ int main(int argc, char **argv)
     double match = measure_match(pool, big, big_bytes, &rng);
     check_pool(pool, "after the 1M block cycle and match");
     kvb_pool_destroy(pool);
+
+    progress("router: 8 workers, 1M hashes");
+    bench_route(&rs, big, big_bytes, &rng);
 
     progress("DRAM floor");
     double dram = measure_dram_floor(big, big_bytes, &rng);
