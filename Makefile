@@ -90,9 +90,11 @@ $(BUILD)/tiny_llm: examples/tiny_llm.c $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
-$(BUILD)/serve_sim: examples/serve_sim.c kvremote.h $(HEADERS) | deps
+# serve_sim: main and options in examples/serve_sim.c, one file per concern in examples/serve_sim/
+SERVE_SIM_SRC := examples/serve_sim.c $(wildcard examples/serve_sim/*.c)
+$(BUILD)/serve_sim: $(SERVE_SIM_SRC) $(wildcard examples/serve_sim/*.h) kvremote.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
-	$(CC) $(CFLAGS_OPT) -DKVO_WITH_REDIS -o $@ $< -lcjson -lhiredis -lm
+	$(CC) $(CFLAGS_OPT) -DKVO_WITH_REDIS -o $@ $(SERVE_SIM_SRC) -lcjson -lhiredis -lm
 
 # the console (issue 7): attaches to serve_sim --console PATH, or reads serve_sim --record FILE
 $(BUILD)/kvtop: examples/kvtop.c $(HEADERS) | deps

@@ -1,0 +1,165 @@
+/* svg.c — serve_sim's time series and the --svg chart (hit rate and tier occupancy over time) */
+#include "sim.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <string.h>
+
+/* ---- time series for --svg ---------------------------------------------------------------------- */
+
+void series_add(series *sv, const tiers *t, double x, const uint64_t *hits, uint64_t prompt)
+{
+    sample *s;
+    uint32_t i;
+    GROW(sv->s, sv->cap, sv->n + 1);
+    s = &sv->s[sv->n++];
+    memset(s, 0, sizeof *s);
+    s->x = x;
+    memcpy(s->hits, hits, sizeof s->hits);
+    s->prompt = prompt;
+    for (i = 0; i < TIER_ALL; i++) s->occ[i] = -1.0f;
+    for (i = 0; i < t->n; i++) {
+        kvb_pool_stats ps;
+        memset(&ps, 0, sizeof ps);
+        kvb_pool_get_stats(t->pool[i], &ps);
+        if (!ps.num_blocks) continue;
+        s->occ[t->kind[i]] = (float)(ps.num_blocks - ps.free_blocks) / (float)ps.num_blocks;
+    }
+}
+
+/* ---- --svg -------------------------------------------------------------------------------------- */
+
+static void svg_text_escaped(FILE *f, const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '<') fputs("&lt;", f);
+        else if (*s == '>') fputs("&gt;", f);
+        else if (*s == '&') fputs("&amp;", f);
+        else fputc(*s, f);
+    }
+}
+
+/* Tick spacing: 1, 2 or 5 times a power of ten, about range / 6. */
+static double nice_step(double range)
+{
+    double raw = range / 6.0, p = pow(10.0, floor(log10(raw))), f = raw / p;
+    return (f <= 1 ? 1 : f <= 2 ? 2 : f <= 5 ? 5 : 10) * p;
+}
+
+/* The last sample at or before each of nb equal intervals of x (NULL when the interval has none). */
+static const sample *bucket_end(const series *sv, size_t *i, size_t b, size_t nb, double x0, double x1)
+{
+    double edge = x0 + (x1 - x0) * (double)(b + 1) / (double)nb;
+    const sample *last = NULL;
+    while (*i < sv->n && (sv->s[*i].x <= edge || b + 1 == nb)) last = &sv->s[(*i)++];
+    return last;
+}
+
+int write_svg(const char *path, const series *sv, const char *title, const char *xlabel)
+{
+    enum { W = 960, H = 690, L = 80, R = 40, B = 120 };
+    const double top0 = 70, bot0 = 300, top1 = 370, bot1 = 580;
+    const char *tier_color[TIER_KINDS] = {"#2ca02c", "#9467bd", "#8c564b"};
+    const sample *first, *last;
+    FILE *f;
+    double x0, x1, step, v;
+    size_t b, i, nb;
+    int k;
+    if (!sv->n) return 0;
+    if (!(f = fopen(path, "w"))) return -1;
+    first = &sv->s[0];
+    last = &sv->s[sv->n - 1];
+    x0 = first->x;
+    x1 = last->x > x0 ? last->x : x0 + 1;
+    nb = sv->n < B ? sv->n : B;
+    step = nice_step(x1 - x0);
+    fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
+               "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
+            W, H, W, H);
+    fprintf(f, "<text x=\"%d\" y=\"28\" font-size=\"16\" font-weight=\"bold\">", L);
+    svg_text_escaped(f, title);
+    fprintf(f, "</text>\n");
+#define SX(x) (L + (double)(W - L - R) * ((x) - x0) / (x1 - x0))
+#define SY(v, top, bot) ((bot) - ((bot) - (top)) * (v))
+    for (k = 0; k < 2; k++) { /* the two panels: title, grid, axes */
+        double top = k ? top1 : top0, bot = k ? bot1 : bot0;
+        int g;
+        fprintf(f, "<text x=\"%d\" y=\"%.0f\" font-weight=\"bold\">%s</text>\n", L, top - 10,
+                k ? "tier occupancy (cached blocks / capacity)"
+                  : "prefix-cache hit rate (hit blocks / prompt blocks)");
+        for (g = 0; g <= 4; g++) {
+            double y = bot - (bot - top) * g / 4.0;
+            fprintf(f, "<line x1=\"%d\" y1=\"%.1f\" x2=\"%d\" y2=\"%.1f\" stroke=\"#ddd\"/>"
+                       "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%.2f</text>\n",
+                    L, y, W - R, y, L - 6, y + 4, g / 4.0);
+        }
+        for (v = ceil(x0 / step) * step; v <= x1 + 1e-9 * step; v += step)
+            fprintf(f, "<line x1=\"%.1f\" y1=\"%.0f\" x2=\"%.1f\" y2=\"%.0f\" stroke=\"#eee\"/>"
+                       "<text x=\"%.1f\" y=\"%.0f\" text-anchor=\"middle\">%g</text>\n",
+                    SX(v), top, SX(v), bot, SX(v), bot + 16, v);
+        fprintf(f, "<rect x=\"%d\" y=\"%.0f\" width=\"%d\" height=\"%.0f\" fill=\"none\" stroke=\"#444\"/>\n", L, top,
+                W - L - R, bot - top);
+        fprintf(f, "<text x=\"%d\" y=\"%.0f\" text-anchor=\"middle\">%s</text>\n", (W + L - R) / 2, bot + 34, xlabel);
+    }
+    /* hit rate per interval (all tiers, then host and disk alone) and cumulative */
+    for (k = 0; k < 2 + TIER_KINDS - 1; k++) {
+        static const char *style[] = {"stroke=\"#1f77b4\" stroke-width=\"1.5\"", "stroke=\"#ff7f0e\" stroke-width=\"2\"",
+                                      "stroke=\"#9467bd\" stroke-width=\"1.5\" stroke-dasharray=\"4 3\"",
+                                      "stroke=\"#8c564b\" stroke-width=\"1.5\" stroke-dasharray=\"4 3\""};
+        uint64_t ph = 0, pp = 0;
+        int open = 0;
+        if (k >= 2 && first->occ[k - 1] < 0) continue; /* no such tier */
+        for (i = 0, b = 0; b < nb; b++) {
+            const sample *e = bucket_end(sv, &i, b, nb, x0, x1);
+            uint64_t h;
+            if (!e) continue;
+            h = k >= 2 ? e->hits[k - 1] : e->hits[0] + e->hits[1] + e->hits[2];
+            if (k == 1 ? e->prompt > 0 : e->prompt > pp) {
+                v = k == 1 ? (double)h / (double)e->prompt : (double)(h - ph) / (double)(e->prompt - pp);
+                fprintf(f, "%s%.1f,%.1f", open ? " " : "<polyline fill=\"none\" points=\"", SX(e->x), SY(v, top0, bot0));
+                open = 1;
+            }
+            ph = h;
+            pp = e->prompt;
+        }
+        if (open) fprintf(f, "\" %s/>\n", style[k]);
+    }
+    for (k = 0; k < TIER_KINDS; k++) { /* occupancy per tier */
+        int open = 0;
+        if (first->occ[k] < 0) continue;
+        for (i = 0, b = 0; b < nb; b++) {
+            const sample *e = bucket_end(sv, &i, b, nb, x0, x1);
+            if (!e) continue;
+            fprintf(f, "%s%.1f,%.1f", open ? " " : "<polyline fill=\"none\" stroke-width=\"2\" points=\"", SX(e->x),
+                    SY(e->occ[k], top1, bot1));
+            open = 1;
+        }
+        if (open) fprintf(f, "\" stroke=\"%s\"/>\n", tier_color[k]);
+    }
+#undef SX
+#undef SY
+    { /* legend */
+        static const char *names[] = {"hit rate per interval", "cumulative hit rate", "from host", "from disk"};
+        static const char *colors[] = {"#1f77b4", "#ff7f0e", "#9467bd", "#8c564b"};
+        double y = H - 44;
+        int x = L;
+        for (k = 0; k < 4; k++) {
+            if (k >= 2 && first->occ[k - 1] < 0) continue;
+            fprintf(f, "<line x1=\"%d\" y1=\"%.0f\" x2=\"%d\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"2\"%s/>"
+                       "<text x=\"%d\" y=\"%.0f\">%s</text>\n",
+                    x, y, x + 24, y, colors[k], k >= 2 ? " stroke-dasharray=\"4 3\"" : "", x + 30, y + 4, names[k]);
+            x += k < 2 ? 165 : 95;
+        }
+        x = L;
+        y = H - 20;
+        for (k = 0; k < TIER_KINDS; k++) {
+            if (first->occ[k] < 0) continue;
+            fprintf(f, "<line x1=\"%d\" y1=\"%.0f\" x2=\"%d\" y2=\"%.0f\" stroke=\"%s\" stroke-width=\"4\"/>"
+                       "<text x=\"%d\" y=\"%.0f\">%s occupancy</text>\n", x, y, x + 24, y, tier_color[k], x + 30, y + 4,
+                    tier_names[k]);
+            x += 165;
+        }
+    }
+    fprintf(f, "</svg>\n");
+    return fclose(f) == 0 ? 0 : -1;
+}
