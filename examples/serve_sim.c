@@ -129,6 +129,13 @@ static const named eviction_names[] = {
     {"lru", KVB_EVICT_LRU},
     {NULL, 0},
 };
+static const named route_names[] = {
+    {"kv", KVS_ROUTE_KV},
+    {"rr", KVS_ROUTE_ROUND_ROBIN},
+    {"least", KVS_ROUTE_LEAST_LOADED},
+    {"affinity", KVS_ROUTE_AFFINITY},
+    {NULL, 0},
+};
 static const named offload_names[] = {
     {"eager", KVO_OFFLOAD_EAGER},
     {"lazy", KVO_OFFLOAD_LAZY},
@@ -161,6 +168,8 @@ static const optdef optdefs[] = {
     {"--check-lru", OPT_FLAG, OPT(check_lru), NULL, NULL, "compare the replay with a reference LRU cache (implies --sequential)"},
     {"--bytes", OPT_FLAG, OPT(bytes), NULL, NULL, "memory-backed pools, disk tier in a /tmp file, data checked"},
     {"--remote", OPT_STR, OPT(remote), NULL, "URL", "G4 tier in Redis, last: redis://host:port[,host:port...] (implies --bytes)"},
+    {"--engines", OPT_STR, OPT(engines_arg), NULL, "N|auto", "engines in the fleet, each with its own tiers (default 1); auto: sized from the load"},
+    {"--route", OPT_NAME, OPT(route), route_names, "POLICY", "how the fleet's router picks an engine (default kv)"},
     {"--json", OPT_FLAG, OPT(json), NULL, NULL, "print one JSON object instead of the text report"},
     {"--svg", OPT_STR, OPT(svg), NULL, "FILE", "write a chart of hit rate and tier occupancy over time"},
     {"--console", OPT_STR, OPT(console), NULL, "PATH", "serve kvs_console on this Unix socket (build/kvtop PATH attaches)"},
@@ -180,6 +189,7 @@ static const char *name_of(const named *t, uint32_t v)
 
 const char *eviction_name(uint32_t policy) { return name_of(eviction_names, policy); }
 const char *offload_name(uint32_t mode) { return name_of(offload_names, mode); }
+const char *route_name(uint32_t policy) { return name_of(route_names, policy); }
 
 static void usage(FILE *f)
 {
@@ -229,12 +239,34 @@ static void parse_value(const optdef *d, const char *v, options *o)
     }
 }
 
+/* --engines N (1 .. MAX_ENGINES) or auto (o->engines 0 until main sizes the fleet from the workload). */
+static void parse_engines(options *o)
+{
+    char *end;
+    unsigned long n;
+    o->engines = 1;
+    if (!o->engines_arg) return;
+    if (!strcmp(o->engines_arg, "auto")) {
+        o->engines = 0;
+    } else {
+        errno = 0;
+        n = strtoul(o->engines_arg, &end, 10);
+        if (errno || end == o->engines_arg || *end || o->engines_arg[0] == '-' || n < 1 || n > MAX_ENGINES)
+            die(2, "--engines: '%s' is not auto or a number 1..%d", o->engines_arg, MAX_ENGINES);
+        o->engines = (uint32_t)n;
+    }
+    if (o->engines == 1) return;
+    if (o->sequential) die(2, "--sequential replays one cache: drop --engines (or --check-lru, which implies --sequential)");
+    if (o->console || o->record || o->metrics)
+        die(2, "--console, --record and --metrics observe one engine: drop --engines");
+}
+
 static void parse_options(int argc, char **argv, options *o)
 {
     int i;
     memset(o, 0, sizeof *o);
     o->device_blocks = o->host_blocks = o->disk_blocks = o->block_tokens = o->requests = UNSET;
-    o->eviction = o->offload = UNSET;
+    o->eviction = o->offload = o->route = UNSET;
     o->seed = 1;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *eq = strchr(a, '=');
@@ -261,6 +293,8 @@ static void parse_options(int argc, char **argv, options *o)
     if (o->requests == UNSET) o->requests = 5000;
     if (o->eviction == UNSET) o->eviction = o->check_lru ? KVB_EVICT_LRU : KVB_EVICT_LINEAGE;
     if (o->offload == UNSET) o->offload = KVO_OFFLOAD_EAGER;
+    if (o->route == UNSET) o->route = KVS_ROUTE_KV;
+    parse_engines(o);
     if (!o->device_blocks) die(2, "--device-blocks must be at least 1");
     if (!o->block_tokens || o->block_tokens > 32768) die(2, "--block-tokens must be 1..32768");
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");
@@ -280,12 +314,32 @@ static void parse_options(int argc, char **argv, options *o)
     }
 }
 
+/* --engines auto: the smallest fleet under 0.8 utilisation without hits. A fleet too small for the load
+ * is said on stderr (the reports say it too): its queues grow for the whole run and every latency
+ * figure measures the backlog, not the cache. */
+static void size_fleet(options *o, const capacity *c)
+{
+    uint32_t need = engines_for(c);
+    if (!o->engines) {
+        o->engines = need;
+        if (o->engines > 1 && (o->console || o->record || o->metrics))
+            die(2, "--engines auto chose %u engines: --console, --record and --metrics observe one engine", need);
+    }
+    if (c->work > o->engines)
+        fprintf(stderr, "serve_sim: warning: offered load %.0f prompt tokens/s (+%.0f output) is %.2f engines' work "
+                        "without cache hits; %u engine%s cannot keep up, queues grow all run and TTFT measures the "
+                        "backlog (--engines auto would run %u)\n",
+                c->prompt_tps, c->output_tps, c->work, o->engines, o->engines == 1 ? "" : "s", need);
+}
+
 int main(int argc, char **argv)
 {
     options o;
     workload w;
     results res, base;
     series sv;
+    fleet_report fr;
+    capacity cap;
     int status = 0, lru_failed = 0;
     parse_options(argc, argv, &o);
     if (o.help) {
@@ -302,6 +356,9 @@ int main(int argc, char **argv)
     memset(&res, 0, sizeof res);
     memset(&base, 0, sizeof base);
     memset(&sv, 0, sizeof sv);
+    memset(&fr, 0, sizeof fr);
+    cap = offered_load(&w);
+    if (!o.sequential) size_fleet(&o, &cap);
     if (o.sequential) {
         replay(&w, &o, &res, o.svg ? &sv : NULL);
         if (o.check_lru) {
@@ -311,8 +368,8 @@ int main(int argc, char **argv)
         }
     } else {
         int progress = isatty(STDERR_FILENO);
-        run_sched(&w, &o, 1, &res, o.svg ? &sv : NULL, progress);
-        run_sched(&w, &o, 0, &base, NULL, progress);
+        run_fleet(&w, &o, 1, &res, &fr, o.svg ? &sv : NULL, progress);
+        run_fleet(&w, &o, 0, &base, NULL, NULL, progress);
         res.ttft_nocache = base.ttft;
         res.nttft_nocache = base.nttft;
     }
@@ -324,9 +381,9 @@ int main(int argc, char **argv)
             die(2, "%s: %s", o.svg, strerror(errno));
     }
     if (o.json) {
-        print_json(&w, &o, &res);
+        print_json(&w, &o, &res, o.sequential ? NULL : &fr, &cap);
     } else {
-        print_text(&w, &o, &res);
+        print_text(&w, &o, &res, o.sequential ? NULL : &fr, &cap);
         if (o.check_lru || o.bytes) { /* the summary line tests/run.sh adds up */
             int failed = (res.mismatches > 0) + lru_failed;
             int checks = (o.check_lru != 0) + (o.bytes != 0);
@@ -339,6 +396,7 @@ int main(int argc, char **argv)
             die(2, "--metrics %s: %s", o.metrics, strerror(errno));
         free(res.metrics);
     }
+    fleet_report_free(&fr);
     free(res.ttft);
     free(res.cpu);
     free(base.ttft);

@@ -1,5 +1,5 @@
 /* engine.c — serve_sim's serving loop: one engine (kvs_sched on its tiers) stepping in simulated time
- * under the cost model, arrivals from the workload, observability on a bus */
+ * under the cost model; the fleet (fleet.c) gives it requests and decides when it steps */
 #include "sim.h"
 
 #include <errno.h>
@@ -8,49 +8,12 @@
 #include <string.h>
 #include <time.h>
 
-/* ---- the serving simulation --------------------------------------------------------------------- */
-
-typedef struct ev { double t; size_t req; } ev;
-typedef struct heap { ev *e; size_t n, cap; } heap;
-
-static int ev_less(const ev *a, const ev *b) { return a->t < b->t || (a->t == b->t && a->req < b->req); }
-
-static void heap_push(heap *h, double t, size_t req)
-{
-    ev x;
-    size_t i;
-    x.t = t;
-    x.req = req;
-    GROW(h->e, h->cap, h->n + 1);
-    for (i = h->n++; i > 0 && ev_less(&x, &h->e[(i - 1) / 2]); i = (i - 1) / 2) h->e[i] = h->e[(i - 1) / 2];
-    h->e[i] = x;
-}
-
-static ev heap_pop(heap *h)
-{
-    ev top = h->e[0], x = h->e[--h->n];
-    size_t i = 0, c;
-    while ((c = 2 * i + 1) < h->n) {
-        if (c + 1 < h->n && ev_less(&h->e[c + 1], &h->e[c])) c++;
-        if (!ev_less(&h->e[c], &x)) break;
-        h->e[i] = h->e[c];
-        i = c;
-    }
-    if (h->n) h->e[i] = x;
-    return top;
-}
-
-typedef struct live {                /* a request while the scheduler has it */
-    uint64_t id;
-    double arrival;
-    uint8_t *load_tier;              /* per prompt block: the tier kind a load was planned from (0: none) */
-    uint8_t counted, checked;
-} live;
+/* ---- the serving simulation: one engine's pieces ------------------------------------------------ */
 
 /* Which blocks onboarding put on the device and no request has used yet: the device pool reports a
  * hash STORED during kvs_sched_step only when an onboard registered it (computed blocks are registered
  * by kvs_sched_complete); a block that is evicted again before use is forgotten. */
-typedef struct landed { u64map hashes; int in_step; kvs_bus *bus; } landed;
+typedef struct landed { u64map hashes; int in_step; kvs_bus *bus; void *router_feed; } landed;
 
 static void on_device_events(const kvb_event *ev, size_t n, void *user)
 {
@@ -61,19 +24,12 @@ static void on_device_events(const kvb_event *ev, size_t n, void *user)
         else if (ev[i].kind == KVB_EVENT_REMOVED) map_del(&ld->hashes, ev[i].hash.lo);
     }
     if (ld->bus) kvs_bus_pool_events(ev, n, ld->bus); /* --console, --record: the device pool's events too */
+    if (ld->router_feed) kvs_router_pool_events(ev, n, ld->router_feed); /* the fleet's router indexes them */
 }
-
-/* --console, --record, --metrics: the scheduler run with the cache on publishes every event on a bus
- * stamped with simulated time (a recorded run is deterministic); the baseline run is not observed. */
-typedef struct observer {
-    kvs_bus *bus;            /* NULL: nothing observes the run */
-    kvs_console *console;
-    kvs_recorder *recorder;
-} observer;
 
 static uint64_t sim_clock_ns(void *user) { return (uint64_t)(*(const double *)user * 1e9); }
 
-static void observer_start(observer *ob, const options *o, double *clock)
+void observer_start(observer *ob, const options *o, double *clock)
 {
     kvs_bus_config bc;
     memset(ob, 0, sizeof *ob);
@@ -104,7 +60,7 @@ static void observer_start(observer *ob, const options *o, double *clock)
 }
 
 /* After the scheduler and the tiers (everything publishing) are gone. */
-static void observer_stop(observer *ob)
+void observer_stop(observer *ob)
 {
     if (ob->console) kvs_console_stop(ob->console);
     console_path[0] = 0;
@@ -131,7 +87,7 @@ static char *metrics_text(kvs_sched *s, kvo_backend *disk)
     }
 }
 
-static void pace(uint32_t us)
+void pace(uint32_t us)
 {
     struct timespec ts;
     ts.tv_sec = (time_t)(us / 1000000);
@@ -160,238 +116,258 @@ static void count_hits(results *res, const sim_req *r, live *l, uint64_t cached,
     l->load_tier = NULL;
 }
 
-static void show_progress(const char *label, size_t done, size_t total, double sim, int end)
+/* ---- one engine: a scheduler on its tiers, stepped by the fleet -------------------------------- */
+
+struct engine {
+    uint32_t index;
+    double now;                      /* this engine's clock: when its last step ended */
+    const workload *w;
+    const options *o;
+    int cache_on, bytes;
+    tiers t;
+    kvs_sched *s;
+    live *L;                         /* the fleet's, one per request */
+    u64map ids;                      /* scheduler request id -> request index */
+    landed ld;
+    size_t *pending, npending, cappending; /* added, not yet admitted: the queue */
+    size_t *done, ndone, capdone;    /* requests the last step finished */
+    uint32_t *buf;
+    size_t capbuf, capcpu, capttft, empty;
+    kvb_block *full;
+    size_t nfull, capfull;
+    double backlog;                  /* prompt blocks routed here and not yet past their first token */
+    results res;
+};
+
+engine *engine_open(uint32_t index, const workload *w, const options *o, int cache_on, live *L, kvs_bus *bus,
+                    void *router_feed)
 {
-    char bar[31];
-    size_t k = total ? done * 30 / total : 30, i;
-    if (end) {
-        fprintf(stderr, "\r\033[K");
-        return;
+    engine *e = (engine *)xcalloc(1, sizeof *e);
+    kvs_sched_config sc;
+    e->index = index;
+    e->w = w;
+    e->o = o;
+    e->cache_on = cache_on;
+    e->bytes = cache_on && o->bytes;
+    e->L = L;
+    map_init(&e->ids, 1024);
+    map_init(&e->ld.hashes, 1024);
+    e->ld.bus = bus;
+    e->ld.router_feed = router_feed;
+    open_tiers(&e->t, o, index, cache_on, e->bytes, &e->now, 0, on_device_events, &e->ld, bus);
+    memset(&sc, 0, sizeof sc);
+    sc.device = e->t.pool[0];
+    sc.tiers = e->t.mgr;
+    sc.offload = o->offload == KVO_OFFLOAD_LAZY ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
+    sc.bus = bus;
+    if (e->t.redis) { /* device, host, disk, then Redis, with what other processes stored */
+        sc.lookup = kvo_redis_tiers_lookup;
+        sc.lookup_user = e->t.redis;
     }
-    for (i = 0; i < 30; i++) bar[i] = i < k ? '=' : ' ';
-    bar[30] = 0;
-    fprintf(stderr, "\r%-9s [%s] %3zu%%  %zu/%zu requests  %.0f s simulated", label, bar,
-            total ? done * 100 / total : 100, done, total, sim);
-    fflush(stderr);
+    check_kv(kvs_sched_create(&sc, &e->s), "kvs_sched_create");
+    return e;
 }
 
-void run_sched(const workload *w, const options *o, int cache_on, results *res, series *sv, int progress)
+double engine_clock(const engine *e) { return e->now; }
+void engine_set_clock(engine *e, double t) { e->now = t; }
+int engine_idle(const engine *e) { return kvs_sched_idle(e->s); }
+size_t engine_queue(const engine *e) { return e->npending; }
+double engine_backlog(const engine *e) { return e->backlog; }
+results *engine_results(engine *e) { return &e->res; }
+const tiers *engine_tiers(const engine *e) { return &e->t; }
+
+int engine_add(engine *e, size_t req, double arrival, double backlog)
 {
-    double now = 0, wall0 = wall_now(), shown = 0;
-    tiers t;
-    kvs_sched_config sc;
-    kvs_sched *s;
-    live *L = (live *)xcalloc(w->n, sizeof *L);
-    u64map ids;
-    heap hp;
-    size_t remaining = w->n, i, q, npending = 0, cappending = 0, capbuf = 0, capcpu = 0, capttft = 0, nfull = 0,
-           capfull = 0, empty = 0;
-    uint32_t *buf = NULL, bt = o->block_tokens;
-    size_t *pending = NULL;
-    kvb_block *full = NULL;
-    int bytes = cache_on && o->bytes;
-    const char *label = cache_on ? "cache on" : "cache off";
-    landed ld;
-    observer ob;
+    const sim_req *r = &e->w->reqs[req];
+    kvs_request rq;
+    uint64_t id;
+    int rc;
+    GROW(e->buf, e->capbuf, r->num_prompt);
+    fill_prompt(e->w, r, e->buf);
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = e->buf;
+    rq.num_prompt = r->num_prompt;
+    rq.max_new_tokens = r->num_output;
+    rq.salt = e->cache_on ? 0 : (uint64_t)req + 1;
+    rc = kvs_sched_add(e->s, &rq, &id);
+    if (rc == KVS_ETOOBIG) return 0;
+    check_kv(rc, "kvs_sched_add");
+    e->L[req].id = id;
+    e->L[req].arrival = arrival;
+    e->L[req].backlog = backlog;
+    e->backlog += backlog;
+    map_put(&e->ids, id, (uint32_t)req);
+    GROW(e->pending, e->cappending, e->npending + 1);
+    e->pending[e->npending++] = req;
+    return 1;
+}
 
-    memset(&hp, 0, sizeof hp);
-    map_init(&ids, 1024);
-    map_init(&ld.hashes, 1024);
-    ld.in_step = 0;
-    if (cache_on) observer_start(&ob, o, &now);
-    else memset(&ob, 0, sizeof ob);
-    ld.bus = ob.bus;
-    open_tiers(&t, o, cache_on, bytes, &now, 0, on_device_events, &ld, ob.bus);
-    memset(&sc, 0, sizeof sc);
-    sc.device = t.pool[0];
-    sc.tiers = t.mgr;
-    sc.offload = o->offload == KVO_OFFLOAD_LAZY ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
-    sc.bus = ob.bus;
-    if (t.redis) { /* device, host, disk, then Redis, with what other processes stored */
-        sc.lookup = kvo_redis_tiers_lookup;
-        sc.lookup_user = t.redis;
+/* Onboarding started in a step: its modeled time, and which tier each block's load comes from. */
+static double note_loads(engine *e, const kvs_step *st)
+{
+    double load_us = 0;
+    size_t i;
+    for (i = 0; i < st->meta.num_loads; i++) {
+        const kvs_load *lo = &st->meta.loads[i];
+        uint32_t req = map_get(&e->ids, lo->request);
+        int kind = e->t.kind[lo->tier < e->t.n ? lo->tier : 0];
+        double gbps = kind == TIER_DISK ? DISK_GBPS : kind == TIER_REMOTE ? REMOTE_GBPS : HOST_GBPS;
+        load_us += (double)lo->num_blocks * e->o->block_tokens * KV_BYTES_PER_TOKEN / (gbps * 1e3);
+        if (req != UINT32_MAX && !e->L[req].counted) {
+            const sim_req *r = &e->w->reqs[req];
+            uint32_t j;
+            if (!e->L[req].load_tier) e->L[req].load_tier = (uint8_t *)xcalloc(r->num_blocks, 1);
+            for (j = lo->first_block; j < lo->first_block + lo->num_blocks && j < r->num_blocks; j++)
+                e->L[req].load_tier[j] = (uint8_t)kind;
+        }
     }
-    check_kv(kvs_sched_create(&sc, &s), "kvs_sched_create");
-    for (q = 0; q < w->n; q++)
-        if (w->is_trace || w->reqs[q].turn == 0) heap_push(&hp, w->reqs[q].arrival, q);
-    if (sv) series_add(sv, &t, 0, res->tier_hits, 0);
+    return load_us;
+}
 
-    while (remaining) {
-        kvs_step st;
-        double c0, cpu, compute_us, load_us = 0, dt;
-        size_t prefill_tokens = 0, k;
-
-        /* 1. arrivals */
-        while (hp.n && hp.e[0].t <= now) {
-            ev e = heap_pop(&hp);
-            const sim_req *r = &w->reqs[e.req];
-            kvs_request rq;
-            uint64_t id;
-            int rc;
-            GROW(buf, capbuf, r->num_prompt);
-            fill_prompt(w, r, buf);
-            memset(&rq, 0, sizeof rq);
-            rq.prompt = buf;
-            rq.num_prompt = r->num_prompt;
-            rq.max_new_tokens = r->num_output;
-            rq.salt = cache_on ? 0 : (uint64_t)e.req + 1;
-            rc = kvs_sched_add(s, &rq, &id);
-            if (rc == KVS_ETOOBIG) { /* it, and the later turns of its conversation, can never run */
-                int32_t x = (int32_t)e.req;
-                for (; x >= 0; x = w->reqs[x].next_turn) {
-                    res->skipped++;
-                    remaining--;
-                }
-                continue;
-            }
-            check_kv(rc, "kvs_sched_add");
-            L[e.req].id = id;
-            L[e.req].arrival = e.t;
-            map_put(&ids, id, (uint32_t)e.req);
-            GROW(pending, cappending, npending + 1);
-            pending[npending++] = e.req;
-        }
-        if (!remaining) break;
-        if (kvs_sched_idle(s)) { /* nothing to run: jump to the next arrival */
-            if (!hp.n) die(2, "internal: %zu requests unfinished and none to come", remaining);
-            if (hp.e[0].t > now) now = hp.e[0].t;
-            continue;
-        }
-
-        /* 2. plan the step */
-        ld.in_step = 1;
-        c0 = cpu_now();
-        check_kv(kvs_sched_step(s, &st), "kvs_sched_step");
-        cpu = cpu_now() - c0;
-        ld.in_step = 0;
-        for (i = 0; i < st.meta.num_loads; i++) { /* onboarding started in this step */
-            const kvs_load *lo = &st.meta.loads[i];
-            uint32_t req = map_get(&ids, lo->request);
-            int kind = t.kind[lo->tier < t.n ? lo->tier : 0];
-            double gbps = kind == TIER_DISK ? DISK_GBPS : kind == TIER_REMOTE ? REMOTE_GBPS : HOST_GBPS;
-            load_us += (double)lo->num_blocks * bt * KV_BYTES_PER_TOKEN / (gbps * 1e3);
-            if (req != UINT32_MAX && !L[req].counted) {
-                const sim_req *r = &w->reqs[req];
-                uint32_t j;
-                if (!L[req].load_tier) L[req].load_tier = (uint8_t *)xcalloc(r->num_blocks, 1);
-                for (j = lo->first_block; j < lo->first_block + lo->num_blocks && j < r->num_blocks; j++)
-                    L[req].load_tier[j] = (uint8_t)kind;
-            }
-        }
-
-        /* 3. the forward pass: it reads the cached blocks (--bytes: checked the first time) and writes
-         * the new ones (--bytes: their pattern, once kvs_sched_complete has registered them) */
-        for (k = 0; k < 2; k++) {
-            const kvs_sched_item *items = k ? st.decode : st.prefill;
-            size_t n = k ? st.num_decode : st.num_prefill;
-            for (i = 0; i < n; i++) {
-                const kvs_sched_item *it = &items[i];
-                size_t j;
-                if (!k) prefill_tokens += it->num_new;
-                if (!bytes) continue;
-                if (!k) {
-                    uint32_t req = map_get(&ids, it->request);
-                    if (req != UINT32_MAX && !L[req].checked) {
-                        const sim_req *r = &w->reqs[req];
-                        L[req].checked = 1;
-                        for (j = 0; j < it->num_computed / bt && j < r->num_blocks && j < it->num_blocks; j++) {
-                            res->verified++;
-                            res->mismatches += !pattern_ok(&t, it->blocks[j], &r->hashes[j]);
-                        }
+/* The forward pass reads the cached blocks (--bytes: checked the first time) and writes the new ones
+ * (--bytes: their pattern, once kvs_sched_complete has registered them). Returns the prefill tokens. */
+static size_t forward(engine *e, const kvs_step *st)
+{
+    uint32_t bt = e->o->block_tokens;
+    size_t prefill_tokens = 0, i, k;
+    for (k = 0; k < 2; k++) {
+        const kvs_sched_item *items = k ? st->decode : st->prefill;
+        size_t n = k ? st->num_decode : st->num_prefill;
+        for (i = 0; i < n; i++) {
+            const kvs_sched_item *it = &items[i];
+            size_t j;
+            if (!k) prefill_tokens += it->num_new;
+            if (!e->bytes) continue;
+            if (!k) {
+                uint32_t req = map_get(&e->ids, it->request);
+                if (req != UINT32_MAX && !e->L[req].checked) {
+                    const sim_req *r = &e->w->reqs[req];
+                    e->L[req].checked = 1;
+                    for (j = 0; j < it->num_computed / bt && j < r->num_blocks && j < it->num_blocks; j++) {
+                        e->res.verified++;
+                        e->res.mismatches += !pattern_ok(&e->t, it->blocks[j], &r->hashes[j]);
                     }
                 }
-                for (j = it->num_computed / bt; j < (it->num_computed + it->num_new) / bt && j < it->num_blocks; j++) {
-                    GROW(full, capfull, nfull + 1);
-                    full[nfull++] = it->blocks[j];
-                }
             }
-        }
-        compute_us = st.num_prefill + st.num_decode
-                         ? COST_STEP_US + (double)prefill_tokens * COST_PREFILL_US + (double)st.num_decode * COST_DECODE_US
-                         : 0;
-        c0 = cpu_now();
-        check_kv(kvs_sched_complete(s, &st), "kvs_sched_complete");
-        cpu += cpu_now() - c0;
-        GROW(res->cpu, capcpu, res->ncpu + 1);
-        res->cpu[res->ncpu++] = cpu;
-        for (i = 0; i < nfull; i++) {
-            kvb_block_info info;
-            if (kvb_block_get_info(t.pool[0], full[i].id, &info) == KVB_OK && info.state == KVB_STATE_REGISTERED)
-                pattern_write(&t, full[i], &info.hash);
-        }
-        nfull = 0;
-        dt = compute_us > load_us ? compute_us : load_us;
-        if (dt <= 0) dt = COST_IDLE_US;
-        now += dt * 1e-6;
-        res->steps++;
-        res->preempted += st.num_preempted;
-        if (st.num_prefill || st.num_decode) empty = 0;
-        else if (++empty > 1000000) die(2, "internal: the scheduler makes no progress");
-
-        /* 4. requests admitted by this step: count their hits */
-        for (i = 0; i < npending;) {
-            size_t req = pending[i];
-            kvs_slot_info si;
-            check_kv(kvs_sched_get_slot(s, L[req].id, &si), "kvs_sched_get_slot");
-            if (si.state == KVS_SLOT_INITIALIZED || si.state == KVS_SLOT_ONBOARD_STAGED || si.state == KVS_SLOT_ONBOARDING) {
-                i++;
-                continue;
+            for (j = it->num_computed / bt; j < (it->num_computed + it->num_new) / bt && j < it->num_blocks; j++) {
+                GROW(e->full, e->capfull, e->nfull + 1);
+                e->full[e->nfull++] = it->blocks[j];
             }
-            count_hits(res, &w->reqs[req], &L[req], si.state == KVS_SLOT_PREEMPTED ? 0 : si.num_cached / bt, &ld);
-            L[req].counted = 1;
-            pending[i] = pending[--npending];
-        }
-
-        /* 5. sample one token for every request whose tokens are all computed */
-        for (k = 0; k < 2; k++) {
-            const kvs_sched_item *items = k ? st.decode : st.prefill;
-            size_t n = k ? st.num_decode : st.num_prefill;
-            for (i = 0; i < n; i++) {
-                uint64_t id = items[i].request;
-                uint32_t req = id ? map_get(&ids, id) : UINT32_MAX, tok;
-                const sim_req *r;
-                kvs_slot_info si;
-                if (req == UINT32_MAX) continue;
-                r = &w->reqs[req];
-                check_kv(kvs_sched_get_slot(s, id, &si), "kvs_sched_get_slot");
-                if (si.state != KVS_SLOT_DECODING || si.num_tokens > si.num_computed) continue;
-                tok = output_token(w, r, si.generated);
-                if (!si.generated) {
-                    GROW(res->ttft, capttft, res->nttft + 1);
-                    res->ttft[res->nttft++] = now - L[req].arrival;
-                }
-                check_kv(kvs_sched_append(s, id, &tok, 1), "kvs_sched_append");
-                if (si.generated + 1 < r->num_output) continue;
-                check_kv(kvs_sched_release(s, id), "kvs_sched_release"); /* finished at max_new_tokens */
-                map_del(&ids, id);
-                remaining--;
-                res->requests++;
-                if (r->next_turn >= 0) heap_push(&hp, now + w->reqs[r->next_turn].think, (size_t)r->next_turn);
-            }
-        }
-        if (sv) series_add(sv, &t, now, res->tier_hits, res->prompt_blocks);
-        if (cache_on && o->pace_us) pace(o->pace_us);
-        if (progress && (res->steps & 255) == 0 && wall_now() - shown > 0.1) {
-            shown = wall_now();
-            show_progress(label, w->n - remaining, w->n, now, 0);
         }
     }
-    if (progress) show_progress(label, 0, 0, 0, 1);
-    if (t.mgr) kvo_manager_drain(t.mgr, 10 * 1000000);
-    res->sim_seconds = now;
-    res->wall_seconds = wall_now() - wall0;
-    collect_traffic(&t, o, bytes, &res->tr);
-    snprintf(res->disk_note, sizeof res->disk_note, "%s", t.disk_note);
-    if (cache_on && o->metrics) res->metrics = metrics_text(s, t.disk);
-    kvs_sched_destroy(s);
-    close_tiers(&t);
-    observer_stop(&ob);
-    map_free(&ids);
-    map_free(&ld.hashes);
-    for (q = 0; q < w->n; q++) free(L[q].load_tier);
-    free(hp.e);
-    free(L);
-    free(buf);
-    free(pending);
-    free(full);
+    return prefill_tokens;
 }
+
+/* Requests admitted by this step: count their hits. */
+static void count_admitted(engine *e)
+{
+    size_t i;
+    for (i = 0; i < e->npending;) {
+        size_t req = e->pending[i];
+        kvs_slot_info si;
+        check_kv(kvs_sched_get_slot(e->s, e->L[req].id, &si), "kvs_sched_get_slot");
+        if (si.state == KVS_SLOT_INITIALIZED || si.state == KVS_SLOT_ONBOARD_STAGED || si.state == KVS_SLOT_ONBOARDING) {
+            i++;
+            continue;
+        }
+        count_hits(&e->res, &e->w->reqs[req], &e->L[req],
+                   si.state == KVS_SLOT_PREEMPTED ? 0 : si.num_cached / e->o->block_tokens, &e->ld);
+        e->L[req].counted = 1;
+        e->pending[i] = e->pending[--e->npending];
+    }
+}
+
+/* Sample one token for every request whose tokens are all computed; finished ones go to e->done. */
+static void sample_tokens(engine *e, const kvs_step *st)
+{
+    size_t i, k;
+    for (k = 0; k < 2; k++) {
+        const kvs_sched_item *items = k ? st->decode : st->prefill;
+        size_t n = k ? st->num_decode : st->num_prefill;
+        for (i = 0; i < n; i++) {
+            uint64_t id = items[i].request;
+            uint32_t req = id ? map_get(&e->ids, id) : UINT32_MAX, tok;
+            const sim_req *r;
+            kvs_slot_info si;
+            if (req == UINT32_MAX) continue;
+            r = &e->w->reqs[req];
+            check_kv(kvs_sched_get_slot(e->s, id, &si), "kvs_sched_get_slot");
+            if (si.state != KVS_SLOT_DECODING || si.num_tokens > si.num_computed) continue;
+            tok = output_token(e->w, r, si.generated);
+            if (!si.generated) {
+                GROW(e->res.ttft, e->capttft, e->res.nttft + 1);
+                e->res.ttft[e->res.nttft++] = e->now - e->L[req].arrival;
+                e->backlog -= e->L[req].backlog;
+                e->L[req].backlog = 0;
+            }
+            check_kv(kvs_sched_append(e->s, id, &tok, 1), "kvs_sched_append");
+            if (si.generated + 1 < r->num_output) continue;
+            check_kv(kvs_sched_release(e->s, id), "kvs_sched_release"); /* finished at max_new_tokens */
+            map_del(&e->ids, id);
+            e->res.requests++;
+            GROW(e->done, e->capdone, e->ndone + 1);
+            e->done[e->ndone++] = req;
+        }
+    }
+}
+
+size_t engine_step(engine *e, const size_t **finished)
+{
+    kvs_step st;
+    double c0, cpu, compute_us, load_us, dt;
+    size_t prefill_tokens, i;
+    e->ndone = 0;
+    e->ld.in_step = 1;
+    c0 = cpu_now();
+    check_kv(kvs_sched_step(e->s, &st), "kvs_sched_step");
+    cpu = cpu_now() - c0;
+    e->ld.in_step = 0;
+    load_us = note_loads(e, &st);
+    prefill_tokens = forward(e, &st);
+    compute_us = st.num_prefill + st.num_decode
+                     ? COST_STEP_US + (double)prefill_tokens * COST_PREFILL_US + (double)st.num_decode * COST_DECODE_US
+                     : 0;
+    c0 = cpu_now();
+    check_kv(kvs_sched_complete(e->s, &st), "kvs_sched_complete");
+    cpu += cpu_now() - c0;
+    GROW(e->res.cpu, e->capcpu, e->res.ncpu + 1);
+    e->res.cpu[e->res.ncpu++] = cpu;
+    for (i = 0; i < e->nfull; i++) {
+        kvb_block_info info;
+        if (kvb_block_get_info(e->t.pool[0], e->full[i].id, &info) == KVB_OK && info.state == KVB_STATE_REGISTERED)
+            pattern_write(&e->t, e->full[i], &info.hash);
+    }
+    e->nfull = 0;
+    dt = compute_us > load_us ? compute_us : load_us;
+    if (dt <= 0) dt = COST_IDLE_US;
+    e->now += dt * 1e-6;
+    if (st.num_prefill || st.num_decode) e->res.busy_seconds += dt * 1e-6;
+    e->res.prefill_tokens += prefill_tokens;
+    e->res.steps++;
+    e->res.preempted += st.num_preempted;
+    if (st.num_prefill || st.num_decode) e->empty = 0;
+    else if (++e->empty > 1000000) die(2, "internal: the scheduler makes no progress");
+    count_admitted(e);
+    sample_tokens(e, &st);
+    *finished = e->done;
+    return e->ndone;
+}
+
+void engine_close(engine *e)
+{
+    if (e->t.mgr) kvo_manager_drain(e->t.mgr, 10 * 1000000);
+    e->res.sim_seconds = e->now;
+    collect_traffic(&e->t, e->o, e->bytes, &e->res.tr);
+    snprintf(e->res.disk_note, sizeof e->res.disk_note, "%s", e->t.disk_note);
+    if (e->cache_on && e->o->metrics) e->res.metrics = metrics_text(e->s, e->t.disk);
+    kvs_sched_destroy(e->s);
+    close_tiers(&e->t);
+    map_free(&e->ids);
+    map_free(&e->ld.hashes);
+    free(e->buf);
+    free(e->pending);
+    free(e->done);
+    free(e->full);
+}
+
+void engine_free(engine *e) { free(e); }

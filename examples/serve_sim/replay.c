@@ -47,13 +47,17 @@ void replay(const workload *w, const options *o, results *res, series *sv)
     kvb_block *blk;
     uint8_t *tier_of;
     double t0;
-    open_tiers(&t, o, 1, o->bytes, NULL, 1, NULL, NULL, NULL);
+    open_tiers(&t, o, 0, 1, o->bytes, NULL, 1, NULL, NULL, NULL);
     for (q = 0; q < w->n; q++)
         if (w->reqs[q].num_blocks > maxb) maxb = w->reqs[q].num_blocks;
     if (maxb > o->device_blocks) maxb = o->device_blocks;
     blk = (kvb_block *)xcalloc(maxb, sizeof *blk);
     tier_of = (uint8_t *)xcalloc(maxb, 1);
-    if (sv) series_add(sv, &t, 0, res->tier_hits, 0);
+    if (sv) {
+        float occ[TIER_ALL];
+        tiers_occupancy(&t, occ);
+        series_add(sv, 0, res->tier_hits, 0, occ);
+    }
     t0 = wall_now();
     for (q = 0; q < w->n; q++) {
         const sim_req *r = &w->reqs[w->order[q]];
@@ -79,7 +83,11 @@ void replay(const workload *w, const options *o, results *res, series *sv)
         }
         check_kv(kvb_release(t.pool[0], blk, n, NULL), "kvb_release");
         if (t.mgr) kvo_manager_poll(t.mgr);
-        if (sv && (q % every == 0 || q + 1 == w->n)) series_add(sv, &t, (double)(q + 1), res->tier_hits, res->prompt_blocks);
+        if (sv && (q % every == 0 || q + 1 == w->n)) {
+            float occ[TIER_ALL];
+            tiers_occupancy(&t, occ);
+            series_add(sv, (double)(q + 1), res->tier_hits, res->prompt_blocks, occ);
+        }
     }
     res->replay_seconds = wall_now() - t0;
     if (t.mgr) kvo_manager_drain(t.mgr, 10 * 1000000);

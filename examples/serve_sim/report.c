@@ -44,7 +44,54 @@ void describe(char *out, size_t len, const workload *w, const options *o)
                  (unsigned long long)o->seed, w->n, w->nconv, o->block_tokens);
 }
 
-void print_text(const workload *w, const options *o, results *r)
+/* Busiest engine's prefill work over the mean (1 = balanced; 0 without prefill). */
+static double prefill_imbalance(const fleet_report *fr)
+{
+    double sum = 0, max = 0;
+    uint32_t i;
+    for (i = 0; i < fr->n; i++) {
+        double p = (double)fr->engine[i].prefill_tokens;
+        sum += p;
+        if (p > max) max = p;
+    }
+    return sum > 0 ? max / (sum / fr->n) : 0;
+}
+
+/* Offered load against the fleet's capacity, and whether the fleet is too small for it. */
+static void print_load(const options *o, const capacity *c)
+{
+    if (c->span_s <= 0) {
+        printf("%-22s all requests arrive at once: no rate to compare with capacity\n", "offered load");
+        return;
+    }
+    printf("%-22s %.0f prompt tokens/s + %.0f output tokens/s over %.0f s: %.2f engines' work without cache hits\n",
+           "offered load", c->prompt_tps, c->output_tps, c->span_s, c->work);
+    printf("%-22s %u engine%s%s, route %s, %.0f prefill tokens/s each: utilisation %.2f without hits%s\n", "fleet",
+           o->engines, o->engines == 1 ? "" : "s", o->engines_arg && !strcmp(o->engines_arg, "auto") ? " (auto)" : "",
+           route_name(o->route), c->engine_tps, c->work / o->engines,
+           c->work > o->engines ? " -- OVERLOADED: the load exceeds the fleet's capacity" : "");
+}
+
+/* One line per engine: hit rates by tier, TTFT, prefill work, queue. */
+static void print_engines(const options *o, const fleet_report *fr)
+{
+    int k, nk = o->remote ? TIER_ALL : TIER_KINDS;
+    uint32_t i;
+    printf("%-8s %9s %8s", "engine", "requests", "hit rate");
+    for (k = 0; k < nk; k++) printf(" %7s", tier_names[k]);
+    printf("   TTFT p50 / p90 / p99 ms        prefill tokens  queue mean  max\n");
+    for (i = 0; i < fr->n; i++) {
+        results *e = &fr->engine[i];
+        summary s = ttft_summary(e->ttft, e->nttft);
+        printf("%-8u %9llu %8.4f", i, (unsigned long long)e->requests, ratio(e->hit_blocks, e->prompt_blocks));
+        for (k = 0; k < nk; k++) printf(" %7.4f", ratio(e->tier_hits[k], e->prompt_blocks));
+        printf("   %8.1f %9.1f %9.1f   %14llu  %10.2f %4u\n", s.p50, s.p90, s.p99,
+               (unsigned long long)e->prefill_tokens, e->queue_mean, e->queue_max);
+    }
+    printf("%-22s busiest engine's prefill work / mean %.3f\n", "imbalance", prefill_imbalance(fr));
+}
+
+void print_text(const workload *w, const options *o, results *r, const fleet_report *fr, const capacity *cap)
 {
     char d[256], b1[32];
     int k, first, nk = o->remote ? TIER_ALL : TIER_KINDS;
@@ -56,6 +103,7 @@ void print_text(const workload *w, const options *o, results *r)
            o->bytes ? "memory-backed (--bytes)" : "metadata only", offload_name(o->offload),
            o->sequential ? "; sequential replay, no scheduler" : "");
     if (o->remote) printf("  remote (G4): Redis at %s, namespace serve_sim\n\n", o->remote);
+    if (fr) print_load(o, cap);
     if (o->sequential) printf("%-22s %llu replayed\n", "requests", (unsigned long long)r->requests);
     else
         printf("%-22s %llu finished (%llu too big for the device pool)\n", "requests", (unsigned long long)r->requests,
@@ -118,12 +166,78 @@ void print_text(const workload *w, const options *o, results *r)
                "scheduler", (unsigned long long)r->steps, (unsigned long long)r->preempted, mean * 1e6,
                percentile(r->cpu, r->ncpu, 99) * 1e6);
         printf("%-22s %.1f s simulated in %.2f s (with cache)\n", "time", r->sim_seconds, r->wall_seconds);
+        if (fr && fr->n > 1) print_engines(o, fr);
     }
 }
 
 static void json_num(cJSON *o, const char *k, double v) { cJSON_AddItemToObject(o, k, isfinite(v) ? cJSON_CreateNumber(v) : cJSON_CreateNull()); }
 
-void print_json(const workload *w, const options *o, results *r)
+static void json_tier_hits(cJSON *j, const options *o, const results *r)
+{
+    char key[96];
+    int k, nk = o->remote ? TIER_ALL : TIER_KINDS;
+    uint32_t bt = o->block_tokens;
+    for (k = 0; k < nk; k++) {
+        snprintf(key, sizeof key, "%s_hit_blocks", tier_names[k]);
+        json_num(j, key, (double)r->tier_hits[k]);
+        snprintf(key, sizeof key, "%s_hit_tokens", tier_names[k]);
+        json_num(j, key, (double)r->tier_hits[k] * bt);
+        snprintf(key, sizeof key, "%s_hit_rate", tier_names[k]);
+        json_num(j, key, ratio(r->tier_hits[k], r->prompt_blocks));
+    }
+}
+
+/* The fleet: offered load, capacity, and each engine (hit rates by tier, TTFT, prefill work, queue over
+ * time as the report's samples). */
+static void json_fleet(cJSON *j, const options *o, const fleet_report *fr, const capacity *c)
+{
+    cJSON *arr, *qt, *ql;
+    uint32_t i;
+    size_t q;
+    json_num(j, "engines", o->engines);
+    cJSON_AddBoolToObject(j, "engines_auto", o->engines_arg && !strcmp(o->engines_arg, "auto"));
+    cJSON_AddStringToObject(j, "route", route_name(o->route));
+    json_num(j, "offered_seconds", c->span_s);
+    json_num(j, "offered_prompt_tokens_per_s", c->prompt_tps);
+    json_num(j, "offered_output_tokens_per_s", c->output_tps);
+    json_num(j, "engine_prefill_tokens_per_s", c->engine_tps);
+    json_num(j, "offered_work_engines", c->work);
+    json_num(j, "utilisation_without_hits", c->work / o->engines);
+    cJSON_AddBoolToObject(j, "overloaded", c->work > o->engines);
+    json_num(j, "prefill_imbalance", prefill_imbalance(fr));
+    arr = cJSON_AddArrayToObject(j, "per_engine");
+    for (i = 0; i < fr->n; i++) {
+        results *e = &fr->engine[i];
+        cJSON *x = cJSON_CreateObject();
+        summary s = ttft_summary(e->ttft, e->nttft);
+        json_num(x, "engine", i);
+        json_num(x, "requests", (double)e->requests);
+        json_num(x, "prompt_blocks", (double)e->prompt_blocks);
+        json_num(x, "hit_blocks", (double)e->hit_blocks);
+        json_num(x, "hit_rate", ratio(e->hit_blocks, e->prompt_blocks));
+        json_tier_hits(x, o, e);
+        json_num(x, "ttft_p50_ms", s.p50);
+        json_num(x, "ttft_p90_ms", s.p90);
+        json_num(x, "ttft_p99_ms", s.p99);
+        json_num(x, "prefill_tokens", (double)e->prefill_tokens);
+        json_num(x, "busy_seconds", e->busy_seconds);
+        json_num(x, "preemptions", (double)e->preempted);
+        json_num(x, "queue_mean", e->queue_mean);
+        json_num(x, "queue_max", e->queue_max);
+        cJSON_AddItemToArray(arr, x);
+    }
+    arr = cJSON_AddObjectToObject(j, "queue_over_time");
+    qt = cJSON_AddArrayToObject(arr, "t");
+    ql = cJSON_AddArrayToObject(arr, "queue");
+    for (q = 0; q < fr->nq; q++) {
+        cJSON *row = cJSON_CreateArray();
+        cJSON_AddItemToArray(qt, cJSON_CreateNumber(round(fr->qt[q] * 1e3) / 1e3));
+        for (i = 0; i < fr->n; i++) cJSON_AddItemToArray(row, cJSON_CreateNumber(fr->qlen[q * fr->n + i]));
+        cJSON_AddItemToArray(ql, row);
+    }
+}
+
+void print_json(const workload *w, const options *o, results *r, const fleet_report *fr, const capacity *cap)
 {
     cJSON *j = cJSON_CreateObject();
     char key[96], *text;
@@ -211,6 +325,8 @@ void print_json(const workload *w, const options *o, results *r)
         json_num(j, "cpu_us_per_step_p99", percentile(r->cpu, r->ncpu, 99) * 1e6);
         json_num(j, "sim_seconds", r->sim_seconds);
         json_num(j, "wall_seconds", r->wall_seconds);
+        json_num(j, "prefill_tokens", (double)r->prefill_tokens);
+        if (fr) json_fleet(j, o, fr, cap);
     }
     text = cJSON_Print(j);
     if (!text) die(2, "out of memory");

@@ -5,7 +5,8 @@
  *   workload.c  the synthetic chat workload and Mooncake trace loading, token synthesis and hashing
  *   tiers.c     pools, copy backends and the tier manager of one engine; traffic; --bytes patterns
  *   replay.c    --sequential (the pure cache replay) and the reference LRU of --check-lru
- *   engine.c    the continuous-batching loop around kvs_sched (one engine, simulated time)
+ *   engine.c    one engine: a kvs_sched on its tiers, stepped in simulated time under the cost model
+ *   fleet.c     N engines on one clock with a kvs_router in front; offered load against capacity
  *   svg.c       the time series and the --svg chart
  *   report.c    the text and JSON reports
  */
@@ -14,6 +15,7 @@
 
 #include "kvsched.h"
 #include "kvremote.h" /* the G4 tier (--remote); a stub that refuses it unless built with KVO_WITH_REDIS */
+#include "kvroute.h"  /* the fleet's router (--engines, --route) */
 
 #include <stddef.h>
 #include <stdint.h>
@@ -75,9 +77,11 @@ uint32_t map_get(const u64map *m, uint64_t k);
 void map_put(u64map *m, uint64_t k, uint32_t v);
 void map_del(u64map *m, uint64_t k);
 
-extern char tmp_path[64];      /* the --bytes disk file, removed at exit (also on SIGINT / SIGTERM) */
-extern char console_path[108]; /* --console: the socket, removed on SIGINT / SIGTERM too */
-void remove_tmp(void);
+#define MAX_ENGINES 1024 /* --engines: as many as a kvs_router takes */
+extern char tmp_paths[MAX_ENGINES][64]; /* each engine's --bytes disk file, removed at exit and on SIGINT / SIGTERM */
+extern char console_path[108];          /* --console: the socket, removed on SIGINT / SIGTERM too */
+void remove_tmp(uint32_t engine);
+void remove_tmp_all(void);
 void on_signal(int sig);
 
 /* ---- options (examples/serve_sim.c) ------------------------------------------------------------- */
@@ -93,10 +97,14 @@ typedef struct options {
     uint32_t pace_us;        /* real microseconds slept after every engine step */
     int json, sequential, bytes, strict, check_lru, help;
     uint32_t remote_blocks; /* G4 pool size: set in main from the workload (its prompt blocks) */
+    const char *engines_arg; /* --engines N | auto */
+    uint32_t engines;        /* resolved: engines in the fleet (main sets it, "auto" from the workload) */
+    uint32_t route;          /* kvs_route_policy */
 } options;
 
 const char *eviction_name(uint32_t policy);
 const char *offload_name(uint32_t mode);
+const char *route_name(uint32_t policy);
 
 /* ---- workload.c --------------------------------------------------------------------------------- */
 
@@ -145,6 +153,7 @@ void fill_prompt(const workload *w, const sim_req *r, uint32_t *buf);
 /* ---- tiers.c ------------------------------------------------------------------------------------ */
 
 typedef struct tiers {
+    uint32_t engine;         /* its engine in the fleet */
     uint32_t n;              /* pools in the chain: the device, then host and disk when they have blocks,
                                 then remote (G4) with --remote */
     int kind[TIER_ALL];      /* TIER_* of each */
@@ -167,7 +176,8 @@ typedef struct traffic {
     kvo_redis_stats redis;  /* --remote: the backend's counters (imported = blocks other runs stored) */
 } traffic;
 
-void open_tiers(tiers *t, const options *o, int lower, int bytes, double *clock, int sequential,
+/* engine: which engine of the fleet (0 .. MAX_ENGINES - 1) the tiers belong to */
+void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int bytes, double *clock, int sequential,
                 kvb_event_fn on_events, void *event_user, kvs_bus *bus);
 void close_tiers(tiers *t);
 void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr);
@@ -179,7 +189,9 @@ int pattern_ok(const tiers *t, kvb_block b, const kvb_hash *h);
 typedef struct sample { double x; uint64_t hits[TIER_ALL], prompt; float occ[TIER_ALL]; } sample;
 typedef struct series { sample *s; size_t n, cap; } series;
 
-void series_add(series *sv, const tiers *t, double x, const uint64_t *hits, uint64_t prompt);
+/* occ[TIER_ALL]: each tier's cached blocks / capacity, -1 where the tier is absent */
+void tiers_occupancy(const tiers *t, float *occ);
+void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ);
 int write_svg(const char *path, const series *sv, const char *title, const char *xlabel);
 
 /* ---- the results of a run ----------------------------------------------------------------------- */
@@ -193,6 +205,10 @@ typedef struct results {
     double *cpu;             /* seconds of CPU per scheduler step */
     size_t ncpu;
     uint64_t steps, preempted;
+    uint64_t prefill_tokens; /* computed by prefill (the engine's prefill work) */
+    double busy_seconds;     /* simulated time spent in steps with work */
+    double queue_mean;       /* requests waiting for admission, averaged over the queue samples */
+    uint32_t queue_max;
     double sim_seconds, wall_seconds, replay_seconds;
     uint64_t verified, mismatches;
     traffic tr;
@@ -202,18 +218,83 @@ typedef struct results {
     char disk_note[160];
 } results;
 
-/* ---- replay.c, engine.c ------------------------------------------------------------------------- */
+/* ---- replay.c ----------------------------------------------------------------------------------- */
 
 void replay(const workload *w, const options *o, results *res, series *sv);
 double reference_lru(const workload *w, uint32_t cap);
-/* cache_on = 0: the same arrivals with every request salted apart and no lower tiers (the baseline). */
-void run_sched(const workload *w, const options *o, int cache_on, results *res, series *sv, int progress);
+
+/* ---- engine.c: one engine (a scheduler on its own tiers) with its own clock ---------------------- */
+
+typedef struct live {                /* a request while a scheduler has it */
+    uint64_t id;
+    double arrival;
+    double backlog;                  /* prompt blocks it adds to its engine's backlog until its first token */
+    uint8_t *load_tier;              /* per prompt block: the tier kind a load was planned from (0: none) */
+    uint8_t counted, checked;
+} live;
+
+/* --console, --record, --metrics: the scheduler run with the cache on publishes every event on a bus
+ * stamped with simulated time (a recorded run is deterministic); the baseline run is not observed. */
+typedef struct observer {
+    kvs_bus *bus;            /* NULL: nothing observes the run */
+    kvs_console *console;
+    kvs_recorder *recorder;
+} observer;
+void observer_start(observer *ob, const options *o, double *clock);
+void observer_stop(observer *ob); /* after the scheduler and the tiers (everything publishing) are gone */
+void pace(uint32_t us);
+
+typedef struct engine engine;
+/* cache_on = 0: every request salted apart and no lower tiers (the baseline). L: one per request, shared
+ * by the fleet. bus, router_feed (may be NULL): where the device pool's block events also go. */
+engine *engine_open(uint32_t index, const workload *w, const options *o, int cache_on, live *L, kvs_bus *bus,
+                    void *router_feed);
+/* Give it request req (arrived at `arrival`, adding `backlog` blocks to its backlog). 0: too big for it. */
+int engine_add(engine *e, size_t req, double arrival, double backlog);
+/* One scheduler step at its clock, which advances by the step's cost; *finished: the requests it ended. */
+size_t engine_step(engine *e, const size_t **finished);
+double engine_clock(const engine *e);
+void engine_set_clock(engine *e, double t);
+int engine_idle(const engine *e);
+size_t engine_queue(const engine *e);    /* requests added and not yet admitted */
+double engine_backlog(const engine *e);  /* prompt blocks routed to it and not yet past their first token */
+results *engine_results(engine *e);
+const tiers *engine_tiers(const engine *e);
+void engine_close(engine *e);            /* drain, collect its traffic into its results, free the scheduler */
+void engine_free(engine *e);
+
+/* ---- fleet.c: N engines on one simulated clock, a kvs_router in front ---------------------------- */
+
+/* The offered load of a workload against the cost model, without cache hits. */
+typedef struct capacity {
+    double span_s;                   /* first to last nominal arrival */
+    double prompt_tps, output_tps;   /* offered tokens per second */
+    double engine_tps;               /* prefill tokens per second one engine computes (1e6 / COST_PREFILL_US) */
+    double work;                     /* engines' worth of work: busy seconds per second without hits */
+} capacity;
+capacity offered_load(const workload *w);
+/* The smallest N that keeps every engine's utilisation (work / N) under 0.8. */
+uint32_t engines_for(const capacity *c);
+
+typedef struct fleet_report {
+    uint32_t n;                      /* engines */
+    results *engine;                 /* each engine's results (ttft arrays owned here) */
+    double *qt;                      /* queue samples: times, and n counts each in qlen */
+    uint32_t *qlen;
+    size_t nq;
+} fleet_report;
+/* Serve the workload on o->engines engines; res gets the fleet's totals (TTFT of every request), fr
+ * (may be NULL) each engine's. */
+void run_fleet(const workload *w, const options *o, int cache_on, results *res, fleet_report *fr, series *sv,
+               int progress);
+void fleet_report_free(fleet_report *fr);
 
 /* ---- report.c ----------------------------------------------------------------------------------- */
 
 double ratio(uint64_t a, uint64_t b);
 void describe(char *out, size_t len, const workload *w, const options *o);
-void print_text(const workload *w, const options *o, results *r);
-void print_json(const workload *w, const options *o, results *r);
+/* fr (NULL with --sequential): each engine's results when there are several; cap: the offered load */
+void print_text(const workload *w, const options *o, results *r, const fleet_report *fr, const capacity *cap);
+void print_json(const workload *w, const options *o, results *r, const fleet_report *fr, const capacity *cap);
 
 #endif /* SERVE_SIM_H */

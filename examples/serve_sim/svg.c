@@ -7,24 +7,29 @@
 
 /* ---- time series for --svg ---------------------------------------------------------------------- */
 
-void series_add(series *sv, const tiers *t, double x, const uint64_t *hits, uint64_t prompt)
+void tiers_occupancy(const tiers *t, float *occ)
+{
+    uint32_t i;
+    for (i = 0; i < TIER_ALL; i++) occ[i] = -1.0f;
+    for (i = 0; i < t->n; i++) {
+        kvb_pool_stats ps;
+        memset(&ps, 0, sizeof ps);
+        kvb_pool_get_stats(t->pool[i], &ps);
+        if (!ps.num_blocks) continue;
+        occ[t->kind[i]] = (float)(ps.num_blocks - ps.free_blocks) / (float)ps.num_blocks;
+    }
+}
+
+void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ)
 {
     sample *s;
-    uint32_t i;
     GROW(sv->s, sv->cap, sv->n + 1);
     s = &sv->s[sv->n++];
     memset(s, 0, sizeof *s);
     s->x = x;
     memcpy(s->hits, hits, sizeof s->hits);
     s->prompt = prompt;
-    for (i = 0; i < TIER_ALL; i++) s->occ[i] = -1.0f;
-    for (i = 0; i < t->n; i++) {
-        kvb_pool_stats ps;
-        memset(&ps, 0, sizeof ps);
-        kvb_pool_get_stats(t->pool[i], &ps);
-        if (!ps.num_blocks) continue;
-        s->occ[t->kind[i]] = (float)(ps.num_blocks - ps.free_blocks) / (float)ps.num_blocks;
-    }
+    memcpy(s->occ, occ, sizeof s->occ);
 }
 
 /* ---- --svg -------------------------------------------------------------------------------------- */

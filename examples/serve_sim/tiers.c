@@ -56,13 +56,14 @@ static kvb_pool *make_pool(const options *o, uint32_t blocks, uint32_t tier, kvb
 /* clock: the simulated time (NULL: the real clock). lower = 0: the device pool alone. on_events: the
  * device pool's event callback (may be NULL; it forwards to the bus itself). bus (may be NULL): the lower
  * pools' block events and every pipeline's transfer stages go there. */
-void open_tiers(tiers *t, const options *o, int lower, int bytes, double *clock, int sequential,
-                       kvb_event_fn on_events, void *event_user, kvs_bus *bus)
+void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int bytes, double *clock, int sequential,
+                kvb_event_fn on_events, void *event_user, kvs_bus *bus)
 {
     kvb_event_fn lower_events = bus ? kvs_bus_pool_events : NULL;
     kvo_manager_config mc;
     uint32_t i;
     memset(t, 0, sizeof *t);
+    t->engine = engine;
     t->null_be.submit = null_submit;
     t->null_be.destroy = null_destroy;
     t->null_be.name = "null";
@@ -119,14 +120,16 @@ void open_tiers(tiers *t, const options *o, int lower, int bytes, double *clock,
             uint32_t d = t->kind[t->n - 1] == TIER_DISK ? t->n - 1 : t->n - 2; /* before G4, when there */
             kvo_disk_config dc;
             int fd;
-            snprintf(tmp_path, sizeof tmp_path, "/tmp/serve_sim.XXXXXX");
-            if ((fd = mkstemp(tmp_path)) < 0) die(2, "cannot create a file under /tmp: %s", strerror(errno));
+            char *path = tmp_paths[engine];
+            static int cleanup_set;
+            snprintf(path, sizeof tmp_paths[0], "/tmp/serve_sim.XXXXXX");
+            if ((fd = mkstemp(path)) < 0) die(2, "cannot create a file under /tmp: %s", strerror(errno));
             close(fd);
-            atexit(remove_tmp);
+            if (!cleanup_set++) atexit(remove_tmp_all);
             signal(SIGINT, on_signal);
             signal(SIGTERM, on_signal);
             memset(&dc, 0, sizeof dc);
-            dc.path = tmp_path;
+            dc.path = path;
             dc.disk_pool = t->pool[d];
             dc.block_bytes = t->block_bytes;
             dc.log = disk_log;
@@ -159,7 +162,7 @@ void close_tiers(tiers *t)
     kvo_backend_destroy(t->disk);
     kvo_backend_destroy(t->redis);
     for (i = 0; i < t->n; i++) kvb_pool_destroy(t->pool[i]);
-    remove_tmp();
+    remove_tmp(t->engine);
 }
 
 void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)

@@ -138,16 +138,23 @@ void map_del(u64map *m, uint64_t k)
     }
 }
 
-char tmp_path[64];
+char tmp_paths[MAX_ENGINES][64];
 char console_path[108];
-void remove_tmp(void)
+void remove_tmp(uint32_t engine)
 {
-    if (tmp_path[0]) unlink(tmp_path);
-    tmp_path[0] = 0;
+    if (tmp_paths[engine][0]) unlink(tmp_paths[engine]);
+    tmp_paths[engine][0] = 0;
+}
+void remove_tmp_all(void)
+{
+    uint32_t i;
+    for (i = 0; i < MAX_ENGINES; i++) remove_tmp(i);
 }
 void on_signal(int sig)
 {
-    if (tmp_path[0]) unlink(tmp_path);
+    uint32_t i;
+    for (i = 0; i < MAX_ENGINES; i++)
+        if (tmp_paths[i][0]) unlink(tmp_paths[i]);
     if (console_path[0]) unlink(console_path);
     signal(sig, SIG_DFL);
     raise(sig);
