@@ -13,7 +13,46 @@
 /* Which blocks onboarding put on the device and no request has used yet: the device pool reports a
  * hash STORED during kvs_sched_step only when an onboard registered it (computed blocks are registered
  * by kvs_sched_complete); a block that is evicted again before use is forgotten. */
-typedef struct landed { u64map hashes; int in_step; kvs_bus *bus; void *router_feed; } landed;
+typedef struct landed {
+    u64map hashes;
+    int in_step;
+    kvs_bus *bus;
+    void *router_feed;       /* the fleet's router, NULL without one */
+    u64map held;             /* hash -> how many of the engine's local tiers hold it (with a router) */
+} landed;
+
+/* The router indexes what an engine holds in any of its own tiers (device, host, disk): a turn whose
+ * conversation was pushed down to host memory is still cheap there, onboarding beats prefill. A block
+ * counts once however many tiers hold it: the router hears STORED (as tier 0) when the first tier takes
+ * it and REMOVED when the last one lets it go. */
+static void feed_router(landed *ld, const kvb_event *ev, size_t n)
+{
+    kvb_event out[64];
+    size_t i, k = 0;
+    for (i = 0; i < n; i++) {
+        uint32_t c = map_get(&ld->held, ev[i].hash.lo);
+        if (c == UINT32_MAX) c = 0;
+        if (ev[i].kind == KVB_EVENT_STORED) {
+            map_put(&ld->held, ev[i].hash.lo, c + 1);
+            if (c) continue;
+        } else if (ev[i].kind == KVB_EVENT_REMOVED && c) {
+            if (c > 1) {
+                map_put(&ld->held, ev[i].hash.lo, c - 1);
+                continue;
+            }
+            map_del(&ld->held, ev[i].hash.lo);
+        } else {
+            continue; /* CLEARED (no pool here is cleared), or a REMOVED never stored */
+        }
+        out[k] = ev[i];
+        out[k++].tier = 0;
+        if (k == sizeof out / sizeof out[0]) {
+            kvs_router_pool_events(out, k, ld->router_feed);
+            k = 0;
+        }
+    }
+    if (k) kvs_router_pool_events(out, k, ld->router_feed);
+}
 
 static void on_device_events(const kvb_event *ev, size_t n, void *user)
 {
@@ -24,7 +63,15 @@ static void on_device_events(const kvb_event *ev, size_t n, void *user)
         else if (ev[i].kind == KVB_EVENT_REMOVED) map_del(&ld->hashes, ev[i].hash.lo);
     }
     if (ld->bus) kvs_bus_pool_events(ev, n, ld->bus); /* --console, --record: the device pool's events too */
-    if (ld->router_feed) kvs_router_pool_events(ev, n, ld->router_feed); /* the fleet's router indexes them */
+    if (ld->router_feed) feed_router(ld, ev, n);
+}
+
+/* The host and disk pools' events: to the bus when there is one, to the router. */
+static void on_lower_events(const kvb_event *ev, size_t n, void *user)
+{
+    landed *ld = (landed *)user;
+    if (ld->bus) kvs_bus_pool_events(ev, n, ld->bus);
+    feed_router(ld, ev, n);
 }
 
 static uint64_t sim_clock_ns(void *user) { return (uint64_t)(*(const double *)user * 1e9); }
@@ -154,7 +201,9 @@ engine *engine_open(uint32_t index, const workload *w, const options *o, int cac
     map_init(&e->ld.hashes, 1024);
     e->ld.bus = bus;
     e->ld.router_feed = router_feed;
-    open_tiers(&e->t, o, index, cache_on, e->bytes, &e->now, 0, on_device_events, &e->ld, bus);
+    map_init(&e->ld.held, 1024);
+    open_tiers(&e->t, o, index, cache_on, e->bytes, &e->now, 0, on_device_events, &e->ld,
+               router_feed ? on_lower_events : NULL, &e->ld, bus);
     memset(&sc, 0, sizeof sc);
     sc.device = e->t.pool[0];
     sc.tiers = e->t.mgr;
@@ -364,6 +413,7 @@ void engine_close(engine *e)
     close_tiers(&e->t);
     map_free(&e->ids);
     map_free(&e->ld.hashes);
+    map_free(&e->ld.held);
     free(e->buf);
     free(e->pending);
     free(e->done);

@@ -47,7 +47,7 @@ void replay(const workload *w, const options *o, results *res, series *sv)
     kvb_block *blk;
     uint8_t *tier_of;
     double t0;
-    open_tiers(&t, o, 0, 1, o->bytes, NULL, 1, NULL, NULL, NULL);
+    open_tiers(&t, o, 0, 1, o->bytes, NULL, 1, NULL, NULL, NULL, NULL, NULL);
     for (q = 0; q < w->n; q++)
         if (w->reqs[q].num_blocks > maxb) maxb = w->reqs[q].num_blocks;
     if (maxb > o->device_blocks) maxb = o->device_blocks;

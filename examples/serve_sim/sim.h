@@ -178,7 +178,7 @@ typedef struct traffic {
 
 /* engine: which engine of the fleet (0 .. MAX_ENGINES - 1) the tiers belong to */
 void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int bytes, double *clock, int sequential,
-                kvb_event_fn on_events, void *event_user, kvs_bus *bus);
+                kvb_event_fn on_events, void *event_user, kvb_event_fn host_events, void *host_user, kvs_bus *bus);
 void close_tiers(tiers *t);
 void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr);
 void pattern_write(const tiers *t, kvb_block b, const kvb_hash *h);

@@ -54,12 +54,19 @@ static kvb_pool *make_pool(const options *o, uint32_t blocks, uint32_t tier, kvb
 }
 
 /* clock: the simulated time (NULL: the real clock). lower = 0: the device pool alone. on_events: the
- * device pool's event callback (may be NULL; it forwards to the bus itself). bus (may be NULL): the lower
- * pools' block events and every pipeline's transfer stages go there. */
+ * device pool's event callback (may be NULL; it forwards to the bus itself). host_events (may be NULL):
+ * the same for the host and disk pools, otherwise theirs go to the bus. bus (may be NULL): the lower
+ * pools' block events and every pipeline's transfer stages go there. G4's events always go to the bus:
+ * what Redis holds belongs to no engine. */
 void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int bytes, double *clock, int sequential,
-                kvb_event_fn on_events, void *event_user, kvs_bus *bus)
+                kvb_event_fn on_events, void *event_user, kvb_event_fn host_events, void *host_user, kvs_bus *bus)
 {
     kvb_event_fn lower_events = bus ? kvs_bus_pool_events : NULL;
+    void *lower_user = bus;
+    if (host_events) {
+        lower_events = host_events;
+        lower_user = host_user;
+    }
     kvo_manager_config mc;
     uint32_t i;
     memset(t, 0, sizeof *t);
@@ -78,11 +85,11 @@ void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int byte
     if (!lower || (!o->host_blocks && !o->disk_blocks && !o->remote)) return;
     if (o->host_blocks) {
         t->pool[t->n] = make_pool(o, o->host_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, bytes,
-                                  KVB_LAYOUT_LAYER_SEPARATE, &t->layout, lower_events, bus);
+                                  KVB_LAYOUT_LAYER_SEPARATE, &t->layout, lower_events, lower_user);
         t->kind[t->n++] = TIER_HOST;
     }
     if (o->disk_blocks) {
-        t->pool[t->n] = make_pool(o, o->disk_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, lower_events, bus);
+        t->pool[t->n] = make_pool(o, o->disk_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, lower_events, lower_user);
         t->kind[t->n++] = TIER_DISK;
     }
     if (o->remote) { /* G4: a metadata-only pool standing for what Redis holds, filled through the backend */
