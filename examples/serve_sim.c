@@ -377,7 +377,7 @@ int main(int argc, char **argv)
     if (o.svg) {
         char title[300];
         describe(title, sizeof title, &w, &o);
-        if (write_svg(o.svg, &sv, title, o.sequential ? "requests replayed" : "simulated seconds") != 0)
+        if (write_svg(o.svg, &sv, o.sequential ? NULL : &fr, title, o.sequential ? "requests replayed" : "simulated seconds") != 0)
             die(2, "%s: %s", o.svg, strerror(errno));
     }
     if (o.json) {

@@ -247,7 +247,7 @@ void run_fleet(const workload *w, const options *o, int cache_on, results *res, 
     live *L = (live *)xcalloc(w->n, sizeof *L);
     heap hp;
     observer ob;
-    double obs_now = 0, wall0 = wall_now(), shown = 0, last_x = 0, sim = 0;
+    double obs_now = 0, wall0 = wall_now(), shown = 0, last_x = 0, sim = 0, svg_next = 0;
     size_t remaining = w->n, q, skipped = 0, steps = 0;
     const char *label = cache_on ? "cache on" : "cache off";
     uint32_t i;
@@ -307,7 +307,10 @@ void run_fleet(const workload *w, const options *o, int cache_on, results *res, 
         }
         steps++;
         if (engine_clock(e) > last_x) last_x = engine_clock(e);
-        if (sv) fleet_sample(&f, sv, last_x);
+        if (sv && (f.n == 1 || last_x >= svg_next)) { /* a fleet: some 2,000 samples, not one per step */
+            fleet_sample(&f, sv, last_x);
+            svg_next = last_x + f.qstep / 10;
+        }
         if (cache_on && o->pace_us) pace(o->pace_us);
         if (progress && (steps & 255) == 0 && wall_now() - shown > 0.1) {
             shown = wall_now();

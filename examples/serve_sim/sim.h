@@ -192,7 +192,6 @@ typedef struct series { sample *s; size_t n, cap; } series;
 /* occ[TIER_ALL]: each tier's cached blocks / capacity, -1 where the tier is absent */
 void tiers_occupancy(const tiers *t, float *occ);
 void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ);
-int write_svg(const char *path, const series *sv, const char *title, const char *xlabel);
 
 /* ---- the results of a run ----------------------------------------------------------------------- */
 
@@ -288,6 +287,9 @@ typedef struct fleet_report {
 void run_fleet(const workload *w, const options *o, int cache_on, results *res, fleet_report *fr, series *sv,
                int progress);
 void fleet_report_free(fleet_report *fr);
+
+/* svg.c: fr (may be NULL) adds the fleet's panels when it has several engines */
+int write_svg(const char *path, const series *sv, const fleet_report *fr, const char *title, const char *xlabel);
 
 /* ---- report.c ----------------------------------------------------------------------------------- */
 

@@ -60,9 +60,64 @@ static const sample *bucket_end(const series *sv, size_t *i, size_t b, size_t nb
     return last;
 }
 
-int write_svg(const char *path, const series *sv, const char *title, const char *xlabel)
+/* ---- the fleet's panels (--engines N > 1), below the two above ---------------------------------- */
+
+static const char *engine_color(uint32_t i)
+{
+    static const char *c[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                              "#bcbd22", "#17becf"};
+    return c[i % (sizeof c / sizeof c[0])];
+}
+
+/* Queue length of every engine over time (its own scale), then each engine's hit rate by tier as
+ * stacked bars with its share of the fleet's prefill work written above. */
+static void svg_fleet(FILE *f, const fleet_report *fr, double x0, double x1, int W, int L, int R, double top)
+{
+    const char *tier_color[TIER_KINDS + 1] = {"#2ca02c", "#9467bd", "#8c564b", "#17becf"};
+    double bot = top + 200, qmax = 1, btop = bot + 80, bbot = btop + 200, total = 0, bw;
+    size_t q;
+    uint32_t i;
+    int k;
+    for (q = 0; q < fr->nq * fr->n; q++)
+        if (fr->qlen[q] > qmax) qmax = fr->qlen[q];
+    for (i = 0; i < fr->n; i++) total += (double)fr->engine[i].prefill_tokens;
+    fprintf(f, "<text x=\"%d\" y=\"%.0f\" font-weight=\"bold\">queue length per engine (requests waiting for "
+               "admission)</text>\n", L, top - 10);
+    fprintf(f, "<rect x=\"%d\" y=\"%.0f\" width=\"%d\" height=\"200\" fill=\"none\" stroke=\"#444\"/>\n", L, top, W - L - R);
+    for (k = 0; k <= 4; k++)
+        fprintf(f, "<text x=\"%d\" y=\"%.1f\" text-anchor=\"end\">%.0f</text>\n", L - 6, bot - 50.0 * k + 4, qmax * k / 4);
+    for (i = 0; i < fr->n && fr->nq; i++) {
+        fprintf(f, "<polyline fill=\"none\" stroke=\"%s\" stroke-width=\"1.2\" points=\"", engine_color(i));
+        for (q = 0; q < fr->nq; q++)
+            fprintf(f, "%s%.1f,%.1f", q ? " " : "", L + (double)(W - L - R) * (fr->qt[q] - x0) / (x1 - x0),
+                    bot - 200.0 * fr->qlen[q * fr->n + i] / qmax);
+        fprintf(f, "\"/>\n");
+    }
+    fprintf(f, "<text x=\"%d\" y=\"%.0f\" font-weight=\"bold\">hit rate by tier per engine; above each, its share "
+               "of the fleet's prefill work</text>\n", L, btop - 24);
+    fprintf(f, "<rect x=\"%d\" y=\"%.0f\" width=\"%d\" height=\"200\" fill=\"none\" stroke=\"#444\"/>\n", L, btop, W - L - R);
+    bw = (double)(W - L - R) / fr->n;
+    for (i = 0; i < fr->n; i++) {
+        const results *e = &fr->engine[i];
+        double y = bbot, x = L + bw * i + bw * 0.15;
+        for (k = 0; k < TIER_ALL; k++) {
+            double h = 200.0 * ratio(e->tier_hits[k], e->prompt_blocks);
+            if (h <= 0) continue;
+            y -= h;
+            fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"%.1f\" height=\"%.1f\" fill=\"%s\"/>\n", x, y, bw * 0.7, h,
+                    tier_color[k]);
+        }
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\">%.3f, %.0f%%</text>\n", x + bw * 0.35, y - 4,
+                ratio(e->hit_blocks, e->prompt_blocks), total > 0 ? 100.0 * (double)e->prefill_tokens / total : 0);
+        fprintf(f, "<text x=\"%.1f\" y=\"%.1f\" text-anchor=\"middle\" fill=\"%s\">engine %u</text>\n", x + bw * 0.35,
+                bbot + 16, engine_color(i), i);
+    }
+}
+
+int write_svg(const char *path, const series *sv, const fleet_report *fr, const char *title, const char *xlabel)
 {
     enum { W = 960, H = 690, L = 80, R = 40, B = 120 };
+    int fleet = fr && fr->n > 1, height = fleet ? H + 560 : H;
     const double top0 = 70, bot0 = 300, top1 = 370, bot1 = 580;
     const char *tier_color[TIER_KINDS] = {"#2ca02c", "#9467bd", "#8c564b"};
     const sample *first, *last;
@@ -80,7 +135,7 @@ int write_svg(const char *path, const series *sv, const char *title, const char 
     step = nice_step(x1 - x0);
     fprintf(f, "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"%d\" height=\"%d\" viewBox=\"0 0 %d %d\" "
                "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%%\" height=\"100%%\" fill=\"white\"/>\n",
-            W, H, W, H);
+            W, height, W, height);
     fprintf(f, "<text x=\"%d\" y=\"28\" font-size=\"16\" font-weight=\"bold\">", L);
     svg_text_escaped(f, title);
     fprintf(f, "</text>\n");
@@ -165,6 +220,7 @@ int write_svg(const char *path, const series *sv, const char *title, const char 
             x += 165;
         }
     }
+    if (fleet) svg_fleet(f, fr, x0, x1, W, L, R, H + 40);
     fprintf(f, "</svg>\n");
     return fclose(f) == 0 ? 0 : -1;
 }
