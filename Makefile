@@ -59,6 +59,7 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru --eviction lineage" \
   "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000" \
   "sh tests/remote_sim.sh" \
+  "sh tests/fleet_sim.sh" \
   "sh tests/kvtop_tmux.sh"
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----

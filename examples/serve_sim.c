@@ -6,6 +6,7 @@
  *   ./build/serve_sim --trace examples/traces/small.jsonl --json   # a trace, one JSON object
  *   ./build/serve_sim --sequential --trace FILE --device-blocks 10000 --host-blocks 0   # pure replay
  *   ./build/serve_sim --pace-us 20000 --console /tmp/kv.sock & ./build/kvtop /tmp/kv.sock   # watch it
+ *   ./build/serve_sim --trace FILE --engines auto --route kv     # a fleet sized from the load
  *   ./build/serve_sim --help
  *
  * Build by hand (drop -DKVO_WITH_REDIS and -lhiredis to build without the remote tier):
@@ -15,7 +16,8 @@
  * FILES: this one holds the options and main (and compiles the library's implementation); the rest are
  * in examples/serve_sim/, one concern each, listed at the top of examples/serve_sim/sim.h: workload.c
  * (synthetic workload, trace loading), tiers.c (one engine's pools and tier manager), engine.c (the
- * scheduler loop), replay.c (--sequential, --check-lru), report.c (text, JSON), svg.c (--svg).
+ * scheduler loop of one engine), fleet.c (N engines and the router; offered load), replay.c
+ * (--sequential, --check-lru), report.c (text, JSON), svg.c (--svg).
  *
  * WHAT IT DOES
  * Requests arrive (synthetic: conversations; trace: at their timestamps) and go to kvs_sched_add. Each
@@ -90,6 +92,27 @@
  * Built with -DKVO_WITH_REDIS -lhiredis (the Makefile does); without KVO_WITH_REDIS, --remote stops the
  * run at start with "remote tier not built in" (exit 2).
  *
+ * FLEET (--engines N, --route POLICY; the scheduler mode). N engines, each a scheduler on its own device,
+ * host and (when asked) disk pools, with G4 shared through Redis when --remote is given, run on one
+ * simulated clock (each engine's clock is the end of its last step; the fleet takes arrivals and steps in
+ * time order, examples/serve_sim/fleet.c). A kvs_router (kvroute.h) in front picks each request's engine
+ * when it arrives: kv (default: least blocks to prefill + backlog), rr, least (least backlog), affinity
+ * (the conversation on synthetic workloads; for traces the hash of the first blocks). Its index is fed
+ * by each engine's pool events: what the engine holds in any of its own tiers, counted once per block,
+ * so a conversation pushed down to host memory still draws its next turn. An engine's backlog is the
+ * prompt blocks routed to it that the router did not expect it to hold, until their first token. The
+ * report adds each engine's hit rate by tier, TTFT p50/p90/p99, prefill tokens, queue length (mean,
+ * max; --json: sampled over time) and the imbalance (busiest engine's prefill tokens / the mean); --svg
+ * draws the queues and the per-engine hit rates below the fleet's charts. The baseline (cache off) runs
+ * on a fleet of the same size and policy. With one engine there is no router and the run is the one
+ * serve_sim always made.
+ * OFFERED LOAD. Before running, serve_sim compares the workload's offered load with the cost model:
+ * prompt and output tokens per second over the span of the (nominal) arrivals give the engines' worth of
+ * work without cache hits, work = (prompt/s x COST_PREFILL_US + output/s x COST_DECODE_US) / 1e6 (step
+ * overheads amortise under load, so this is a floor). The report prints it with the utilisation
+ * work / N, and when work > N it warns on stderr: the fleet cannot keep up, its queues grow all run,
+ * and every latency figure measures the backlog. --engines auto runs the smallest N with work / N < 0.8.
+ *
  * OBSERVABILITY (the scheduler run with the cache on; not with --sequential, which stops with exit 2):
  *   --console PATH  publish every event on a kvs_bus (slot transitions, admissions, steps, block events of
  *                   every pool, transfer stages of every pipeline, tier occupancy) and serve it with
@@ -104,6 +127,7 @@
  *                   test) can watch: ./build/serve_sim --pace-us 20000 --console /tmp/kv.sock &
  *                   ./build/kvtop /tmp/kv.sock
  *   The baseline run (cache off) is neither observed nor paced. Without these options there is no bus.
+ *   They observe one engine: with --engines N > 1 (or auto choosing more than one) they are refused.
  *
  * EXIT STATUS: 0 ok; 1 a check failed (--check-lru, --bytes data check); 2 bad usage or input.
  */
