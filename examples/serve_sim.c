@@ -99,8 +99,9 @@
  * when it arrives: kv (default: least blocks to prefill + backlog), rr, least (least backlog), affinity
  * (the conversation on synthetic workloads; for traces the hash of the first blocks). Its index is fed
  * by each engine's pool events: what the engine holds in any of its own tiers, counted once per block,
- * so a conversation pushed down to host memory still draws its next turn. An engine's backlog is the
- * prompt blocks routed to it that the router did not expect it to hold, until their first token. The
+ * so a conversation pushed down to host memory still draws its next turn. An engine's load is its
+ * backlog (the prompt blocks routed to it that the router did not expect it to hold, until their first
+ * token) plus 0.15 x the prompt blocks of the requests decoding there. The
  * report adds each engine's hit rate by tier, TTFT p50/p90/p99, prefill tokens, queue length (mean,
  * max; --json: sampled over time) and the imbalance (busiest engine's prefill tokens / the mean); --svg
  * draws the queues and the per-engine hit rates below the fleet's charts. The baseline (cache off) runs

@@ -183,6 +183,7 @@ struct engine {
     kvb_block *full;
     size_t nfull, capfull;
     double backlog;                  /* prompt blocks routed here and not yet past their first token */
+    double active;                   /* prompt blocks of the requests decoding here */
     results res;
 };
 
@@ -222,6 +223,7 @@ void engine_set_clock(engine *e, double t) { e->now = t; }
 int engine_idle(const engine *e) { return kvs_sched_idle(e->s); }
 size_t engine_queue(const engine *e) { return e->npending; }
 double engine_backlog(const engine *e) { return e->backlog; }
+double engine_active(const engine *e) { return e->active; }
 results *engine_results(engine *e) { return &e->res; }
 const tiers *engine_tiers(const engine *e) { return &e->t; }
 
@@ -348,11 +350,13 @@ static void sample_tokens(engine *e, const kvs_step *st)
                 e->res.ttft[e->res.nttft++] = e->now - e->L[req].arrival;
                 e->backlog -= e->L[req].backlog;
                 e->L[req].backlog = 0;
+                e->active += r->num_blocks;
             }
             check_kv(kvs_sched_append(e->s, id, &tok, 1), "kvs_sched_append");
             if (si.generated + 1 < r->num_output) continue;
             check_kv(kvs_sched_release(e->s, id), "kvs_sched_release"); /* finished at max_new_tokens */
             map_del(&e->ids, id);
+            e->active -= r->num_blocks;
             e->res.requests++;
             GROW(e->done, e->capdone, e->ndone + 1);
             e->done[e->ndone++] = req;

@@ -257,6 +257,7 @@ void engine_set_clock(engine *e, double t);
 int engine_idle(const engine *e);
 size_t engine_queue(const engine *e);    /* requests added and not yet admitted */
 double engine_backlog(const engine *e);  /* prompt blocks routed to it and not yet past their first token */
+double engine_active(const engine *e);   /* prompt blocks of the requests decoding on it */
 results *engine_results(engine *e);
 const tiers *engine_tiers(const engine *e);
 void engine_close(engine *e);            /* drain, collect its traffic into its results, free the scheduler */
