@@ -96,8 +96,8 @@ void open_tiers(tiers *t, const options *o, uint32_t engine, int lower, int byte
         kvo_redis_config rc;
         char why[256] = "";
         int r;
-        t->pool[t->n] = make_pool(o, o->remote_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL, lower_events,
-                                  bus);
+        t->pool[t->n] = make_pool(o, o->remote_blocks, t->n, KVB_EVICT_LINEAGE, KVB_DUP_REJECT, 0, 0, NULL,
+                                  bus ? kvs_bus_pool_events : NULL, bus);
         t->kind[t->n++] = TIER_REMOTE;
         memset(&rc, 0, sizeof rc);
         rc.servers = o->remote;
