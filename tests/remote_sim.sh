@@ -4,7 +4,8 @@
 # (remote_imported_blocks 0; its remote hits are blocks it offloaded itself and then lost from the
 # device); the second gets remote hits for blocks the first stored, more hits in all, the bytes intact.
 # Then the same in scheduler mode with all four tiers (--host-blocks --disk-blocks --remote): a second
-# process with cold local tiers gets remote hits through the connector, every hit byte-checked.
+# process with cold local tiers gets remote hits through the connector, every hit byte-checked. Last, a
+# fleet (--engines 3) on one Redis: its engines import what the others stored.
 # Run from the repository root after `make build/serve_sim`. Ends with "N passed, N failed[, N skipped]".
 SIM=${SIM:-build/serve_sim}
 TRACE=examples/traces/small.jsonl
@@ -85,9 +86,18 @@ run_sched() {
 run_sched s1
 run_sched s2
 
-python3 - "$dir/1.json" "$dir/2.json" "$dir/s1.json" "$dir/s2.json" <<'EOF' || fail "checks above"
+# a fleet of three engines on one (emptied) Redis, all four tiers each: engines import what the others
+# stored, every hit byte-checked
+python3 -c 'import socket, sys
+s = socket.create_connection(("127.0.0.1", int(sys.argv[1])), 2)
+s.sendall(b"FLUSHALL\r\n")
+sys.exit(0 if s.recv(16).startswith(b"+OK") else 1)' "$port" || fail "FLUSHALL"
+"$SIM" --trace "$TRACE" --engines 3 --device-blocks 64 --host-blocks 256 --disk-blocks 512 \
+    --remote "redis://127.0.0.1:$port" --json >"$dir/f.json" 2>"$dir/f.err" || { cat "$dir/f.err"; fail "fleet run exited $?"; }
+
+python3 - "$dir/1.json" "$dir/2.json" "$dir/s1.json" "$dir/s2.json" "$dir/f.json" <<'EOF' || fail "checks above"
 import json, sys
-a, b, sa, sb = (json.load(open(p)) for p in sys.argv[1:5])
+a, b, sa, sb, fl = (json.load(open(p)) for p in sys.argv[1:6])
 for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb)):
     print("%-6s run: hit_blocks %d of %d, remote_hit_blocks %d, remote_imported_blocks %d, data_mismatches %d"
           % (n, r["hit_blocks"], r["prompt_blocks"], r["remote_hit_blocks"], r["remote_imported_blocks"],
@@ -103,7 +113,11 @@ if sb["remote_imported_blocks"] <= 0 or sb["remote_hit_blocks"] <= 0:
 for n, r in (("sched first", sa), ("sched second", sb)):
     if not (r["offloaded_blocks_host_to_disk"] > 0 and r["offloaded_blocks_host_to_remote"] > 0 and r["disk_hit_blocks"] > 0):
         bad.append("%s run: host, disk and remote tiers not all in use" % n)
-for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb)):
+print("fleet  run: hit_blocks %d of %d, remote_hit_blocks %d, remote_imported_blocks %d over %d engines"
+      % (fl["hit_blocks"], fl["prompt_blocks"], fl["remote_hit_blocks"], fl["remote_imported_blocks"], fl["engines"]))
+if fl["remote_imported_blocks"] <= 0 or fl["remote_hit_blocks"] <= 0:
+    bad.append("fleet run: no engine got remote hits from what another stored")
+for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb), ("fleet", fl)):
     if r["data_mismatches"] or r["remote_checksum_errors"] or r["remote_io_errors"]:
         bad.append("%s run: data mismatches or remote errors" % n)
     if r["verified_blocks"] < r["hit_blocks"]:
@@ -111,4 +125,4 @@ for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", 
 for m in bad: print("FAIL:", m)
 sys.exit(1 if bad else 0)
 EOF
-echo "2 passed, 0 failed"
+echo "3 passed, 0 failed"
