@@ -60,6 +60,7 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000" \
   "sh tests/remote_sim.sh" \
   "sh tests/fleet_sim.sh" \
+  "sh tests/fleet_cluster.sh" \
   "sh tests/kvtop_tmux.sh"
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
@@ -104,6 +105,12 @@ $(BUILD)/kvtop: examples/kvtop.c $(HEADERS) | deps
 
 demo: deps $(BUILD)/serve_sim
 	./$(BUILD)/serve_sim
+
+# issue 16: N serve_sim processes (--shard i/N) on a 3-node Redis Cluster on loopback as their shared G4,
+# next to the same processes alone; ports chosen free, everything removed at exit
+.PHONY: demo-fleet
+demo-fleet: deps $(BUILD)/serve_sim
+	sh examples/demo_fleet.sh
 
 XXH_FLAGS := $(shell [ -f /usr/include/xxhash.h ] && echo "-DKVBENCH_HAVE_XXHASH")
 XXH_LIBS  := $(shell [ -f /usr/include/xxhash.h ] && echo "-lxxhash")

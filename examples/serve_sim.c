@@ -107,6 +107,11 @@
  * draws the queues and the per-engine hit rates below the fleet's charts. The baseline (cache off) runs
  * on a fleet of the same size and policy. With one engine there is no router and the run is the one
  * serve_sim always made.
+ * SHARDS (--shard I/N): this process serves only the conversations c with c mod N = I (a trace's requests
+ * by number), so N processes started with I = 0 .. N - 1 split one workload; with --remote on one Redis
+ * (Cluster) they share G4. --json then also carries ttft_ms, every request's TTFT, so that the shards'
+ * reports merge. `make demo-fleet` (examples/demo_fleet.sh) runs three on a 3-node Redis Cluster next to
+ * the same three alone; tests/fleet_cluster.sh also kills a node mid-run.
  * OFFERED LOAD. Before running, serve_sim compares the workload's offered load with the cost model:
  * prompt and output tokens per second over the span of the (nominal) arrivals give the engines' worth of
  * work without cache hits, work = (prompt/s x COST_PREFILL_US + output/s x COST_DECODE_US) / 1e6 (step
@@ -195,6 +200,7 @@ static const optdef optdefs[] = {
     {"--remote", OPT_STR, OPT(remote), NULL, "URL", "G4 tier in Redis, last: redis://host:port[,host:port...] (implies --bytes)"},
     {"--engines", OPT_STR, OPT(engines_arg), NULL, "N|auto", "engines in the fleet, each with its own tiers (default 1); auto: sized from the load"},
     {"--route", OPT_NAME, OPT(route), route_names, "POLICY", "how the fleet's router picks an engine (default kv)"},
+    {"--shard", OPT_STR, OPT(shard_arg), NULL, "I/N", "serve only conversations c with c mod N = I (one process of N)"},
     {"--json", OPT_FLAG, OPT(json), NULL, NULL, "print one JSON object instead of the text report"},
     {"--svg", OPT_STR, OPT(svg), NULL, "FILE", "write a chart of hit rate and tier occupancy over time"},
     {"--console", OPT_STR, OPT(console), NULL, "PATH", "serve kvs_console on this Unix socket (build/kvtop PATH attaches)"},
@@ -286,6 +292,21 @@ static void parse_engines(options *o)
         die(2, "--console, --record and --metrics observe one engine: drop --engines");
 }
 
+/* --shard I/N: 0 <= I < N. */
+static void parse_shard(options *o)
+{
+    unsigned i, n;
+    char tail;
+    o->shard = 0;
+    o->shards = 1;
+    if (!o->shard_arg) return;
+    if (sscanf(o->shard_arg, "%u/%u%c", &i, &n, &tail) != 2 || !n || i >= n || n > 1u << 20 ||
+        strchr(o->shard_arg, '-') || strchr(o->shard_arg, ' '))
+        die(2, "--shard: '%s' is not I/N with 0 <= I < N", o->shard_arg);
+    o->shard = i;
+    o->shards = n;
+}
+
 static void parse_options(int argc, char **argv, options *o)
 {
     int i;
@@ -320,6 +341,7 @@ static void parse_options(int argc, char **argv, options *o)
     if (o->offload == UNSET) o->offload = KVO_OFFLOAD_EAGER;
     if (o->route == UNSET) o->route = KVS_ROUTE_KV;
     parse_engines(o);
+    parse_shard(o);
     if (!o->device_blocks) die(2, "--device-blocks must be at least 1");
     if (!o->block_tokens || o->block_tokens > 32768) die(2, "--block-tokens must be 1..32768");
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");

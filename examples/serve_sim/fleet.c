@@ -219,6 +219,11 @@ static void add_results(results *to, const results *r, int first)
     to->tr.redis.imported += r->tr.redis.imported;
     to->tr.redis.checksum_errors += r->tr.redis.checksum_errors;
     to->tr.redis.io_errors += r->tr.redis.io_errors;
+    to->tr.redis.misses += r->tr.redis.misses;
+    to->tr.redis.remote_errors += r->tr.redis.remote_errors;
+    to->tr.redis.lookup_errors += r->tr.redis.lookup_errors;
+    to->tr.redis.disconnects += r->tr.redis.disconnects;
+    to->tr.redis.connect_failures += r->tr.redis.connect_failures;
     to->ttft = (double *)xrealloc(to->ttft, (to->nttft + r->nttft) * sizeof *to->ttft);
     if (r->nttft) memcpy(to->ttft + to->nttft, r->ttft, r->nttft * sizeof *r->ttft);
     to->nttft += r->nttft;

@@ -36,9 +36,14 @@ static summary ttft_summary(double *v, size_t n)
 
 void describe(char *out, size_t len, const workload *w, const options *o)
 {
+    char shard[48] = "";
+    if (o->shards > 1) snprintf(shard, sizeof shard, " (shard %u/%u)", o->shard, o->shards);
     if (w->is_trace)
-        snprintf(out, len, "trace %s: %zu requests (%zu malformed lines skipped), %u tokens per block", o->trace, w->n,
-                 w->malformed, o->block_tokens);
+        snprintf(out, len, "trace %s: %zu requests%s (%zu malformed lines skipped), %u tokens per block", o->trace, w->n,
+                 shard, w->malformed, o->block_tokens);
+    else if (o->shards > 1) /* the conversation count is the whole workload's */
+        snprintf(out, len, "synthetic workload, seed %llu: %zu requests%s, %u tokens per block",
+                 (unsigned long long)o->seed, w->n, shard, o->block_tokens);
     else
         snprintf(out, len, "synthetic workload, seed %llu: %zu requests in %zu conversations, %u tokens per block",
                  (unsigned long long)o->seed, w->n, w->nconv, o->block_tokens);
@@ -145,6 +150,15 @@ void print_text(const workload *w, const options *o, results *r, const fleet_rep
         printf("%-22s %llu blocks found in Redis that this run did not store; %llu checksum errors, %llu I/O errors\n",
                "remote tier", (unsigned long long)r->tr.redis.imported, (unsigned long long)r->tr.redis.checksum_errors,
                (unsigned long long)r->tr.redis.io_errors);
+    if (o->remote && (r->tr.redis.misses || r->tr.redis.io_errors || r->tr.redis.remote_errors ||
+                      r->tr.redis.lookup_errors || r->tr.redis.disconnects || r->tr.redis.connect_failures))
+        printf("%-22s %llu reads found no entry, %llu copies failed (%llu I/O, %llu error replies), %llu lookups failed, "
+               "%llu connections lost, %llu refused: those loads were recomputed\n", "remote tier lost",
+               (unsigned long long)r->tr.redis.misses,
+               (unsigned long long)(r->tr.redis.io_errors + r->tr.redis.remote_errors),
+               (unsigned long long)r->tr.redis.io_errors, (unsigned long long)r->tr.redis.remote_errors,
+               (unsigned long long)r->tr.redis.lookup_errors, (unsigned long long)r->tr.redis.disconnects,
+               (unsigned long long)r->tr.redis.connect_failures);
     if (o->sequential) {
         printf("%-22s %.6f s for %llu prompt blocks: %.1f ns per block\n", "replay loop", r->replay_seconds,
                (unsigned long long)r->prompt_blocks, r->prompt_blocks ? r->replay_seconds * 1e9 / (double)r->prompt_blocks : 0.0);
@@ -294,6 +308,11 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
         json_num(j, "remote_imported_blocks", (double)r->tr.redis.imported);
         json_num(j, "remote_checksum_errors", (double)r->tr.redis.checksum_errors);
         json_num(j, "remote_io_errors", (double)r->tr.redis.io_errors);
+        json_num(j, "remote_misses", (double)r->tr.redis.misses);
+        json_num(j, "remote_error_replies", (double)r->tr.redis.remote_errors);
+        json_num(j, "remote_lookup_errors", (double)r->tr.redis.lookup_errors);
+        json_num(j, "remote_disconnects", (double)r->tr.redis.disconnects);
+        json_num(j, "remote_connect_failures", (double)r->tr.redis.connect_failures);
     }
     cJSON_AddBoolToObject(j, "bytes_modeled", !o->bytes);
     if (o->bytes) {
@@ -327,6 +346,11 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
         json_num(j, "wall_seconds", r->wall_seconds);
         json_num(j, "prefill_tokens", (double)r->prefill_tokens);
         if (fr) json_fleet(j, o, fr, cap);
+        if (o->shards > 1) { /* every request's TTFT, so that the reports of the shards can be merged */
+            cJSON *a = cJSON_AddArrayToObject(j, "ttft_ms");
+            size_t i;
+            for (i = 0; i < r->nttft; i++) cJSON_AddItemToArray(a, cJSON_CreateNumber(round(r->ttft[i] * 1e6) / 1e3));
+        }
     }
     text = cJSON_Print(j);
     if (!text) die(2, "out of memory");

@@ -100,6 +100,8 @@ typedef struct options {
     const char *engines_arg; /* --engines N | auto */
     uint32_t engines;        /* resolved: engines in the fleet (main sets it, "auto" from the workload) */
     uint32_t route;          /* kvs_route_policy */
+    const char *shard_arg;   /* --shard i/N */
+    uint32_t shard, shards;  /* resolved: this process serves conversations c with c % shards == shard */
 } options;
 
 const char *eviction_name(uint32_t policy);

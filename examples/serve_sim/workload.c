@@ -90,7 +90,11 @@ void fill_prompt(const workload *w, const sim_req *r, uint32_t *buf)
             gen_tokens(buf + at, SEG_USER, r->conv, j, w->user_len[q]);
             at += w->user_len[q];
             if (j == r->turn) break;
-            for (i = 0; i < w->out_len[q]; i++) buf[at + i] = output_token(w, &w->reqs[q], (uint32_t)i);
+            sim_req turn; /* turn j's reply (by conversation and turn: --shard renumbers the requests) */
+            memset(&turn, 0, sizeof turn);
+            turn.conv = r->conv;
+            turn.turn = j;
+            for (i = 0; i < w->out_len[q]; i++) buf[at + i] = output_token(w, &turn, (uint32_t)i);
             at += w->out_len[q];
         }
     }
@@ -302,6 +306,24 @@ static int cmp_arrival(const void *a, const void *b)
     return (x->i > y->i) - (x->i < y->i);
 }
 
+/* --shard i/N: keep conversation c when c % N == i (a trace's "conversation" is its request number). The
+ * turns of a conversation stay together; convs and the per-turn lengths keep their indices, only the
+ * requests are renumbered (next_turn follows). */
+static void keep_shard(workload *w, uint32_t shard, uint32_t shards)
+{
+    int32_t *to = (int32_t *)xcalloc(w->n, sizeof *to);
+    size_t q, k = 0;
+    for (q = 0; q < w->n; q++) to[q] = w->reqs[q].conv % shards == shard ? (int32_t)k++ : -1;
+    for (q = 0; q < w->n; q++) { /* to[q] <= q: nothing is overwritten before it is read */
+        sim_req r = w->reqs[q];
+        if (to[q] < 0) continue;
+        if (r.next_turn >= 0) r.next_turn = to[r.next_turn];
+        w->reqs[to[q]] = r;
+    }
+    w->n = k;
+    free(to);
+}
+
 void load_workload(workload *w, const options *o)
 {
     size_t i;
@@ -309,6 +331,10 @@ void load_workload(workload *w, const options *o)
     w->block_tokens = o->block_tokens;
     if (o->trace) load_trace(w, o);
     else make_synthetic(w, o);
+    if (o->shards > 1) {
+        keep_shard(w, o->shard, o->shards);
+        if (!w->n) die(2, "--shard %u/%u: no requests in this share of the workload", o->shard, o->shards);
+    }
     arrival_key *keys = (arrival_key *)xcalloc(w->n, sizeof *keys);
     w->order = (size_t *)owned(w, w->n * sizeof *w->order);
     for (i = 0; i < w->n; i++) {
