@@ -96,7 +96,7 @@
  * host and (when asked) disk pools, with G4 shared through Redis when --remote is given, run on one
  * simulated clock (each engine's clock is the end of its last step; the fleet takes arrivals and steps in
  * time order, examples/serve_sim/fleet.c). A kvs_router (kvroute.h) in front picks each request's engine
- * when it arrives: kv (default: least blocks to prefill + backlog), rr, least (least backlog), affinity
+ * when it arrives: kv (default: least blocks to prefill + load), rr, least (least load), affinity
  * (the conversation on synthetic workloads; for traces the hash of the first blocks). Its index is fed
  * by each engine's pool events: what the engine holds in any of its own tiers, counted once per block,
  * so a conversation pushed down to host memory still draws its next turn. An engine's load is its

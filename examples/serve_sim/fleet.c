@@ -9,8 +9,8 @@
  * at its next step, an idle one jumps its clock to the arrival. With one engine this is the loop
  * serve_sim always ran, and there is no router.
  *
- * Routing (--route): kv (default; least blocks-to-prefill + backlog, KVS_ROUTE_KV), rr, least (least
- * backlog), affinity (the conversation on synthetic workloads; for traces, which carry no session id,
+ * Routing (--route): kv (default; least blocks to prefill + load, KVS_ROUTE_KV), rr, least (least load),
+ * affinity (the conversation on synthetic workloads; for traces, which carry no session id,
  * the hash of the first blocks). The load the router weighs is an engine's backlog, the prompt blocks
  * routed to it that the router did not expect it to hold until their first token, plus ACTIVE_WEIGHT x
  * the prompt blocks of the requests decoding there. */
