@@ -113,9 +113,10 @@
  * reports merge. `make demo-fleet` (examples/demo_fleet.sh) runs three on a 3-node Redis Cluster next to
  * the same three alone; tests/fleet_cluster.sh also kills a node mid-run.
  * OFFERED LOAD. Before running, serve_sim compares the workload's offered load with the cost model:
- * prompt and output tokens per second over the span of the (nominal) arrivals give the engines' worth of
- * work without cache hits, work = (prompt/s x COST_PREFILL_US + output/s x COST_DECODE_US) / 1e6 (step
- * overheads amortise under load, so this is a floor). The report prints it with the utilisation
+ * prompt and output tokens per second in the busiest 600 s of (nominal) arrivals, or over all of them
+ * when they span less, give the engines' worth of work without cache hits, work = (prompt/s x
+ * COST_PREFILL_US + output/s x COST_DECODE_US) / 1e6 (step overheads amortise under load, so this is a
+ * floor; the busiest window, because traces with a long quiet tail would hide their peak in the mean). The report prints it with the utilisation
  * work / N, and when work > N it warns on stderr: the fleet cannot keep up, its queues grow all run,
  * and every latency figure measures the backlog. --engines auto runs the smallest N with work / N < 0.8.
  *

@@ -25,6 +25,7 @@
  * busiest engine's prefill work fell from 1.68x the mean to 1.08x), not enough to pull a turn away from
  * the engine that holds its conversation (the hit rate moved by under 0.01). */
 #define ACTIVE_WEIGHT 0.15
+#define OFFER_WINDOW_S 600.0 /* the offered load is the busiest 10 minutes' */
 
 /* ---- arrivals: a heap by time, then request index ------------------------------------------------ */
 
@@ -60,26 +61,49 @@ static ev heap_pop(heap *h)
 
 /* ---- offered load against capacity ------------------------------------------------------------- */
 
+/* Busy seconds per second that request r asks of an engine without cache hits: every prompt token
+ * prefilled, every output token one decode slot (step overheads amortise under load). */
+static double request_work(const sim_req *r)
+{
+    return ((double)r->num_prompt * COST_PREFILL_US + (double)r->num_output * COST_DECODE_US) * 1e-6;
+}
+
+/* The load of the busiest OFFER_WINDOW_S of arrivals (the whole span when shorter): a fleet sized for the
+ * mean over a trace with a long quiet tail (sessions whose last turns come hours later) would drown in
+ * its first hour. */
 capacity offered_load(const workload *w)
 {
     capacity c;
-    double first = INFINITY, last = -INFINITY, prompt = 0, output = 0;
-    size_t q;
+    double prompt = 0, output = 0, work = 0, best = -1, first, last;
+    size_t a = 0, b;
     memset(&c, 0, sizeof c);
-    for (q = 0; q < w->n; q++) {
-        const sim_req *r = &w->reqs[q];
-        if (r->arrival < first) first = r->arrival;
-        if (r->arrival > last) last = r->arrival;
+    c.engine_tps = 1e6 / COST_PREFILL_US;
+    if (w->n < 2) return c;
+    first = w->reqs[w->order[0]].arrival;
+    last = w->reqs[w->order[w->n - 1]].arrival;
+    c.span_s = last - first;
+    if (c.span_s <= 0) return c; /* all at once: no rate to speak of */
+    c.window_s = c.span_s < OFFER_WINDOW_S ? c.span_s : OFFER_WINDOW_S;
+    for (b = 0; b < w->n; b++) { /* windows [arrival of a, + window_s] over the requests in arrival order */
+        const sim_req *r = &w->reqs[w->order[b]];
+        c.mean_work += request_work(r);
         prompt += r->num_prompt;
         output += r->num_output;
+        work += request_work(r);
+        while (r->arrival - w->reqs[w->order[a]].arrival > c.window_s) {
+            const sim_req *x = &w->reqs[w->order[a++]];
+            prompt -= x->num_prompt;
+            output -= x->num_output;
+            work -= request_work(x);
+        }
+        if (work > best) {
+            best = work;
+            c.prompt_tps = prompt / c.window_s;
+            c.output_tps = output / c.window_s;
+        }
     }
-    c.engine_tps = 1e6 / COST_PREFILL_US;
-    c.span_s = w->n > 1 ? last - first : 0;
-    if (c.span_s <= 0) return c; /* all at once: no rate to speak of */
-    c.prompt_tps = prompt / c.span_s;
-    c.output_tps = output / c.span_s;
-    /* every prompt token prefilled, every output token one decode slot; step overheads amortise under load */
-    c.work = (c.prompt_tps * COST_PREFILL_US + c.output_tps * COST_DECODE_US) * 1e-6;
+    c.work = best / c.window_s;
+    c.mean_work /= c.span_s;
     return c;
 }
 

@@ -69,8 +69,9 @@ static void print_load(const options *o, const capacity *c)
         printf("%-22s all requests arrive at once: no rate to compare with capacity\n", "offered load");
         return;
     }
-    printf("%-22s %.0f prompt tokens/s + %.0f output tokens/s over %.0f s: %.2f engines' work without cache hits\n",
-           "offered load", c->prompt_tps, c->output_tps, c->span_s, c->work);
+    printf("%-22s %.0f prompt tokens/s + %.0f output tokens/s in the busiest %.0f s of %.0f: %.2f engines' work "
+           "without cache hits (%.2f over the whole span)\n",
+           "offered load", c->prompt_tps, c->output_tps, c->window_s, c->span_s, c->work, c->mean_work);
     printf("%-22s %u engine%s%s, route %s, %.0f prefill tokens/s each: utilisation %.2f without hits%s\n", "fleet",
            o->engines, o->engines == 1 ? "" : "s", o->engines_arg && !strcmp(o->engines_arg, "auto") ? " (auto)" : "",
            route_name(o->route), c->engine_tps, c->work / o->engines,
@@ -212,6 +213,8 @@ static void json_fleet(cJSON *j, const options *o, const fleet_report *fr, const
     cJSON_AddBoolToObject(j, "engines_auto", o->engines_arg && !strcmp(o->engines_arg, "auto"));
     cJSON_AddStringToObject(j, "route", route_name(o->route));
     json_num(j, "offered_seconds", c->span_s);
+    json_num(j, "offered_window_seconds", c->window_s);
+    json_num(j, "offered_mean_work_engines", c->mean_work);
     json_num(j, "offered_prompt_tokens_per_s", c->prompt_tps);
     json_num(j, "offered_output_tokens_per_s", c->output_tps);
     json_num(j, "engine_prefill_tokens_per_s", c->engine_tps);

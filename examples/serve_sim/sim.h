@@ -267,12 +267,16 @@ void engine_free(engine *e);
 
 /* ---- fleet.c: N engines on one simulated clock, a kvs_router in front ---------------------------- */
 
-/* The offered load of a workload against the cost model, without cache hits. */
+/* The offered load of a workload against the cost model, without cache hits: the busiest 600 s of
+ * arrivals (the whole span when shorter). */
 typedef struct capacity {
     double span_s;                   /* first to last nominal arrival */
-    double prompt_tps, output_tps;   /* offered tokens per second */
+    double window_s;                 /* the window the rates are measured over: 600 s, or the span */
+    double prompt_tps, output_tps;   /* offered tokens per second in the busiest window */
     double engine_tps;               /* prefill tokens per second one engine computes (1e6 / COST_PREFILL_US) */
-    double work;                     /* engines' worth of work: busy seconds per second without hits */
+    double work;                     /* engines' worth of work: busy seconds per second without hits, in the
+                                        busiest window */
+    double mean_work;                /* the same over the whole span */
 } capacity;
 capacity offered_load(const workload *w);
 /* The smallest N that keeps every engine's utilisation (work / N) under 0.8. */
