@@ -53,6 +53,12 @@ $(BUILD)/tsan/test_remote: tests/test_remote.c kvremote.h $(TEST_HEADERS) $(HEAD
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lhiredis -lm
 
+# the policy sweep replays ~40 million blocks: optimised, no sanitizers (the policy code runs under them
+# in test_fol and test_arc_s3fifo); it reads the workload generator of examples/
+$(BUILD)/test/test_policy_workloads: tests/test_policy_workloads.c examples/workloads.h $(TEST_HEADERS) $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
+
 # programs whose own check mode is part of the suite
 CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
@@ -182,6 +188,10 @@ $(SINGLE_INC)/kvcache.h: amalgamate.sh $(AMALG_PARTS) $(OTHER_HEADERS)
 
 # tests that link more than libm, as their split rules above
 SINGLE_LIBS_test_remote := -lhiredis
+
+$(BUILD)/test-single/test_policy_workloads: tests/test_policy_workloads.c examples/workloads.h $(TEST_HEADERS) $(SINGLE_INC)/kvcache.h | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -D_GNU_SOURCE -I$(SINGLE_INC) -I$(STB_INC) -pthread -O2 -g -o $@ $< -lm
 
 $(BUILD)/test-single/%: tests/%.c $(TEST_HEADERS) $(SINGLE_INC)/kvcache.h | deps
 	@mkdir -p $(dir $@)

@@ -3,9 +3,10 @@
  * a small reference model of the documented policy, a hand-made trace where FOL keeps a thrice-used
  * block that LRU evicts, and FOL's hit rate against LRU on a synthetic multi-turn chat workload.
  * The rules are the issue's, with its step of 10,000 set explicitly (ISSUE_STEP): the default step
- * (fol_class_step 0) is adapted online (kvblock.h section 2), checked here by its own tests: it starts
- * at LRU order, rises where frequency pays, falls back where it stops paying, and keeps FOL at or above
- * LRU where the issue's fixed step falls below it.
+ * (fol_class_step 0) is chosen online by miniature simulation (kvblock.h section 2), checked here by its
+ * own tests: it starts at LRU order, rises where frequency pays, falls back where it stops paying, and
+ * keeps FOL within 0.002 of LRU or above where the issue's fixed step falls below it (issue 14's rule;
+ * tests/test_policy_workloads.c checks it on the production-like workloads).
  *
  * A block's class is internal, so it is observed through eviction order: a pool whose blocks are all
  * cached and unreferenced is asked for every block at once (kvb_alloc), and the REMOVED events it
@@ -20,7 +21,7 @@
 #include <math.h>
 
 #define MAXREQ 128
-#define ISSUE_STEP 10000u /* the issue's class step; 0 now selects the adaptive one */
+#define ISSUE_STEP 10000u /* the issue's class step; 0 now selects the self-tuning one */
 
 /* ---- requests ---------------------------------------------------------------------------------- */
 
@@ -886,7 +887,7 @@ static void test_fol_hit_rate_vs_lru(void)
         double fixed = chat_hit_rate(sizes[i], KVB_EVICT_FOL, ISSUE_STEP, requests, 2024);
         printf("| %u | %.2f%% | %.2f%% | %.3fx | %.2f%% |\n", sizes[i], 100 * lru, 100 * fol, lru > 0 ? fol / lru : 0,
                100 * fixed);
-        KVT_CHECK(fol >= lru);                 /* never below LRU ... */
+        KVT_CHECK(fol >= lru - 0.002);         /* never below LRU (issue 14's tolerance) ... */
         if (i < 2) KVT_CHECK(fol > lru * 1.02); /* and above it where reuse rates differ within the pool's reach */
         if (i > 0) KVT_CHECK(fixed < lru);     /* where the issue's fixed step falls below LRU (issue 6) */
     }
