@@ -19,7 +19,7 @@ TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_dis
 DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server tmux
 
 .PHONY: all deps test tsan demo bench clean
-all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm $(BUILD)/kvtop
+all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm $(BUILD)/kvtop $(BUILD)/workloads
 
 # Install missing Debian packages (apt-get as root; otherwise print the command and stop).
 deps:
@@ -102,6 +102,11 @@ $(BUILD)/serve_sim: examples/serve_sim.c kvremote.h $(HEADERS) | deps
 
 # the console (issue 7): attaches to serve_sim --console PATH, or reads serve_sim --record FILE
 $(BUILD)/kvtop: examples/kvtop.c $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
+
+# production-like traces and the eviction policies' sweep over them (issue 14)
+$(BUILD)/workloads: examples/workloads.c examples/workloads.h $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
