@@ -126,7 +126,9 @@
  * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
  * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
  * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 4
- * turnovers. The live pool starts at LRU order and takes the best candidate's step when (1) its lead
+ * turnovers. The live pool starts at step C/2 (before its first eviction no step can be judged; on
+ * real traffic a step pays more often than not, and the fall-back below bounds the cost where it does
+ * not) and takes the best candidate's step when (1) its lead
  * over the current candidate is beyond noise (a paired test: lead - 2 > 2 sqrt(d), d = the sampled
  * blocks one of the two hit and the other missed), (2) some candidate has led so for a quarter of a
  * turnover, and (3) the best one is still gaining (a lead a burst earned in the past does not count).
@@ -746,7 +748,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 /* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
 #define KVB__TUNE_K 10       /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
 #ifndef KVB__TUNE_START
-#define KVB__TUNE_START 0    /* the candidate used until the shadows know better: LRU order */
+#define KVB__TUNE_START 2    /* the candidate used until the shadows know better: step C/2 */
 #endif
 #ifndef KVB__TUNE_MEMORY
 #define KVB__TUNE_MEMORY 4   /* scores halve every 4 turnovers of a shadow */
