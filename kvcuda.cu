@@ -705,7 +705,8 @@ __host__ __device__ static inline void kvc__item(const kvc__desc *descs, unsigne
 }
 
 /* Thread block b takes items b, b + gridDim.x, ...; its threads copy one item together, 16 bytes per
- * load with four loads in flight per thread (byte by byte when an end is not 16-byte aligned). */
+ * load with four loads in flight per thread (byte by byte when an end is not 16-byte aligned). Plain
+ * loads and stores only (no cp.async, TMA or clusters), so the same source runs on sm_80 and later. */
 __global__ void kvc__copy_kernel(const kvc__desc *__restrict__ descs, unsigned long long items, unsigned count,
                                  unsigned long long sstride, unsigned long long dstride)
 {

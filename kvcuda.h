@@ -14,9 +14,11 @@
  *
  * Link: kv_impl.o your.o build/libkvcuda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread
  * (built with the Makefile's flags the library needs no C++ runtime, so cc can link it). The Makefile
- * compiles sm_90 code (Hopper) plus compute_90 PTX that newer GPUs JIT-compile; for older GPUs build
- * with your own -gencode. Streams and events appear as `void *` (a cudaStream_t is a
- * pointer), so C code can use this header without the CUDA toolkit's headers.
+ * compiles code for sm_80, sm_86, sm_89 and sm_90 (A100, A10 / RTX 30xx, L4 / L40S / RTX 40xx, H100),
+ * sm_100 / sm_120 where the toolkit has them, and compute_80 PTX that any newer GPU JIT-compiles;
+ * `make cuda CUDA_ARCHS="86 90"` picks others. The kernels use nothing newer than sm_80. Streams and
+ * events appear as `void *` (a cudaStream_t is a pointer), so C code can use this header without the
+ * CUDA toolkit's headers.
  *
  * Manual: 1. Quick start  2. Concepts  3. The copy backend  4. Thread safety  5. Errors
  *

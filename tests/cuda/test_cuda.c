@@ -473,7 +473,7 @@ static void test_plan_on_host(void)
 
 /* device A -> pinned H -> device B with random ids; every block byte-compared at each hop. */
 static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kind host_kind, kvc_copy_method method,
-                      uint64_t seed)
+                      uint64_t seed, int batch_api)
 {
     enum { NA = 96, NH = 160, NB = 80, N = 48, LAYERS = 3 };
     const uint64_t page = 4096 + 512; /* 16-byte multiple, not a power of two */
@@ -484,6 +484,7 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
     kvc_backend_config bc;
     memset(&bc, 0, sizeof bc);
     bc.method = method;
+    bc.batch_api = batch_api;
     kvo_backend *be = NULL;
     KVT_EQ(kvc_backend_create(ctx, &bc, &be), KVC_OK);
     if (!be) return;
@@ -542,6 +543,7 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
     }
     if (method == KVC_COPY_KERNEL) KVT_EQ(st.kernel_jobs, 2);
     if (method == KVC_COPY_DMA) KVT_EQ(st.dma_jobs, 2);
+    if (batch_api < 0) KVT_EQ(st.batch_calls, 0); /* the per-run path: one cudaMemcpyAsync per copy */
     free(named);
     free(zero);
     free(ha);
@@ -556,18 +558,18 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
 static void test_roundtrip_block_contiguous(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_AUTO, 11);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 12);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 13);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_AUTO, 11, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 12, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 13, 0);
     kvc_context_destroy(ctx);
 }
 
 static void test_roundtrip_layer_separate(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 21);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_DMA, 22);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_KERNEL, 23);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 21, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_DMA, 22, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_KERNEL, 23, 0);
     kvc_context_destroy(ctx);
 }
 
@@ -575,9 +577,19 @@ static void test_roundtrip_layer_separate(void)
 static void test_roundtrip_mixed_layouts(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 31);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 32);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 33);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 31, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 32, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 33, 0);
+    kvc_context_destroy(ctx);
+}
+
+/* DMA without cudaMemcpyBatchAsync (batch_api -1), the path a toolkit or driver older than 12.8 takes:
+ * one cudaMemcpyAsync per merged copy, same bytes. */
+static void test_roundtrip_per_run_copies(void)
+{
+    NEED_GPU(ctx);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 41, -1);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 42, -1);
     kvc_context_destroy(ctx);
 }
 
@@ -904,6 +916,7 @@ int main(void)
     KVT_RUN(test_roundtrip_block_contiguous);
     KVT_RUN(test_roundtrip_layer_separate);
     KVT_RUN(test_roundtrip_mixed_layouts);
+    KVT_RUN(test_roundtrip_per_run_copies);
     KVT_RUN(test_precondition_event);
     KVT_RUN(test_cancel_before_upgrade);
     KVT_RUN(test_scattered_equals_one_by_one);
