@@ -5,7 +5,8 @@
  * With a device: round trips device -> pinned -> device for both layouts (and a mix) with random block
  * ids, byte-compared, by DMA, by the kernel and by the automatic choice; an offload waiting on a CUDA
  * event behind a slow kernel; cancel before the upgrade copies nothing; many small scattered copies in
- * one kernel job equal the same copies done one job each; per-copy errors. */
+ * one kernel job equal the same copies done one job each; per-copy errors; fork and copy-on-write of
+ * sequences on a device pool. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -905,6 +906,65 @@ static void test_copy_errors(void)
     kvc_context_destroy(ctx);
 }
 
+/* kvb_seq_fork + appends on a device pool: the shared partial block is copied on the device by the
+ * copy_block hook kvc_pool_create installs (a CPU memcpy of device memory would crash), bytes equal;
+ * a truncate into a registered block too. Both layouts. */
+static void test_fork_on_device_pool(void)
+{
+    NEED_GPU(ctx);
+    const kvb_layout_kind kinds[2] = {KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS};
+    for (int k = 0; k < 2; k++) {
+        kvb_pool *pool = make_pool(ctx, KVC_MEMORY_DEVICE, 16, layout_of(kinds[k], 3, 4096 + 256));
+        if (!pool) break;
+        kvb_pool_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        KVT_EQ(kvb_pool_get_config(pool, &cfg), KVB_OK);
+        KVT_CHECK(cfg.copy_block != NULL && cfg.copy_user == (void *)ctx);
+        fill_random(ctx, pool, 500 + (uint64_t)k);
+        uint32_t tokens[40];
+        for (uint32_t i = 0; i < 40; i++) tokens[i] = 100 + i;
+        kvb_seq *s = NULL, *t = NULL;
+        KVT_EQ(kvb_seq_create(pool, NULL, &s), KVB_OK);
+        KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 20), KVB_OK);
+        KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+        const kvb_block *table = NULL;
+        size_t n = 0;
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        uint32_t shared = kvb_block_index(table[1].id);
+        uint64_t bytes = 0;
+        unsigned char *before = snapshot(ctx, pool, &bytes);
+
+        KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_OK); /* s copies the shared block */
+        KVT_EQ(kvb_seq_append(t, tokens + 30, 1, NULL), KVB_OK); /* t is its last owner: writes in place */
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        uint32_t copy = kvb_block_index(table[1].id);
+        KVT_CHECK(copy != shared);
+        unsigned char *after = snapshot(ctx, pool, &bytes);
+        KVT_CHECK(same_block(before, pool, shared, after, pool, copy));
+        KVT_CHECK(same_block(before, pool, shared, after, pool, shared));
+
+        KVT_EQ(kvb_seq_append(s, tokens + 21, 11, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 32), KVB_OK); /* s's block 1 is registered: truncating into it copies */
+        free(before);
+        before = snapshot(ctx, pool, &bytes);
+        KVT_EQ(kvb_seq_truncate(s, 24), KVB_OK);
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        KVT_EQ(n, 2);
+        free(after);
+        after = snapshot(ctx, pool, &bytes);
+        KVT_CHECK(kvb_block_index(table[1].id) != copy);
+        KVT_CHECK(same_block(before, pool, copy, after, pool, kvb_block_index(table[1].id)));
+        free(before);
+        free(after);
+        kvb_seq_destroy(s);
+        kvb_seq_destroy(t);
+        KVT_EQ(kvb_pool_check(pool, NULL, 0), KVB_OK);
+        KVT_EQ(kvc_pool_destroy(ctx, pool), KVC_OK);
+    }
+    kvc_context_destroy(ctx);
+}
+
 int main(void)
 {
     signal(SIGALRM, watchdog_fired);
@@ -921,5 +981,6 @@ int main(void)
     KVT_RUN(test_cancel_before_upgrade);
     KVT_RUN(test_scattered_equals_one_by_one);
     KVT_RUN(test_copy_errors);
+    KVT_RUN(test_fork_on_device_pool);
     return kvt_summary();
 }
