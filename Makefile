@@ -149,6 +149,10 @@ $(BUILD)/cuda/test_cuda: tests/cuda/test_cuda.c tests/kvtest.h kvcuda.h kvblock.
 $(BUILD)/kvbench_cuda: bench/kvbench_cuda.c kvcuda.h kvblock.h kvoffload.h $(BUILD)/libkvcuda.a | deps
 	$(CC) $(CFLAGS_OPT) -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
 
+# tiny_llm --check --gpu: its fork check with the pool in GPU memory (copy-on-write on the device)
+$(BUILD)/tiny_llm_cuda: examples/tiny_llm.c kvcuda.h $(HEADERS) $(BUILD)/libkvcuda.a | deps
+	$(CC) $(CFLAGS_OPT) -DTINY_LLM_CUDA -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
+
 cuda: $(BUILD)/libkvcuda.a
 
 bench-cuda: $(BUILD)/kvbench_cuda
@@ -157,6 +161,13 @@ else
 cuda bench-cuda:
 	@echo "make $@: nvcc not found at $(NVCC) (set NVCC=/path/to/nvcc)"; exit 1
 endif
+
+# The GPU proof in one command (tests/gpu_check.sh): with a GPU, build for its architecture, run the
+# CUDA tests (none may skip), kvbench_cuda --json and tiny_llm --check --gpu, and write
+# build/gpu-check.json; without one, say so in one line and succeed.
+.PHONY: gpu-check
+gpu-check:
+	@BUILD=$(BUILD) NVCC=$(NVCC) MAKE="$(MAKE)" sh tests/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)

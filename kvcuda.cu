@@ -588,7 +588,7 @@ extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where,
 /* kvb_pool_config.copy_block of a device pool (sequence copy-on-write and truncate): one device-to-
  * device cudaMemcpyAsync per span on the context's own copy-on-write stream, then a wait for that
  * stream only, so offloads in flight on the copy streams do not hold the pool's lock. */
-static int kvc__copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+extern "C" int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
 {
     kvc_context *ctx = (kvc_context *)user;
     cudaError_t e = cudaSuccess;
@@ -613,7 +613,7 @@ extern "C" kvc_result kvc_pool_create(kvc_context *ctx, kvc_memory where, const 
     c = *config;
     if ((r = kvc_pool_storage_alloc(ctx, where, &c)) != KVC_OK) return r;
     if (where == KVC_MEMORY_DEVICE && !c.copy_block) { /* the CPU cannot memcpy device memory */
-        c.copy_block = kvc__copy_block;
+        c.copy_block = kvc_copy_block;
         c.copy_user = ctx;
     }
     br = kvb_pool_create(&c, out);

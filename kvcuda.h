@@ -245,6 +245,12 @@ KVC_API kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where, kv
 KVC_API kvc_result kvc_pool_create(kvc_context *ctx, kvc_memory where, const kvb_pool_config *config,
                                    kvb_pool **out);
 
+/* The device block copy kvc_pool_create installs as kvb_pool_config.copy_block (user = the
+ * kvc_context): set it yourself on a pool over device memory you allocated (an engine's own KV
+ * tensors, KVB_STORAGE_EXTERNAL), or call it from a hook of your own. 0 on success, -1 on a CUDA
+ * error (message on the context). Thread safety: any thread. */
+KVC_API int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes);
+
 /* kvb_pool_destroy, then free the pool's memory. No copy may be in flight on it. NULL pool: no-op. */
 KVC_API kvc_result kvc_pool_destroy(kvc_context *ctx, kvb_pool *pool);
 
