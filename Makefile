@@ -69,11 +69,19 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
 # `make cuda` -> build/libkvcuda.a; `make test` adds the CUDA tests (they skip without a device);
-# `make bench-cuda` -> build/kvbench_cuda --json. sm_90 (Hopper) code plus compute_90 PTX for newer GPUs.
+# `make bench-cuda` -> build/kvbench_cuda --json.
+# Architectures: SASS for the GPUs people have (sm_80 A100, sm_86 A10 / RTX 30xx, sm_89 L4 / L40S /
+# RTX 40xx, sm_90 H100 / H200), plus sm_100 / sm_120 (Blackwell) when this nvcc lists them, and PTX for
+# the oldest, which the driver JIT-compiles on any newer GPU. `make cuda CUDA_ARCHS="86"` builds only
+# what you name (a change of the list rebuilds the CUDA objects).
 NVCC      ?= /usr/local/cuda/bin/nvcc
 CUDA_LIB  ?= $(dir $(NVCC))../lib64
 HAVE_NVCC := $(shell [ -x $(NVCC) ] && echo 1)
-NVCC_ARCH := -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVCC_CODES := $(if $(HAVE_NVCC),$(shell $(NVCC) --list-gpu-code 2>/dev/null || $(NVCC) --list-gpu-arch 2>/dev/null))
+CUDA_ARCHS ?= 80 86 89 90 $(foreach a,100 120,$(if $(filter sm_$(a) compute_$(a),$(NVCC_CODES)),$(a)))
+CUDA_PTX   ?= $(shell printf '%s\n' $(CUDA_ARCHS) | sort -n | head -n 1)
+NVCC_ARCH := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+             -gencode arch=compute_$(CUDA_PTX),code=compute_$(CUDA_PTX)
 NVCCFLAGS := -std=c++17 -O2 -I. $(NVCC_ARCH) -Werror all-warnings \
              -Xcompiler -Wall,-Wextra,-Werror,-fno-exceptions,-fno-threadsafe-statics,-fno-asynchronous-unwind-tables
 CUDA_LIBS := -L$(CUDA_LIB) -lcudart_static -ldl -lrt
@@ -133,7 +141,13 @@ bench-remote: deps $(BUILD)/kvbench_remote
 
 # ---- GPU tier rules (variables above `test`) ----
 ifeq ($(HAVE_NVCC),1)
-$(BUILD)/cuda/%.o: %.cu kvcuda.h kvblock.h kvoffload.h
+# The architecture flags, kept in a file that changes only when they do, so that another CUDA_ARCHS rebuilds.
+.PHONY: FORCE
+$(BUILD)/cuda/arch-flags: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(NVCC_ARCH)' | cmp -s - $@ || echo '$(NVCC_ARCH)' >$@
+
+$(BUILD)/cuda/%.o: %.cu kvcuda.h kvblock.h kvoffload.h $(BUILD)/cuda/arch-flags
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
@@ -146,6 +160,10 @@ $(BUILD)/cuda/test_cuda: tests/cuda/test_cuda.c tests/kvtest.h kvcuda.h kvblock.
 $(BUILD)/kvbench_cuda: bench/kvbench_cuda.c kvcuda.h kvblock.h kvoffload.h $(BUILD)/libkvcuda.a | deps
 	$(CC) $(CFLAGS_OPT) -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
 
+# tiny_llm --check --gpu: its fork check with the pool in GPU memory (copy-on-write on the device)
+$(BUILD)/tiny_llm_cuda: examples/tiny_llm.c kvcuda.h $(HEADERS) $(BUILD)/libkvcuda.a | deps
+	$(CC) $(CFLAGS_OPT) -DTINY_LLM_CUDA -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
+
 cuda: $(BUILD)/libkvcuda.a
 
 bench-cuda: $(BUILD)/kvbench_cuda
@@ -154,6 +172,13 @@ else
 cuda bench-cuda:
 	@echo "make $@: nvcc not found at $(NVCC) (set NVCC=/path/to/nvcc)"; exit 1
 endif
+
+# The GPU proof in one command (tests/gpu_check.sh): with a GPU, build for its architecture, run the
+# CUDA tests (none may skip), kvbench_cuda --json and tiny_llm --check --gpu, and write
+# build/gpu-check.json; without one, say so in one line and succeed.
+.PHONY: gpu-check
+gpu-check:
+	@BUILD=$(BUILD) NVCC=$(NVCC) MAKE="$(MAKE)" sh tests/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)

@@ -133,6 +133,13 @@
  * fill and reuses cached blocks for the prefix; commit runs the lifecycle and registers full blocks;
  * fork shares every block (beam search); writing to a shared partial block copies it first
  * (copy-on-write, bytes included); truncate drops tokens and the blocks past the new end.
+ * Block copies: those two copies (append into a shared partial block, truncate into a shared or
+ * registered one) are the only bytes kvblock moves itself. They go through kvb_pool_config.copy_block
+ * when it is set, memcpy otherwise; memory the CPU cannot touch (GPU memory) needs the hook, which
+ * kvcuda's kvc_pool_create installs (a cudaMemcpyAsync per span on the context's stream, then a wait).
+ * A failed copy fails the call with KVB_ECOPY and changes nothing (but the cached block evicted for
+ * the copy when the pool had no free one), with one exception: a truncate in a full pool first frees
+ * its tail to make room, and then ends at the block boundary below num_tokens.
  *
  * Events: with an event callback, the pool reports when a hash becomes present (STORED), stops being
  * present (REMOVED), or everything is dropped (CLEARED), in batches, once per public call.
@@ -235,10 +242,11 @@ extern "C" {
     X(KVB_ECONFIG,  -11,  "invalid configuration value")                         \
     X(KVB_EOVERFLOW,-12,  "sizes overflow")                                      \
     X(KVB_ENODATA,  -13,  "pool has no storage (metadata only)")                 \
-    X(KVB_ECORRUPT, -14,  "pool invariant violated")
+    X(KVB_ECORRUPT, -14,  "pool invariant violated")                             \
+    X(KVB_ECOPY,    -15,  "the pool's copy_block hook failed")
 
 #define KVB__ENUM_ITEM(name, value, text) name = value,
-typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -15 } kvb_result;
+typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -16 } kvb_result;
 #undef KVB__ENUM_ITEM
 
 /* Human-readable name of a result code ("unknown result" for other values).
@@ -341,6 +349,13 @@ typedef struct kvb_evict_ops {
     void *user;
 } kvb_evict_ops;
 
+/* Copies one block's bytes to another block of the same pool (kvb_pool_config.copy_block): n spans of
+ * `bytes` each, src[i] to dst[i] (one span, the whole block, in a block-contiguous pool; one per
+ * (layer, part) page in a layer-separate one). The addresses are in the pool's storage, so for device
+ * memory they are device addresses. Return 0 when the bytes are in place, nonzero on failure. Called
+ * with the pool's lock held: it must not call the pool. */
+typedef int (*kvb_copy_block_fn)(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes);
+
 typedef struct kvb_pool_config {
     uint32_t num_blocks;        /* required, 1 .. 2^31 - 1 */
     uint32_t block_tokens;      /* default 16, at most 32768 */
@@ -352,6 +367,8 @@ typedef struct kvb_pool_config {
     kvb_layout layout;          /* used with storage */
     void *external_base;        /* KVB_STORAGE_EXTERNAL: the memory (4 KiB-aligned not required) */
     uint64_t external_bytes;    /* its size; must hold the layout */
+    kvb_copy_block_fn copy_block; /* storage: copies for sequence copy-on-write; default memcpy */
+    void *copy_user;            /* passed to copy_block */
     kvb_allocator allocator;    /* default: KVB_MALLOC / KVB_FREE */
     kvb_event_fn on_events;     /* optional */
     void *event_user;
@@ -570,7 +587,8 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq);
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
- * written. All or nothing: KVB_ENOSPACE changes nothing. Thread safety: one thread per sequence. */
+ * written (the pool's copy_block). All or nothing: KVB_ENOSPACE and KVB_ECOPY change nothing.
+ * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
@@ -584,7 +602,8 @@ KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out);
 
 /* Keep the first num_tokens tokens (e.g. rejected speculative tokens): blocks past the new end are
  * released; a kept last block that is now partial and shared or registered is replaced by a private
- * copy. KVB_ERANGE past the end. Thread safety: one thread per sequence. */
+ * copy (the pool's copy_block). KVB_ERANGE past the end; KVB_ECOPY when the copy failed (see section
+ * 2, Block copies). Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens);
 
 /* The block table (valid until the next call that changes the sequence) and counts. */
@@ -2768,17 +2787,29 @@ KVB_API kvb_result kvb_block_data(kvb_pool *pool, kvb_block block, uint32_t laye
     return r;
 }
 
-static void kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
+/* Block src's bytes to block dst as spans (the whole block, or one per page): through the pool's
+ * copy_block hook when it has one, else memcpy. KVB_ECOPY when the hook fails. Pool locked. */
+static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
 {
-    uint32_t l, q;
-    if (!p->storage) return;
-    if (p->cfg.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
-        memcpy(kvb__page(p, dst, 0, 0), kvb__page(p, src, 0, 0), (size_t)p->block_bytes);
-        return;
+    enum { STACK = 64 };
+    void *stack[2 * STACK] = {0}, **span = stack; /* zeroed: -O2 cannot see that n >= 1 */
+    const kvb_layout *y = &p->cfg.layout;
+    int whole = y->kind == KVB_LAYOUT_BLOCK_CONTIGUOUS;
+    size_t n = whole ? 1 : (size_t)y->num_layers * y->num_parts, i;
+    uint64_t bytes = whole ? p->block_bytes : y->page_bytes;
+    kvb_result r = KVB_OK;
+    if (!p->storage) return KVB_OK;
+    if (n > STACK && !(span = (void **)KVB_MALLOC(2 * n * sizeof *span))) return KVB_ENOMEM;
+    for (i = 0; i < n; i++) { /* dst spans first, then src spans */
+        span[i] = kvb__page(p, dst, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
+        span[n + i] = kvb__page(p, src, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
     }
-    for (l = 0; l < p->cfg.layout.num_layers; l++)
-        for (q = 0; q < p->cfg.layout.num_parts; q++)
-            memcpy(kvb__page(p, dst, l, q), kvb__page(p, src, l, q), (size_t)p->cfg.layout.page_bytes);
+    if (p->cfg.copy_block)
+        r = p->cfg.copy_block(p->cfg.copy_user, span, (const void *const *)(span + n), n, bytes) == 0 ? KVB_OK : KVB_ECOPY;
+    else
+        for (i = 0; i < n; i++) memcpy(span[i], span[n + i], (size_t)bytes);
+    if (span != stack) KVB_FREE(span);
+    return r;
 }
 
 /* ---- check -------------------------------------------------------------------------------------- */
@@ -2984,7 +3015,12 @@ static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok)
     }
     kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
     p->meta[idx].state = KVB_STATE_PARTIAL;
-    kvb__copy_bytes(p, idx, old);
+    r = kvb__copy_bytes(p, idx, old);
+    if (r != KVB_OK) { /* the copy is dropped again: the sequence keeps the shared block */
+        kvb__drop_ref(p, idx, 0);
+        p->stats.allocations--; /* a block nobody saw (an eviction made for it stays counted) */
+        return r;
+    }
     kvb__drop_ref(p, old, 0);
     s->table[b] = kvb__block_of(p, idx);
     return KVB_OK;
@@ -3063,7 +3099,7 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     }
     if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
     kvb__unlock(p);
-    if (r != KVB_OK) goto out; /* only an out-of-memory gets here */
+    if (r != KVB_OK) goto out; /* out of memory, or a failed block copy */
     for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
     seq->cached += k * bt;
     if (k) seq->computed = seq->cached;
@@ -3155,22 +3191,26 @@ KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
     }
     for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
     if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
-    if (r == KVB_OK) {
+    if (r == KVB_OK && cow && kvb__available(p, 1)) { /* copy first: a failed copy changes nothing */
+        r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
+        if (r == KVB_OK) kvb__seq_drop_tail(seq, keep, 0);
+    } else if (r == KVB_OK) { /* the copy needs a block of the tail */
         kvb__seq_drop_tail(seq, keep, 0);
-        if (cow) {
-            r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
-        } else if (last != KVB__NIL) {
+        if (cow && (r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem)) != KVB_OK) {
+            kvb__seq_drop_tail(seq, keep - 1, 0); /* the tail is gone: end at the block boundary below */
+            num_tokens = (keep - 1) * bt;
+        } else if (!cow && last != KVB__NIL) {
             p->meta[last].ntok = (uint16_t)rem;
             p->meta[last].state = KVB_STATE_PARTIAL;
         }
     }
     kvb__unlock(p);
-    if (r != KVB_OK) return r;
+    if (r != KVB_OK && stbds_arrlenu(seq->table) == nb) return r;
     KVB__ARR_SHRINK(seq->tokens, num_tokens);
     KVB__ARR_SHRINK(seq->hashes, num_tokens / bt);
     if (seq->computed > num_tokens) seq->computed = num_tokens;
     if (seq->cached > num_tokens) seq->cached = num_tokens;
-    return KVB_OK;
+    return r;
 }
 
 KVB_API kvb_result kvb_seq_blocks(const kvb_seq *seq, const kvb_block **out_table, size_t *out_n)

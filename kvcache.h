@@ -169,6 +169,13 @@
  * fill and reuses cached blocks for the prefix; commit runs the lifecycle and registers full blocks;
  * fork shares every block (beam search); writing to a shared partial block copies it first
  * (copy-on-write, bytes included); truncate drops tokens and the blocks past the new end.
+ * Block copies: those two copies (append into a shared partial block, truncate into a shared or
+ * registered one) are the only bytes kvblock moves itself. They go through kvb_pool_config.copy_block
+ * when it is set, memcpy otherwise; memory the CPU cannot touch (GPU memory) needs the hook, which
+ * kvcuda's kvc_pool_create installs (a cudaMemcpyAsync per span on the context's stream, then a wait).
+ * A failed copy fails the call with KVB_ECOPY and changes nothing (but the cached block evicted for
+ * the copy when the pool had no free one), with one exception: a truncate in a full pool first frees
+ * its tail to make room, and then ends at the block boundary below num_tokens.
  *
  * Events: with an event callback, the pool reports when a hash becomes present (STORED), stops being
  * present (REMOVED), or everything is dropped (CLEARED), in batches, once per public call.
@@ -271,10 +278,11 @@ extern "C" {
     X(KVB_ECONFIG,  -11,  "invalid configuration value")                         \
     X(KVB_EOVERFLOW,-12,  "sizes overflow")                                      \
     X(KVB_ENODATA,  -13,  "pool has no storage (metadata only)")                 \
-    X(KVB_ECORRUPT, -14,  "pool invariant violated")
+    X(KVB_ECORRUPT, -14,  "pool invariant violated")                             \
+    X(KVB_ECOPY,    -15,  "the pool's copy_block hook failed")
 
 #define KVB__ENUM_ITEM(name, value, text) name = value,
-typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -15 } kvb_result;
+typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -16 } kvb_result;
 #undef KVB__ENUM_ITEM
 
 /* Human-readable name of a result code ("unknown result" for other values).
@@ -377,6 +385,13 @@ typedef struct kvb_evict_ops {
     void *user;
 } kvb_evict_ops;
 
+/* Copies one block's bytes to another block of the same pool (kvb_pool_config.copy_block): n spans of
+ * `bytes` each, src[i] to dst[i] (one span, the whole block, in a block-contiguous pool; one per
+ * (layer, part) page in a layer-separate one). The addresses are in the pool's storage, so for device
+ * memory they are device addresses. Return 0 when the bytes are in place, nonzero on failure. Called
+ * with the pool's lock held: it must not call the pool. */
+typedef int (*kvb_copy_block_fn)(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes);
+
 typedef struct kvb_pool_config {
     uint32_t num_blocks;        /* required, 1 .. 2^31 - 1 */
     uint32_t block_tokens;      /* default 16, at most 32768 */
@@ -388,6 +403,8 @@ typedef struct kvb_pool_config {
     kvb_layout layout;          /* used with storage */
     void *external_base;        /* KVB_STORAGE_EXTERNAL: the memory (4 KiB-aligned not required) */
     uint64_t external_bytes;    /* its size; must hold the layout */
+    kvb_copy_block_fn copy_block; /* storage: copies for sequence copy-on-write; default memcpy */
+    void *copy_user;            /* passed to copy_block */
     kvb_allocator allocator;    /* default: KVB_MALLOC / KVB_FREE */
     kvb_event_fn on_events;     /* optional */
     void *event_user;
@@ -606,7 +623,8 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq);
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
- * written. All or nothing: KVB_ENOSPACE changes nothing. Thread safety: one thread per sequence. */
+ * written (the pool's copy_block). All or nothing: KVB_ENOSPACE and KVB_ECOPY change nothing.
+ * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
@@ -620,7 +638,8 @@ KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out);
 
 /* Keep the first num_tokens tokens (e.g. rejected speculative tokens): blocks past the new end are
  * released; a kept last block that is now partial and shared or registered is replaced by a private
- * copy. KVB_ERANGE past the end. Thread safety: one thread per sequence. */
+ * copy (the pool's copy_block). KVB_ERANGE past the end; KVB_ECOPY when the copy failed (see section
+ * 2, Block copies). Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens);
 
 /* The block table (valid until the next call that changes the sequence) and counts. */
@@ -2804,17 +2823,29 @@ KVB_API kvb_result kvb_block_data(kvb_pool *pool, kvb_block block, uint32_t laye
     return r;
 }
 
-static void kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
+/* Block src's bytes to block dst as spans (the whole block, or one per page): through the pool's
+ * copy_block hook when it has one, else memcpy. KVB_ECOPY when the hook fails. Pool locked. */
+static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
 {
-    uint32_t l, q;
-    if (!p->storage) return;
-    if (p->cfg.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
-        memcpy(kvb__page(p, dst, 0, 0), kvb__page(p, src, 0, 0), (size_t)p->block_bytes);
-        return;
+    enum { STACK = 64 };
+    void *stack[2 * STACK] = {0}, **span = stack; /* zeroed: -O2 cannot see that n >= 1 */
+    const kvb_layout *y = &p->cfg.layout;
+    int whole = y->kind == KVB_LAYOUT_BLOCK_CONTIGUOUS;
+    size_t n = whole ? 1 : (size_t)y->num_layers * y->num_parts, i;
+    uint64_t bytes = whole ? p->block_bytes : y->page_bytes;
+    kvb_result r = KVB_OK;
+    if (!p->storage) return KVB_OK;
+    if (n > STACK && !(span = (void **)KVB_MALLOC(2 * n * sizeof *span))) return KVB_ENOMEM;
+    for (i = 0; i < n; i++) { /* dst spans first, then src spans */
+        span[i] = kvb__page(p, dst, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
+        span[n + i] = kvb__page(p, src, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
     }
-    for (l = 0; l < p->cfg.layout.num_layers; l++)
-        for (q = 0; q < p->cfg.layout.num_parts; q++)
-            memcpy(kvb__page(p, dst, l, q), kvb__page(p, src, l, q), (size_t)p->cfg.layout.page_bytes);
+    if (p->cfg.copy_block)
+        r = p->cfg.copy_block(p->cfg.copy_user, span, (const void *const *)(span + n), n, bytes) == 0 ? KVB_OK : KVB_ECOPY;
+    else
+        for (i = 0; i < n; i++) memcpy(span[i], span[n + i], (size_t)bytes);
+    if (span != stack) KVB_FREE(span);
+    return r;
 }
 
 /* ---- check -------------------------------------------------------------------------------------- */
@@ -3020,7 +3051,12 @@ static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok)
     }
     kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
     p->meta[idx].state = KVB_STATE_PARTIAL;
-    kvb__copy_bytes(p, idx, old);
+    r = kvb__copy_bytes(p, idx, old);
+    if (r != KVB_OK) { /* the copy is dropped again: the sequence keeps the shared block */
+        kvb__drop_ref(p, idx, 0);
+        p->stats.allocations--; /* a block nobody saw (an eviction made for it stays counted) */
+        return r;
+    }
     kvb__drop_ref(p, old, 0);
     s->table[b] = kvb__block_of(p, idx);
     return KVB_OK;
@@ -3099,7 +3135,7 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     }
     if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
     kvb__unlock(p);
-    if (r != KVB_OK) goto out; /* only an out-of-memory gets here */
+    if (r != KVB_OK) goto out; /* out of memory, or a failed block copy */
     for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
     seq->cached += k * bt;
     if (k) seq->computed = seq->cached;
@@ -3191,22 +3227,26 @@ KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
     }
     for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
     if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
-    if (r == KVB_OK) {
+    if (r == KVB_OK && cow && kvb__available(p, 1)) { /* copy first: a failed copy changes nothing */
+        r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
+        if (r == KVB_OK) kvb__seq_drop_tail(seq, keep, 0);
+    } else if (r == KVB_OK) { /* the copy needs a block of the tail */
         kvb__seq_drop_tail(seq, keep, 0);
-        if (cow) {
-            r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
-        } else if (last != KVB__NIL) {
+        if (cow && (r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem)) != KVB_OK) {
+            kvb__seq_drop_tail(seq, keep - 1, 0); /* the tail is gone: end at the block boundary below */
+            num_tokens = (keep - 1) * bt;
+        } else if (!cow && last != KVB__NIL) {
             p->meta[last].ntok = (uint16_t)rem;
             p->meta[last].state = KVB_STATE_PARTIAL;
         }
     }
     kvb__unlock(p);
-    if (r != KVB_OK) return r;
+    if (r != KVB_OK && stbds_arrlenu(seq->table) == nb) return r;
     KVB__ARR_SHRINK(seq->tokens, num_tokens);
     KVB__ARR_SHRINK(seq->hashes, num_tokens / bt);
     if (seq->computed > num_tokens) seq->computed = num_tokens;
     if (seq->cached > num_tokens) seq->cached = num_tokens;
-    return KVB_OK;
+    return r;
 }
 
 KVB_API kvb_result kvb_seq_blocks(const kvb_seq *seq, const kvb_block **out_table, size_t *out_n)
@@ -3283,7 +3323,9 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *     Evaluating -> Queued -> Transferring -> Complete | Cancelled | Failed
  * with counts: blocks transferred, skipped by policy, skipped because the policy timed out, dropped
  * because their weak handle could not be upgraded (evicted meanwhile), failed in the backend, and for
- * onboarding, found already present in the destination.
+ * onboarding, found already present in the destination, or joined: already in flight to it for
+ * another transfer of the pipeline, so waited for instead of copied twice (two requests with a common
+ * prefix onboarded in one step move each block once).
  * Stages: PolicyEvaluator -> PreconditionAwaiter -> Batcher -> in-queue (weak batches, higher priority
  * first, FIFO within) -> on-deck (upgraded batches, bounded) -> TransferExecutor (backend), with a
  * CancelSweeper every sweep interval. A block that passes lands in the destination pool Registered
@@ -3551,6 +3593,8 @@ typedef struct kvo_transfer_info {
     uint32_t blocks;         /* in the container */
     uint32_t transferred;    /* copied and registered in the destination */
     uint32_t present;        /* already in the destination (onboarding: returned as they are) */
+    uint32_t joined;         /* onboarding: in flight to the destination for another transfer; waited
+                                for and returned from there, not copied again */
     uint32_t skipped;        /* refused by a policy */
     uint32_t timed_out;      /* policy gave no answer in time */
     uint32_t dropped;        /* weak handle could not be upgraded */
@@ -3606,6 +3650,7 @@ typedef struct kvo_enqueue_opts {
 
 typedef struct kvo_pipeline_stats {
     uint64_t enqueued, transferred, present, skipped, timed_out, dropped, failed, cancelled;
+    uint64_t joined;              /* onboarded blocks that joined another transfer's copy */
     uint64_t dest_full;           /* offloads that found the destination full */
     uint64_t batches, bytes;
     uint32_t in_flight_blocks;
@@ -3626,8 +3671,11 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
 /* Onboard: load the blocks with these hashes from the source pool into the destination. Each hash is
- * matched in the destination first (present: its block is returned as it is), then in the source
- * (references taken at once); a hash in neither is a miss and ends the request there (longest prefix).
+ * matched in the destination first (present: its block is returned as it is), then among the blocks
+ * this pipeline has in flight (joined: another transfer is copying it; this one waits for that copy
+ * and then takes the block from the destination, so two requests with a common prefix move it once;
+ * should that copy fail, this transfer loads the block itself), then in the source (references taken
+ * at once); a hash in none of them is a miss and ends the request there (longest prefix).
  * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks.
  * Thread safety: any thread. */
 KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
@@ -4670,7 +4718,9 @@ enum { /* per-block progress inside a container */
     KVO__B_PRESENT,
     KVO__B_DROPPED,
     KVO__B_DONE,
-    KVO__B_FAILED
+    KVO__B_FAILED,
+    KVO__B_JOINING, /* onboarding: waits for another transfer's copy of the hash */
+    KVO__B_JOINED   /* ... which landed: dst_keep holds the block */
 };
 
 typedef struct kvo__container {
@@ -4895,6 +4945,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     kvo__stage(pl, c, st);
     s->transferred += c->info.transferred;
     s->present += c->info.present;
+    s->joined += c->info.joined;
     s->skipped += c->info.skipped;
     s->timed_out += c->info.timed_out;
     s->dropped += c->info.dropped;
@@ -5099,7 +5150,47 @@ static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
     if (kvo_queue_push(pl->q_batch, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
 }
 
-/* PreconditionAwaiter: a poll of each event, so waiting never blocks and a sweep can cancel it. */
+static uint32_t kvo__offered(const kvo__container *c);
+
+static int kvo__joining(const kvo__container *c)
+{
+    size_t i;
+    for (i = 0; c->onboard && i < c->n; i++)
+        if (c->state[i] == KVO__B_JOINING) return 1;
+    return 0;
+}
+
+/* Onboarding blocks that joined another transfer, once nothing of their hash is in flight any more:
+ * taken from the destination where that copy landed, else (it failed, or the block went again) loaded
+ * from the source like any other, else failed. 1 while some still wait. */
+static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
+{
+    size_t i, k;
+    int waiting = 0;
+    for (i = 0; i < c->n; i++) {
+        kvb_block_info info;
+        if (c->state[i] != KVO__B_JOINING) continue;
+        if (kvo__count_get(&pl->inflight, &c->hashes[i])) {
+            waiting = 1;
+        } else if (kvb_match(pl->cfg.dst, &c->hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
+            c->state[i] = KVO__B_JOINED;
+            c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
+            c->info.joined++;
+        } else if (kvb_match(pl->cfg.src, &c->hashes[i], 1, &c->src_strong[i], &k) == KVB_OK && k) {
+            kvb_block_get_info(pl->cfg.src, c->src_strong[i].id, &info);
+            c->parents[i] = info.parent;
+            c->state[i] = KVO__B_OFFER;
+            kvo__count_add(&pl->inflight, &c->hashes[i], 1);
+        } else {
+            c->state[i] = KVO__B_FAILED;
+            c->info.failed++;
+        }
+    }
+    return waiting;
+}
+
+/* PreconditionAwaiter: a poll of each event (and of the copies joined onboarding blocks wait for), so
+ * waiting never blocks and a sweep can cancel it. */
 static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
 {
     kvo__container **waiting = NULL;
@@ -5108,7 +5199,11 @@ static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
     while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
-        if (s > 0) kvo__to_batcher(pl, c, now);
+        if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
+            stbds_arrput(waiting, c); /* no timeout: the copies it waits for end by themselves */
+        else if (s > 0 && c->onboard && !kvo__offered(c))
+            kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+        else if (s > 0) kvo__to_batcher(pl, c, now);
         else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
         else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
         else stbds_arrput(waiting, c);
@@ -5581,7 +5676,8 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     return r;
 }
 
-/* Onboarding: present blocks are matched in the destination, the rest taken in the source at once. */
+/* Onboarding: present blocks are matched in the destination, blocks in flight to it joined, the rest
+ * taken in the source at once. */
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
     size_t i, k;
@@ -5592,6 +5688,10 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             c->state[i] = KVO__B_PRESENT;
             c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
             c->info.present++;
+            continue;
+        }
+        if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
+            c->state[i] = KVO__B_JOINING;
             continue;
         }
         if (kvb_match(pl->cfg.src, &hashes[i], 1, &c->src_strong[i], &k) != KVB_OK || !k) break;
@@ -5619,7 +5719,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
         c->n = found; /* the longest prefix found */
         c->info.blocks = (uint32_t)found;
         *out = kvo__handle_of(pipeline, c);
-        if (!kvo__offered(c)) {
+        if (!kvo__offered(c) && !kvo__joining(c)) {
             kvo__finalize(pipeline, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
@@ -8177,7 +8277,8 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
- * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total, ...
+ * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total,
+ * kvcache_onboard_joined_blocks_total{tier="1"} (onboarded blocks that joined another request's copy), ...
  *
  * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
  * from any thread (pipelines publish from theirs).
@@ -11738,6 +11839,12 @@ static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
                             up ? "onboard" : "offload", (unsigned long long)v);
             }
     }
+    kvs__family(t, "onboard_joined_blocks_total", "counter",
+                "Blocks to onboard that were already in flight to G1 for another request: waited for, not copied.");
+    for (tier = 1; tier < KVO_MAX_TIERS; tier++)
+        if (kvo_manager_pipeline(m, tier, 1))
+            kvs__printf(t, "kvcache_onboard_joined_blocks_total{tier=\"%u\"} %llu\n", tier,
+                        (unsigned long long)ms.up[tier].joined);
 }
 
 static void kvs__disk_metrics(kvs__text *t, kvs_sched *s, kvo_backend *disk)

@@ -127,7 +127,8 @@
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
- * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total, ...
+ * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total,
+ * kvcache_onboard_joined_blocks_total{tier="1"} (onboarded blocks that joined another request's copy), ...
  *
  * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
  * from any thread (pipelines publish from theirs).
@@ -3688,6 +3689,12 @@ static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
                             up ? "onboard" : "offload", (unsigned long long)v);
             }
     }
+    kvs__family(t, "onboard_joined_blocks_total", "counter",
+                "Blocks to onboard that were already in flight to G1 for another request: waited for, not copied.");
+    for (tier = 1; tier < KVO_MAX_TIERS; tier++)
+        if (kvo_manager_pipeline(m, tier, 1))
+            kvs__printf(t, "kvcache_onboard_joined_blocks_total{tier=\"%u\"} %llu\n", tier,
+                        (unsigned long long)ms.up[tier].joined);
 }
 
 static void kvs__disk_metrics(kvs__text *t, kvs_sched *s, kvo_backend *disk)
