@@ -1275,19 +1275,17 @@ static double measure_evict(kvb_evict_policy policy, uint32_t blocks, uint64_t *
  * shadows sample a quarter of the blocks instead of 0.4%). */
 static void bench_evict(results *rs, uint64_t *rng)
 {
-    static const struct { kvb_evict_policy ev; const char *name; } pol[] = {
-        {KVB_EVICT_FOL, "fol"}, {KVB_EVICT_ARC, "arc"}, {KVB_EVICT_S3FIFO, "s3fifo"}};
+    static const struct { kvb_evict_policy ev; const char *ns, *vs, *vs16k; double goal; } pol[] = {
+        {KVB_EVICT_FOL, "evict_fol_ns", "evict_fol_vs_lru", "evict_fol_vs_lru_16k", GOAL_FOL_VS_LRU},
+        {KVB_EVICT_ARC, "evict_arc_ns", "evict_arc_vs_lru", "evict_arc_vs_lru_16k", NO_GOAL},
+        {KVB_EVICT_S3FIFO, "evict_s3fifo_ns", "evict_s3fifo_vs_lru", "evict_s3fifo_vs_lru_16k", NO_GOAL}};
     double lru = measure_evict(KVB_EVICT_LRU, BIG_POOL_BLOCKS, rng), lru16k = measure_evict(KVB_EVICT_LRU, 16384, rng);
-    char key[64];
     results_add(rs, "evict_lru_ns", lru, "ns/block", NO_GOAL, GOAL_AT_MOST);
     for (size_t i = 0; i < sizeof pol / sizeof pol[0]; i++) {
         double ns = measure_evict(pol[i].ev, BIG_POOL_BLOCKS, rng), ns16k = measure_evict(pol[i].ev, 16384, rng);
-        snprintf(key, sizeof key, "evict_%s_ns", pol[i].name);
-        results_add(rs, key, ns, "ns/block", NO_GOAL, GOAL_AT_MOST);
-        snprintf(key, sizeof key, "evict_%s_vs_lru", pol[i].name);
-        results_add(rs, key, ns / lru, "ratio", pol[i].ev == KVB_EVICT_FOL ? GOAL_FOL_VS_LRU : NO_GOAL, GOAL_AT_MOST);
-        snprintf(key, sizeof key, "evict_%s_vs_lru_16k", pol[i].name);
-        results_add(rs, key, ns16k / lru16k, "ratio", pol[i].ev == KVB_EVICT_FOL ? GOAL_FOL_VS_LRU : NO_GOAL, GOAL_AT_MOST);
+        results_add(rs, pol[i].ns, ns, "ns/block", NO_GOAL, GOAL_AT_MOST);
+        results_add(rs, pol[i].vs, ns / lru, "ratio", pol[i].goal, GOAL_AT_MOST);
+        results_add(rs, pol[i].vs16k, ns16k / lru16k, "ratio", pol[i].goal, GOAL_AT_MOST);
     }
 }
 
