@@ -19,7 +19,7 @@ TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_dis
 DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server tmux
 
 .PHONY: all deps test tsan demo bench clean
-all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm $(BUILD)/kvtop
+all: deps $(BUILD)/quickstart $(BUILD)/serve_sim $(BUILD)/kvbench $(BUILD)/tiny_llm $(BUILD)/kvtop $(BUILD)/workloads
 
 # Install missing Debian packages (apt-get as root; otherwise print the command and stop).
 deps:
@@ -53,6 +53,12 @@ $(BUILD)/tsan/test_remote: tests/test_remote.c kvremote.h $(TEST_HEADERS) $(HEAD
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lhiredis -lm
 
+# the policy sweep replays ~40 million blocks: optimised, no sanitizers (the policy code runs under them
+# in test_fol and test_arc_s3fifo); it reads the workload generator of examples/
+$(BUILD)/test/test_policy_workloads: tests/test_policy_workloads.c examples/workloads.h $(TEST_HEADERS) $(HEADERS) | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
+
 # programs whose own check mode is part of the suite
 CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
@@ -65,11 +71,19 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
 # `make cuda` -> build/libkvcuda.a; `make test` adds the CUDA tests (they skip without a device);
-# `make bench-cuda` -> build/kvbench_cuda --json. sm_90 (Hopper) code plus compute_90 PTX for newer GPUs.
+# `make bench-cuda` -> build/kvbench_cuda --json.
+# Architectures: SASS for the GPUs people have (sm_80 A100, sm_86 A10 / RTX 30xx, sm_89 L4 / L40S /
+# RTX 40xx, sm_90 H100 / H200), plus sm_100 / sm_120 (Blackwell) when this nvcc lists them, and PTX for
+# the oldest, which the driver JIT-compiles on any newer GPU. `make cuda CUDA_ARCHS="86"` builds only
+# what you name (a change of the list rebuilds the CUDA objects).
 NVCC      ?= /usr/local/cuda/bin/nvcc
 CUDA_LIB  ?= $(dir $(NVCC))../lib64
 HAVE_NVCC := $(shell [ -x $(NVCC) ] && echo 1)
-NVCC_ARCH := -gencode arch=compute_90,code=sm_90 -gencode arch=compute_90,code=compute_90
+NVCC_CODES := $(if $(HAVE_NVCC),$(shell $(NVCC) --list-gpu-code 2>/dev/null || $(NVCC) --list-gpu-arch 2>/dev/null))
+CUDA_ARCHS ?= 80 86 89 90 $(foreach a,100 120,$(if $(filter sm_$(a) compute_$(a),$(NVCC_CODES)),$(a)))
+CUDA_PTX   ?= $(shell printf '%s\n' $(CUDA_ARCHS) | sort -n | head -n 1)
+NVCC_ARCH := $(foreach a,$(CUDA_ARCHS),-gencode arch=compute_$(a),code=sm_$(a)) \
+             -gencode arch=compute_$(CUDA_PTX),code=compute_$(CUDA_PTX)
 NVCCFLAGS := -std=c++17 -O2 -I. $(NVCC_ARCH) -Werror all-warnings \
              -Xcompiler -Wall,-Wextra,-Werror,-fno-exceptions,-fno-threadsafe-statics,-fno-asynchronous-unwind-tables
 CUDA_LIBS := -L$(CUDA_LIB) -lcudart_static -ldl -lrt
@@ -103,6 +117,11 @@ $(BUILD)/kvtop: examples/kvtop.c $(HEADERS) | deps
 	@mkdir -p $(BUILD)
 	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
 
+# production-like traces and the eviction policies' sweep over them (issue 14)
+$(BUILD)/workloads: examples/workloads.c examples/workloads.h $(HEADERS) | deps
+	@mkdir -p $(BUILD)
+	$(CC) $(CFLAGS_OPT) -o $@ $< -lm
+
 demo: deps $(BUILD)/serve_sim
 	./$(BUILD)/serve_sim
 
@@ -132,7 +151,13 @@ bench-remote: deps $(BUILD)/kvbench_remote
 
 # ---- GPU tier rules (variables above `test`) ----
 ifeq ($(HAVE_NVCC),1)
-$(BUILD)/cuda/%.o: %.cu kvcuda.h kvblock.h kvoffload.h
+# The architecture flags, kept in a file that changes only when they do, so that another CUDA_ARCHS rebuilds.
+.PHONY: FORCE
+$(BUILD)/cuda/arch-flags: FORCE
+	@mkdir -p $(dir $@)
+	@echo '$(NVCC_ARCH)' | cmp -s - $@ || echo '$(NVCC_ARCH)' >$@
+
+$(BUILD)/cuda/%.o: %.cu kvcuda.h kvblock.h kvoffload.h $(BUILD)/cuda/arch-flags
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCCFLAGS) -c -o $@ $<
 
@@ -145,6 +170,10 @@ $(BUILD)/cuda/test_cuda: tests/cuda/test_cuda.c tests/kvtest.h kvcuda.h kvblock.
 $(BUILD)/kvbench_cuda: bench/kvbench_cuda.c kvcuda.h kvblock.h kvoffload.h $(BUILD)/libkvcuda.a | deps
 	$(CC) $(CFLAGS_OPT) -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
 
+# tiny_llm --check --gpu: its fork check with the pool in GPU memory (copy-on-write on the device)
+$(BUILD)/tiny_llm_cuda: examples/tiny_llm.c kvcuda.h $(HEADERS) $(BUILD)/libkvcuda.a | deps
+	$(CC) $(CFLAGS_OPT) -DTINY_LLM_CUDA -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
+
 cuda: $(BUILD)/libkvcuda.a
 
 bench-cuda: $(BUILD)/kvbench_cuda
@@ -153,6 +182,13 @@ else
 cuda bench-cuda:
 	@echo "make $@: nvcc not found at $(NVCC) (set NVCC=/path/to/nvcc)"; exit 1
 endif
+
+# The GPU proof in one command (tests/gpu_check.sh): with a GPU, build for its architecture, run the
+# CUDA tests (none may skip), kvbench_cuda --json and tiny_llm --check --gpu, and write
+# build/gpu-check.json; without one, say so in one line and succeed.
+.PHONY: gpu-check
+gpu-check:
+	@BUILD=$(BUILD) NVCC=$(NVCC) MAKE="$(MAKE)" sh tests/gpu_check.sh
 
 clean:
 	rm -rf $(BUILD)
@@ -192,6 +228,10 @@ $(SINGLE_INC)/kvcache.h: amalgamate.sh $(AMALG_PARTS) $(OTHER_HEADERS)
 
 # tests that link more than libm, as their split rules above
 SINGLE_LIBS_test_remote := -lhiredis
+
+$(BUILD)/test-single/test_policy_workloads: tests/test_policy_workloads.c examples/workloads.h $(TEST_HEADERS) $(SINGLE_INC)/kvcache.h | deps
+	@mkdir -p $(dir $@)
+	$(CC) $(WARN) -D_GNU_SOURCE -I$(SINGLE_INC) -I$(STB_INC) -pthread -O2 -g -o $@ $< -lm
 
 $(BUILD)/test-single/%: tests/%.c $(TEST_HEADERS) $(SINGLE_INC)/kvcache.h | deps
 	@mkdir -p $(dir $@)

@@ -63,10 +63,11 @@
  * KVB_DUP_REJECT hands back the existing block (with a reference) and resets the duplicate.
  *
  * Eviction: KVB_EVICT_LINEAGE (default) evicts leaves first (blocks no other cached block names as
- * parent), least recently released first; KVB_EVICT_LRU is plain LRU. Both keep one list per priority
- * level (kvb_release_opts.priority; level 0 is evicted first). kvb_release releases an array deepest
- * first (last element first), so the tail blocks of a request are the first to go, as in vLLM.
- * KVB_EVICT_CUSTOM calls the kvb_evict_ops you give.
+ * parent), least recently released first; KVB_EVICT_LRU is plain LRU. Every policy keeps one list per
+ * priority level (kvb_release_opts.priority; level 0 is evicted first). kvb_release releases an array
+ * deepest first (last element first), so the tail blocks of a request are the first to go, as in vLLM.
+ * KVB_EVICT_CUSTOM calls the kvb_evict_ops you give. FOL, ARC and S3-FIFO (below) take their victims
+ * among leaves too, so no cached block ever loses its parent.
  *
  * KVB_EVICT_FOL, frequency-offset LRU: the pool's clock counts block references. A release is one
  * request touching its blocks (deepest first): every touched block gets last = clock, then the clock
@@ -74,31 +75,52 @@
  * (saturating at 255), otherwise resets it to 1; the previous count and time come from the block, or
  * from a ghost FIFO of the last G evicted hashes. Class 0 = seen once and the request's tail block (and a
  * leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of each
- * ring, the one with the smallest last + W[class], W = {-inf, 0, step, 2 step, 3 step}; ties go to the
- * deeper block. A parent is touched whenever its child is, so it scores no lower unless its count
- * restarted (horizon); victims are leaves, so no block is evicted before its cached children.
- * Defaults: H = 40,000 block references, G = 2 x num_blocks (at most 40,000), and the step adapted
- * online (below); a step set in the config is used as given, with the W above. (FOL with a fixed step
- * of 10,000 and G 40,000 was the first default; set them to get that policy exactly.)
+ * ring, the one with the smallest last + W[class]; ties go to the deeper block. With a step s set in the
+ * config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent is touched
+ * whenever its child is, so it scores no lower unless its count restarted (horizon); victims are
+ * leaves, so no block is evicted before its cached children. Defaults: H = 40,000 block references,
+ * G = 2 x num_blocks (at most 40,000). (Issue 6's policy: step 10,000 and G 40,000, set explicitly.)
  *
- * FOL's adaptive step (fol_class_step = 0, the default). No fixed step suits every pool: one that helps
- * a small cache keeps once-popular blocks in a large one long after they stop paying for their space.
- * So the step s follows the pool, and W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so
- * that s = 0 is exactly LRU order among leaves; ties still go to the deeper block). It starts at 0.
- * Raising s by d keeps a block of class c (c - 1) d longer and, the pool's size being fixed, every
- * block about m d less, m = the mean of (c - 1) over recent evictions: the hit rate changes by the
- * references that arrive at blocks near the eviction frontier, each weighted (c - 1) - m. The pool
- * counts those references on both sides of the frontier, within a window of num_blocks / 2 evictions
- * (at most G): a ghost hit on a block evicted less than that many evictions ago (it came back soon
- * after it left; of one request, at most its 16 deepest such blocks, the ones that left first), and a
- * reference (kvb_match, kvb_upgrade) to an inactive leaf whose key was less than that many evictions'
- * worth of clock below the last victim's (it came back just before it would have left). Each moves s
- * by (c - 1 - m) times the clock's mean advance per eviction; m and that mean come from the evictions
- * of the last few turnovers of the pool. The estimate may go down to -(num_blocks / 4 + 16 evictions'
- * worth of clock) and the keys use max(0, estimate), so a pool whose best order is LRU stays there
- * instead of wandering above it; it is at most 8 x num_blocks. kvb_pool_stats.fol_class_step
- * reports the step in use. This adds a few arithmetic operations per eviction and per reference to an
- * inactive block; per-block state is unchanged (the ghost entry keeps the class in its padding).
+ * FOL's self-tuning step (fol_class_step = 0, the default). No fixed step suits every workload and pool
+ * size: the best one on real traffic runs from 0.3 to 30 times the pool's size, and a wrong one loses
+ * to LRU. So the pool measures, by miniature simulation (Waldspurger et al., USENIX ATC 2017; SHARDS,
+ * FAST 2015): a fixed spatial sample of block hashes (hash.hi below a threshold, so a block is always
+ * in or always out) is replayed through 10 metadata-only shadow pools of C x rate blocks (C = the
+ * pool's size, rate = min(1, KVB_FOL_SHADOW_BLOCKS / C): every shadow holds 4,096 blocks, all of a
+ * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
+ * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
+ * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 4
+ * turnovers. The live pool starts at step C/2 (before its first eviction no step can be judged; on
+ * real traffic a step pays more often than not, and the fall-back below bounds the cost where it does
+ * not) and takes the best candidate's step when (1) its lead
+ * over the current candidate is beyond noise (a paired test: lead - 2 > 2 sqrt(d), d = the sampled
+ * blocks one of the two hit and the other missed), (2) some candidate has led so for a quarter of a
+ * turnover, and (3) the best one is still gaining (a lead a burst earned in the past does not count).
+ * A switch costs: the live pool does not have the shadow's contents. So the pool also counts its own
+ * hits on the sampled blocks, and when they fall clearly behind the LRU-order shadow's it goes back to
+ * LRU order and waits twice as long before the next switch (the wait decays again). The shadows cost
+ * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
+ * at 40,960, 0.01 at 409,600) and about 6 MiB of memory for a pool of 4,096 blocks or more (less for a
+ * smaller one), taken from the pool's allocator when it is created; nothing per reference.
+ * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads (examples/workloads.h): never more than 0.002 below LRU,
+ * and most of the best fixed step's gain where one gains (tests/test_policy_workloads.c, README).
+ *
+ * KVB_EVICT_ARC, the adaptive replacement cache (Megiddo and Modha, FAST 2003; what vLLM offers for its
+ * CPU offload tier): T1 holds blocks seen once recently, T2 blocks seen again (a kvb_match, kvb_upgrade
+ * or rejected duplicate of a cached block moves it to T2); ghost lists B1 and B2 remember what each
+ * evicted. A new block whose hash is in B1 raises T1's target size p (by max(1, |B2| / |B1|)), one in B2
+ * lowers it, and either enters T2. The victim is T1's least recently released leaf while |T1| > p, else
+ * T2's; ARC's bounds |T1| + |B1| <= C and all four lists <= 2 C are kept as new blocks come in.
+ * kvb_pool_stats gives list_blocks (T1, T2), ghost_blocks (B1, B2) and arc_target (p).
+ *
+ * KVB_EVICT_S3FIFO (Yang et al., SOSP 2023): a small FIFO queue (a tenth of the pool), a main FIFO
+ * queue and a ghost queue of C hashes. New blocks enter the small queue, or the main queue when their
+ * hash is a ghost. A hit counts (up to 3) but does not move the block: a block in use keeps its place.
+ * While the small queue holds at least a tenth of the pool, its oldest block leaves (into the ghost
+ * queue) unless it was hit there, in which case it moves to the main queue; otherwise the main
+ * queue's oldest leaves unless its count is above 0 (it goes round again, one count less). Parents are
+ * passed over until their children have gone. kvb_pool_stats gives list_blocks (small, main) and
+ * ghost_blocks (G).
  *
  * Storage: KVB_STORAGE_NONE (metadata only, for schedulers and simulators: 10M blocks fit in about
  * 1 GiB), KVB_STORAGE_HOST (the pool allocates 4 KiB-aligned memory from the allocator) or
@@ -111,6 +133,13 @@
  * fill and reuses cached blocks for the prefix; commit runs the lifecycle and registers full blocks;
  * fork shares every block (beam search); writing to a shared partial block copies it first
  * (copy-on-write, bytes included); truncate drops tokens and the blocks past the new end.
+ * Block copies: those two copies (append into a shared partial block, truncate into a shared or
+ * registered one) are the only bytes kvblock moves itself. They go through kvb_pool_config.copy_block
+ * when it is set, memcpy otherwise; memory the CPU cannot touch (GPU memory) needs the hook, which
+ * kvcuda's kvc_pool_create installs (a cudaMemcpyAsync per span on the context's stream, then a wait).
+ * A failed copy fails the call with KVB_ECOPY and changes nothing (but the cached block evicted for
+ * the copy when the pool had no free one), with one exception: a truncate in a full pool first frees
+ * its tail to make room, and then ends at the block boundary below num_tokens.
  *
  * Events: with an event callback, the pool reports when a hash becomes present (STORED), stops being
  * present (REMOVED), or everything is dropped (CLEARED), in batches, once per public call.
@@ -188,6 +217,10 @@
 #define KVB_MAX_EXTRA_KEYS 8
 #endif
 
+#ifndef KVB_FOL_SHADOW_BLOCKS
+#define KVB_FOL_SHADOW_BLOCKS 4096 /* FOL self-tuning: blocks each shadow pool holds (section 2) */
+#endif
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -209,10 +242,11 @@ extern "C" {
     X(KVB_ECONFIG,  -11,  "invalid configuration value")                         \
     X(KVB_EOVERFLOW,-12,  "sizes overflow")                                      \
     X(KVB_ENODATA,  -13,  "pool has no storage (metadata only)")                 \
-    X(KVB_ECORRUPT, -14,  "pool invariant violated")
+    X(KVB_ECORRUPT, -14,  "pool invariant violated")                             \
+    X(KVB_ECOPY,    -15,  "the pool's copy_block hook failed")
 
 #define KVB__ENUM_ITEM(name, value, text) name = value,
-typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -15 } kvb_result;
+typedef enum kvb_result { KVB__RESULTS(KVB__ENUM_ITEM) KVB__RESULT_MIN = -16 } kvb_result;
 #undef KVB__ENUM_ITEM
 
 /* Human-readable name of a result code ("unknown result" for other values).
@@ -245,7 +279,9 @@ typedef enum kvb_evict_policy {
     KVB_EVICT_LINEAGE,     /* leaves first, least recently released first, per priority level */
     KVB_EVICT_LRU,         /* least recently released first, per priority level */
     KVB_EVICT_CUSTOM,      /* kvb_pool_config.custom_eviction decides */
-    KVB_EVICT_FOL,         /* frequency-offset LRU (see section 2) */
+    KVB_EVICT_FOL,         /* frequency-offset LRU, self-tuning by default (see section 2) */
+    KVB_EVICT_ARC,         /* adaptive replacement cache (Megiddo and Modha), leaves first */
+    KVB_EVICT_S3FIFO,      /* S3-FIFO (Yang et al., SOSP 2023): small, main and ghost FIFO queues, leaves first */
     KVB_EVICT__COUNT
 } kvb_evict_policy;
 
@@ -313,6 +349,13 @@ typedef struct kvb_evict_ops {
     void *user;
 } kvb_evict_ops;
 
+/* Copies one block's bytes to another block of the same pool (kvb_pool_config.copy_block): n spans of
+ * `bytes` each, src[i] to dst[i] (one span, the whole block, in a block-contiguous pool; one per
+ * (layer, part) page in a layer-separate one). The addresses are in the pool's storage, so for device
+ * memory they are device addresses. Return 0 when the bytes are in place, nonzero on failure. Called
+ * with the pool's lock held: it must not call the pool. */
+typedef int (*kvb_copy_block_fn)(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes);
+
 typedef struct kvb_pool_config {
     uint32_t num_blocks;        /* required, 1 .. 2^31 - 1 */
     uint32_t block_tokens;      /* default 16, at most 32768 */
@@ -324,6 +367,8 @@ typedef struct kvb_pool_config {
     kvb_layout layout;          /* used with storage */
     void *external_base;        /* KVB_STORAGE_EXTERNAL: the memory (4 KiB-aligned not required) */
     uint64_t external_bytes;    /* its size; must hold the layout */
+    kvb_copy_block_fn copy_block; /* storage: copies for sequence copy-on-write; default memcpy */
+    void *copy_user;            /* passed to copy_block */
     kvb_allocator allocator;    /* default: KVB_MALLOC / KVB_FREE */
     kvb_event_fn on_events;     /* optional */
     void *event_user;
@@ -346,7 +391,10 @@ typedef struct kvb_pool_stats {
     uint64_t dedups;         /* registrations that found the hash already present */
     uint32_t num_blocks, free_blocks, active_blocks, inactive_blocks;
     uint32_t cached_hashes;  /* distinct hashes matchable */
-    uint32_t fol_class_step; /* KVB_EVICT_FOL: the class step in use (adapted when the config's is 0) */
+    uint32_t fol_class_step; /* KVB_EVICT_FOL: the class step in use (chosen online when the config's is 0) */
+    uint32_t list_blocks[2]; /* ARC: registered blocks in T1, T2; S3-FIFO: in the small, main queue */
+    uint32_t ghost_blocks[2]; /* evicted hashes remembered: FOL: ghosts, 0; ARC: B1, B2; S3-FIFO: G, 0 */
+    uint32_t arc_target;     /* ARC: p, the target size of T1 (ARC's adaptation) */
 } kvb_pool_stats;
 
 typedef struct kvb_block_info {
@@ -539,7 +587,8 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq);
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
- * written. All or nothing: KVB_ENOSPACE changes nothing. Thread safety: one thread per sequence. */
+ * written (the pool's copy_block). All or nothing: KVB_ENOSPACE and KVB_ECOPY change nothing.
+ * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
@@ -553,7 +602,8 @@ KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out);
 
 /* Keep the first num_tokens tokens (e.g. rejected speculative tokens): blocks past the new end are
  * released; a kept last block that is now partial and shared or registered is replaced by a private
- * copy. KVB_ERANGE past the end. Thread safety: one thread per sequence. */
+ * copy (the pool's copy_block). KVB_ERANGE past the end; KVB_ECOPY when the copy failed (see section
+ * 2, Block copies). Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens);
 
 /* The block table (valid until the next call that changes the sequence) and counts. */
@@ -678,12 +728,38 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__STORAGE_ALIGN 4096
 #define KVB__LEAF_SCAN_LIMIT 1024
 #define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
+/* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
+#define KVB__TUNE_K 10       /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
+#ifndef KVB__TUNE_START
+#define KVB__TUNE_START 2    /* the candidate used until the shadows know better: step C/2 */
+#endif
+#ifndef KVB__TUNE_MEMORY
+#define KVB__TUNE_MEMORY 4   /* scores halve every 4 turnovers of a shadow */
+#endif
+#ifndef KVB__TUNE_MIN_CAP
+#define KVB__TUNE_MIN_CAP 1024 /* .. counted as for a shadow of at least 1,024 blocks: small pools turn over
+                                  within a few requests, too few to tell candidates apart */
+#endif
+#ifndef KVB__TUNE_Z
+#define KVB__TUNE_Z 2.0      /* a candidate leads when it has 2 + 2 sqrt(d) more hits than the current one,
+                                d = the blocks one of the two hit and the other missed (a paired test) */
+#endif
+#ifndef KVB__TUNE_DWELL
+#define KVB__TUNE_DWELL 0.25 /* .. takes over when some candidate has led for a quarter of a turnover .. */
+#endif
+#ifndef KVB__TUNE_GAIN
+#define KVB__TUNE_GAIN 0.0   /* .. and the best one is still gaining on the current one */
+#endif
+#ifndef KVB__TUNE_CAUTION
+#define KVB__TUNE_CAUTION 2.0 /* the wait doubles each time switching fell behind LRU order */
+#endif
 
 /* meta flags */
 #define KVB__F_INDEXED 1u  /* the block the index points to for its hash */
 #define KVB__F_DUP 2u      /* registered, same hash as an indexed block, chained from it */
 #define KVB__F_INACTIVE 4u /* on an eviction list (refs == 0, registered) */
 #define KVB__F_MARK 8u     /* scratch for argument validation */
+#define KVB__F_QUEUED 16u  /* S3-FIFO: in use, and its ring entry keeps its place for when it is released */
 #define KVB__S_FREE 0      /* state of a block in the free set */
 
 typedef struct kvb__meta { /* one cache line per block */
@@ -724,9 +800,48 @@ typedef struct kvb__ring {
     kvb__ring_entry *e; /* stb_ds array; live part [head, len) */
     size_t head;
     uint32_t live;      /* inactive blocks at this level */
+    uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
+typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
+    kvb__ghost *e;
+    uint32_t *index;      /* open addressing on the hash: circle position + 1, 0 = empty */
+    uint64_t mask;
+    uint32_t cap, pos, live, skip; /* pos: where the next one goes (the oldest is there or after it) */
+} kvb__gset;
+
+/* FOL's self-tuning (section 2): a shadow node is a sampled block, resident (where 1) or a ghost (2). */
+typedef struct kvb__tnode {
+    uint64_t key;              /* hash.lo */
+    uint32_t last, prev, next; /* clock at the last touch; class list links */
+    uint32_t gpos;             /* ghosts: their place in the circle */
+    uint8_t cnt, cls, depth, where;
+} kvb__tnode;
+typedef struct kvb__shadow {
+    kvb__tnode *node;
+    uint32_t *index;           /* open addressing on key: node + 1, 0 = empty */
+    uint32_t *ghost;           /* circle of evicted nodes, gcap long */
+    uint32_t *free;            /* free node stack */
+    uint32_t nfree, gpos, resident;
+    uint32_t head[KVB__CLASSES], tail[KVB__CLASSES]; /* one LRU list per class, oldest at head */
+    int64_t step;              /* this candidate's class step */
+    double score;              /* its hits, halved every KVB__TUNE_MEMORY turnovers */
+    double differ;             /* blocks hit here and missed by the current candidate or the other way */
+    double base;               /* score - the current's when the present lead began */
+} kvb__shadow;
+typedef struct kvb__tuner {
+    kvb__shadow sh[KVB__TUNE_K];
+    uint64_t imask, thresh;    /* index size - 1; a block is sampled when hash.hi >> 32 < thresh */
+    uint64_t seen;             /* sampled blocks since the scores were last halved */
+    double live, live_differ;  /* the live pool's own hits on them; blocks where it and LRU order differ */
+    double caution;            /* dwell multiplier: doubles each time switching lost to LRU order */
+    uint32_t cap, gcap, nodes; /* a shadow's blocks, ghosts and nodes */
+    uint32_t current;          /* the candidate whose step the pool uses */
+    uint64_t lead_for;         /* sampled blocks for which some candidate has been clearly ahead of it */
+    void *mem;
+    size_t mem_bytes;
+} kvb__tuner;
 
 struct kvb_pool {
     kvb_pool_config cfg;
@@ -738,18 +853,12 @@ struct kvb_pool {
     uint64_t slot_mask;
     kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
     uint32_t clock;                  /* FOL: block references so far */
-    kvb__ghost *ghosts;              /* FOL: the last fol_ghost evicted hashes, a circle in eviction order */
-    uint32_t *ghost_index;           /* open addressing on the hash: circle position + 1, 0 = empty */
-    uint64_t ghost_mask;
-    uint32_t ghost_pos;              /* FOL: where the next evicted hash goes in the circle */
+    kvb__gset ghost[2];              /* FOL: the last fol_ghost evicted hashes; ARC: B1, B2; S3-FIFO: G */
+    double arc_p;                    /* ARC: the target size of T1 */
+    uint32_t n_cls[KVB__CLASSES];    /* ARC, S3-FIFO: registered blocks per list */
     int64_t fol_step;                /* FOL: the class step the keys use */
-    int fol_adaptive;                /* FOL: fol_class_step 0, the step follows the pool (section 2) */
-    uint32_t fol_ghost_hits;         /* adaptive: ghost hits counted for the request being released */
-    double fol_estimate;             /* adaptive: the step's estimate, may be negative */
-    double fol_evc[KVB__CLASSES];    /* adaptive: recent evictions per class (halved as they add up) */
-    double fol_evn, fol_evclock;     /* adaptive: their sum, and the clock's advance over them */
-    uint32_t fol_evlast;             /* adaptive: the clock at the last eviction */
-    int64_t fol_front;               /* adaptive: the key of the last victim: the eviction frontier */
+    int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
+    kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
     kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
     kvb_event *events;      /* pending batch (stb_ds array) */
@@ -1110,18 +1219,26 @@ static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
     return (m->flags & KVB__F_INACTIVE) && m->stamp == e->stamp;
 }
 
+/* An entry to keep: valid, or holding the place of an S3-FIFO block in use. */
+static int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
+{
+    const kvb__meta *m = &p->meta[e->idx];
+    return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp;
+}
+
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* Drop stale entries once they outnumber the live ones. */
+/* Drop stale entries once they outnumber the kept ones. */
 static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    if (len - r->head < 2 * (size_t)r->live + 64) return;
+    if (len - r->head < 2 * ((size_t)r->live + r->held) + 64) return;
     for (i = r->head; i < len; i++)
-        if (kvb__ring_valid(p, &r->e[i])) r->e[w++] = r->e[i];
+        if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
+    r->held = (uint32_t)(w - r->live);
 }
 
 static void kvb__ring_push(kvb_pool *p, uint32_t idx)
@@ -1145,6 +1262,11 @@ static void kvb__list_push(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
         return;
     }
+    if (m->flags & KVB__F_QUEUED) { /* S3-FIFO: back in its old place */
+        m->flags &= (uint8_t)~KVB__F_QUEUED;
+        p->rings[kvb__ring_of(m)].live++;
+        return;
+    }
     kvb__ring_push(p, idx);
 }
 
@@ -1158,6 +1280,7 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
         return;
     }
     p->rings[kvb__ring_of(m)].live--; /* its entry is stale from now on */
+    if (p->cfg.eviction == KVB_EVICT_S3FIFO) m->flags |= KVB__F_QUEUED; /* .. but keeps its place */
 }
 
 static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
@@ -1184,7 +1307,7 @@ static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     uint32_t seen = 0;
-    while (r->head < len && !kvb__ring_valid(p, &r->e[r->head])) r->head++;
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
     for (i = r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
         if (!kvb__ring_valid(p, &r->e[i])) continue;
         if (!want_leaf || kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
@@ -1230,10 +1353,587 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
             best_key = key;
         }
     }
-    if (best != KVB__NIL) p->fol_front = best_key; /* the adaptive step's frontier (section 2) */
     return best;
 }
 
+
+/* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
+
+/* ---- FOL's self-tuning step: miniature simulation (section 2) ---------------------------------- */
+
+/* A shadow is a metadata-only FOL pool with one candidate step, fed the sampled blocks of every
+ * request: nodes (resident or ghost) found through an open-addressing index on the hash, one LRU list
+ * per class, and a circle of ghosts in eviction order. All of it is allocated when the pool is created. */
+static int64_t kvb__tune_ladder(uint32_t k, uint32_t num_blocks)
+{
+    int64_t c = (int64_t)num_blocks;
+    int64_t s = k == 0 ? 0 : (c << (k - 1)) / 4; /* 0, C/4, C/2, C, .. 64 C */
+    return k == 0 ? 0 : s < 1 ? 1 : s > INT32_MAX ? INT32_MAX : s;
+}
+
+static kvb_result kvb__tune_create(kvb_pool *p)
+{
+    kvb__tuner *t = &p->tune;
+    uint64_t c = p->cfg.num_blocks, min = KVB_FOL_SHADOW_BLOCKS, slots = 1, rate_q32;
+    size_t per, bytes, off = 0;
+    uint32_t k, i;
+    unsigned char *mem;
+    rate_q32 = c <= min ? (UINT64_C(1) << 32) : (min << 32) / c; /* sampled fraction, 32-bit fixed point */
+    t->thresh = rate_q32;
+    t->cap = (uint32_t)((c * rate_q32) >> 32);
+    t->gcap = (uint32_t)(((uint64_t)p->cfg.fol_ghost * rate_q32) >> 32);
+    if (t->cap < 1) t->cap = 1;
+    t->nodes = t->cap + t->gcap + 1;
+    while (slots < 2 * (uint64_t)t->nodes) slots <<= 1;
+    t->imask = slots - 1;
+    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(uint32_t) +
+          ((size_t)t->gcap + 1) * sizeof(uint32_t) + (size_t)t->nodes * sizeof(uint32_t);
+    per = (per + 63) & ~(size_t)63;
+    bytes = per * KVB__TUNE_K;
+    mem = (unsigned char *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64);
+    if (!mem) return KVB_ENOMEM;
+    memset(mem, 0, bytes);
+    t->mem = mem;
+    t->mem_bytes = bytes;
+    for (k = 0; k < KVB__TUNE_K; k++) {
+        kvb__shadow *sh = &t->sh[k];
+        off = per * k;
+        sh->node = (kvb__tnode *)(mem + off);
+        off += (size_t)t->nodes * sizeof(kvb__tnode);
+        sh->index = (uint32_t *)(mem + off);
+        off += (size_t)slots * sizeof(uint32_t);
+        sh->ghost = (uint32_t *)(mem + off);
+        off += ((size_t)t->gcap + 1) * sizeof(uint32_t);
+        sh->free = (uint32_t *)(mem + off);
+        for (i = 0; i < t->nodes; i++) sh->free[i] = t->nodes - 1 - i;
+        sh->nfree = t->nodes;
+        for (i = 0; i <= t->gcap; i++) sh->ghost[i] = KVB__NIL;
+        for (i = 0; i < KVB__CLASSES; i++) sh->head[i] = sh->tail[i] = KVB__NIL;
+        sh->step = kvb__tune_ladder(k, p->cfg.num_blocks);
+    }
+    t->current = KVB__TUNE_START;
+    t->caution = 1.0;
+    p->fol_step = t->sh[t->current].step;
+    return KVB_OK;
+}
+
+static void kvb__tune_free(kvb_pool *p)
+{
+    if (p->tune.mem) kvb__mem_free(&p->cfg.allocator, p->tune.mem, p->tune.mem_bytes);
+    p->tune.mem = NULL;
+}
+
+/* The index slot naming key in shadow sh, or the empty slot where it would go. */
+static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key)
+{
+    uint64_t s = key & t->imask;
+    while (sh->index[s] && sh->node[sh->index[s] - 1].key != key) s = (s + 1) & t->imask;
+    return s;
+}
+
+/* Forget the node named at slot s and put it back on the free stack (backward-shift deletion). */
+static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t s)
+{
+    uint64_t i = s, j = s, k, m = t->imask;
+    uint32_t node = sh->index[s] - 1;
+    sh->node[node].where = 0;
+    sh->free[sh->nfree++] = node;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!sh->index[j]) break;
+        k = sh->node[sh->index[j] - 1].key & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        sh->index[i] = sh->index[j];
+        i = j;
+    }
+    sh->index[i] = 0;
+}
+
+static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
+{
+    kvb__tnode *n = &sh->node[x];
+    if (n->prev != KVB__NIL) sh->node[n->prev].next = n->next;
+    else sh->head[n->cls] = n->next;
+    if (n->next != KVB__NIL) sh->node[n->next].prev = n->prev;
+    else sh->tail[n->cls] = n->prev;
+}
+
+static void kvb__tune_push(kvb__shadow *sh, uint32_t x)
+{
+    kvb__tnode *n = &sh->node[x];
+    n->prev = sh->tail[n->cls];
+    n->next = KVB__NIL;
+    if (n->prev != KVB__NIL) sh->node[n->prev].next = x;
+    else sh->head[n->cls] = x;
+    sh->tail[n->cls] = x;
+}
+
+/* The shadow's victim: FOL's rule with its own step, over the class heads; blocks of the request being
+ * released (last == now) only when nothing else is left, as the live pool holds them. */
+static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
+{
+    uint32_t c, best = KVB__NIL, pass;
+    int64_t best_key = 0;
+    for (pass = 0; pass < 2 && best == KVB__NIL; pass++)
+        for (c = 0; c < KVB__CLASSES; c++) {
+            uint32_t x = sh->head[c];
+            const kvb__tnode *n;
+            int64_t key;
+            if (x == KVB__NIL) continue;
+            n = &sh->node[x];
+            if (!pass && n->last == now) continue;
+            key = (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
+            if (best == KVB__NIL || key > best_key || (key == best_key && n->depth > sh->node[best].depth)) {
+                best = x;
+                best_key = key;
+            }
+        }
+    return best;
+}
+
+/* Evict the shadow's victim into its ghost circle (the oldest ghost goes). */
+static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
+{
+    uint32_t v = kvb__tune_victim(sh, now), old;
+    if (v == KVB__NIL) return;
+    kvb__tune_unlink(sh, v);
+    sh->resident--;
+    if (!t->gcap) {
+        kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[v].key));
+        return;
+    }
+    old = sh->ghost[sh->gpos];
+    if (old != KVB__NIL && sh->node[old].where == 2 && sh->node[old].gpos == sh->gpos)
+        kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[old].key));
+    sh->ghost[sh->gpos] = v;
+    sh->node[v].gpos = sh->gpos;
+    sh->node[v].where = 2;
+    sh->gpos = sh->gpos + 1 < t->gcap ? sh->gpos + 1 : 0;
+}
+
+/* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown). */
+static void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint32_t now, uint32_t depth, int tail)
+{
+    kvb__tnode *n = &sh->node[x];
+    n->cnt = (n->cnt && (uint32_t)(now - n->last) <= p->cfg.fol_horizon) ? (uint8_t)(n->cnt < 255 ? n->cnt + 1 : 255) : 1;
+    n->last = now;
+    n->cls = (uint8_t)((n->cnt == 1 && tail) ? 0 : (n->cnt < 4 ? n->cnt : 4));
+    n->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
+    n->where = 1;
+    kvb__tune_push(sh, x);
+}
+
+/* A sampled block missed by shadow sh: back from its ghost, or new, after making room. */
+static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, uint32_t now, uint32_t depth, int tail)
+{
+    const kvb__tuner *t = &p->tune;
+    uint64_t s = kvb__tune_slot(t, sh, key);
+    uint32_t x;
+    if (sh->index[s] && sh->node[sh->index[s] - 1].where == 1) return; /* a hash twice in one request */
+    if (sh->resident >= t->cap) {
+        kvb__tune_evict(t, sh, now);
+        s = kvb__tune_slot(t, sh, key); /* the eviction may have moved slots */
+    }
+    if (sh->index[s]) {
+        x = sh->index[s] - 1; /* a ghost: its count and last touch come back */
+    } else {
+        x = sh->free[--sh->nfree];
+        memset(&sh->node[x], 0, sizeof sh->node[x]);
+        sh->node[x].key = key;
+        sh->index[s] = x + 1;
+    }
+    sh->resident++;
+    kvb__tune_touch(p, sh, x, now, depth, tail);
+}
+
+static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h) { return (h->hi >> 32) < t->thresh; }
+
+/* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest): first
+ * the hits (counted, then touched, deepest first), then the misses come in. Returns the blocks sampled. */
+static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
+{
+    kvb__tuner *t = &p->tune;
+    uint32_t k, now = p->clock, hit, live;
+    size_t i, sampled = 0;
+    for (i = n; i-- > 0;) {
+        const kvb__meta *m = &p->meta[idx[i]];
+        if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
+        sampled++;
+        for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
+            kvb__shadow *sh = &t->sh[k];
+            uint64_t s = kvb__tune_slot(t, sh, m->hash.lo);
+            uint32_t x = sh->index[s] ? sh->index[s] - 1 : KVB__NIL;
+            if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
+            sh->score += 1.0;
+            hit |= 1u << k;
+            kvb__tune_unlink(sh, x);
+            kvb__tune_touch(p, sh, x, now, (uint32_t)i, i == tail);
+        }
+        for (k = 0; k < KVB__TUNE_K; k++) /* the paired comparison's noise: blocks where k and the current differ */
+            t->sh[k].differ += (double)(((hit >> k) ^ (hit >> t->current)) & 1u);
+        live = m->cnt != 0; /* the live pool had it cached: touched before, not registered by this request */
+        t->live += (double)live;
+        t->live_differ += (double)(live ^ (hit & 1u));
+    }
+    for (i = n; sampled && i-- > 0;) {
+        const kvb__meta *m = &p->meta[idx[i]];
+        if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
+        for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], m->hash.lo, now, (uint32_t)i, i == tail);
+    }
+    return sampled;
+}
+
+/* The last few turnovers of a shadow weigh most: every count halves every KVB__TUNE_MEMORY of them. */
+static void kvb__tune_decay(kvb__tuner *t, size_t sampled)
+{
+    uint32_t k;
+    t->seen += sampled;
+    if (t->seen < (uint64_t)KVB__TUNE_MEMORY * (t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP)) return;
+    for (k = 0; k < KVB__TUNE_K; k++) {
+        t->sh[k].score *= 0.5;
+        t->sh[k].differ *= 0.5;
+        t->sh[k].base *= 0.5;
+    }
+    t->live *= 0.5;
+    t->live_differ *= 0.5;
+    t->caution = t->caution > 1.0 ? t->caution * 0.75 : 1.0;
+    t->seen = 0;
+}
+
+/* a - b hits, less 2, is beyond the noise of the d blocks on which the two differ (z = KVB__TUNE_Z). */
+static int kvb__tune_clear_lead(double a, double b, double d)
+{
+    double lead = a - b - 2.0;
+    return lead > 0 && lead * lead > KVB__TUNE_Z * KVB__TUNE_Z * d;
+}
+
+static void kvb__tune_take(kvb_pool *p, uint32_t k)
+{
+    kvb__tuner *t = &p->tune;
+    uint32_t j;
+    for (j = 0; j < KVB__TUNE_K; j++) t->sh[j].differ = 0; /* differences from the new current, from now on */
+    t->current = k;
+    t->lead_for = 0;
+    p->fol_step = t->sh[k].step;
+}
+
+/* The live pool's own hits fell clearly behind LRU order's shadow: the switches cost more than they
+ * gained. Back to LRU order, and slower to leave it again. */
+static int kvb__tune_fall_back(kvb_pool *p)
+{
+    kvb__tuner *t = &p->tune;
+    if (!t->current || !kvb__tune_clear_lead(t->sh[0].score, t->live, t->live_differ)) return 0;
+    kvb__tune_take(p, 0);
+    t->caution = t->caution * KVB__TUNE_CAUTION < 16.0 ? t->caution * KVB__TUNE_CAUTION : 16.0;
+    t->live = t->sh[0].score; /* judged afresh from here */
+    t->live_differ = 0;
+    return 1;
+}
+
+/* The best candidate takes over when some candidate has led the current one clearly for the dwell time
+ * and the best is still gaining (a lead earned in a past phase, a burst, does not count). */
+static void kvb__tune_choose(kvb_pool *p, size_t sampled)
+{
+    kvb__tuner *t = &p->tune;
+    kvb__shadow *cur = &t->sh[t->current];
+    uint32_t k, best = t->current;
+    double dwell = t->caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    for (k = 0; k < KVB__TUNE_K; k++)
+        if (t->sh[k].score > t->sh[best].score) best = k;
+    if (best == t->current || !kvb__tune_clear_lead(t->sh[best].score, cur->score, t->sh[best].differ)) {
+        t->lead_for = 0;
+        return;
+    }
+    if (!t->lead_for) /* a lead begins: what each candidate is ahead by now */
+        for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].base = t->sh[k].score - cur->score;
+    t->lead_for += sampled;
+    if ((double)t->lead_for < dwell) return;
+    if (t->sh[best].score - cur->score <= t->sh[best].base + KVB__TUNE_GAIN) t->lead_for = 0;
+    else kvb__tune_take(p, best);
+}
+
+/* A request is released: the shadows see it, then the live pool may change its step. */
+static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
+{
+    size_t sampled = kvb__tune_feed(p, idx, n, tail);
+    if (!sampled) return;
+    kvb__tune_decay(&p->tune, sampled);
+    if (!kvb__tune_fall_back(p)) kvb__tune_choose(p, sampled);
+}
+
+/* A ghost set: a circle of the last `cap` evicted hashes with what the policy keeps of them, found
+ * through an open-addressing index on the (uniform) hash, like the prefix index. FOL keeps one (count,
+ * last touch), ARC two (B1, B2), S3-FIFO one (G). Allocated when first used. */
+static int kvb__gset_init(kvb__gset *g, uint32_t cap)
+{
+    uint64_t slots = 1;
+    if (g->e) return 1;
+    if (!cap) return 0;
+    while (slots < 2 * (uint64_t)cap) slots <<= 1;
+    g->e = (kvb__ghost *)KVB_MALLOC(cap * sizeof *g->e);
+    g->index = (uint32_t *)KVB_MALLOC(slots * sizeof *g->index);
+    if (!g->e || !g->index) {
+        KVB_FREE(g->e);
+        KVB_FREE(g->index);
+        g->e = NULL;
+        g->index = NULL;
+        return 0;
+    }
+    memset(g->e, 0, cap * sizeof *g->e);
+    memset(g->index, 0, slots * sizeof *g->index);
+    g->mask = slots - 1;
+    g->cap = cap;
+    g->pos = g->live = g->skip = 0;
+    return 1;
+}
+
+static void kvb__gset_free(kvb__gset *g)
+{
+    KVB_FREE(g->e);
+    KVB_FREE(g->index);
+    memset(g, 0, sizeof *g);
+}
+
+/* The index slot naming h, or the empty slot where it would go. */
+static uint64_t kvb__gset_slot(const kvb__gset *g, const kvb_hash *h)
+{
+    uint64_t s = h->lo & g->mask;
+    while (g->index[s]) {
+        const kvb__ghost *e = &g->e[g->index[s] - 1];
+        if (e->hash.lo == h->lo && e->hash.hi == h->hi) break;
+        s = (s + 1) & g->mask;
+    }
+    return s;
+}
+
+/* The ghost of h, or NULL. */
+static kvb__ghost *kvb__gset_find(const kvb__gset *g, const kvb_hash *h)
+{
+    uint64_t s;
+    if (!g->e || !g->live) return NULL;
+    s = kvb__gset_slot(g, h);
+    return g->index[s] ? &g->e[g->index[s] - 1] : NULL;
+}
+
+/* Forget the ghost named at index slot s (backward-shift deletion). */
+static void kvb__gset_drop_slot(kvb__gset *g, uint64_t s)
+{
+    uint64_t i = s, j = s, k, m = g->mask;
+    g->e[g->index[s] - 1].live = 0;
+    g->live--;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!g->index[j]) break;
+        k = g->e[g->index[j] - 1].hash.lo & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        g->index[i] = g->index[j];
+        i = j;
+    }
+    g->index[i] = 0;
+}
+
+static void kvb__gset_drop(kvb__gset *g, const kvb__ghost *e) { kvb__gset_drop_slot(g, kvb__gset_slot(g, &e->hash)); }
+
+/* Forget the oldest ghost. The circle runs oldest to newest from pos; `skip` slots from pos are known
+ * empty, so repeated calls do not rescan them. */
+static void kvb__gset_drop_oldest(kvb__gset *g)
+{
+    while (g->live && g->skip < g->cap) {
+        kvb__ghost *e = &g->e[(g->pos + g->skip) % g->cap];
+        g->skip++;
+        if (e->live) {
+            kvb__gset_drop(g, e);
+            return;
+        }
+    }
+}
+
+/* Remember a block's hash (an older ghost of the same hash goes; when full, the oldest goes). */
+static kvb__ghost *kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
+{
+    uint32_t pos;
+    uint64_t s;
+    kvb__ghost *e;
+    if (!kvb__gset_init(g, cap)) return NULL;
+    pos = g->pos;
+    g->pos = pos + 1 < g->cap ? pos + 1 : 0;
+    g->skip = g->skip ? g->skip - 1 : 0;
+    if (g->e[pos].live) kvb__gset_drop(g, &g->e[pos]); /* the oldest leaves */
+    s = kvb__gset_slot(g, h);
+    if (g->index[s]) { /* put again: the older entry goes */
+        kvb__gset_drop_slot(g, s);
+        s = kvb__gset_slot(g, h);
+    }
+    e = &g->e[pos];
+    memset(e, 0, sizeof *e);
+    e->hash = *h;
+    e->live = 1;
+    g->live++;
+    g->index[s] = pos + 1;
+    return e;
+}
+
+/* One reference to a registered block by the request releasing it. */
+static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
+{
+    kvb__meta *m = &p->meta[idx];
+    kvb__ghost *g;
+    if (!m->cnt && (g = kvb__gset_find(&p->ghost[0], &m->hash)) != NULL) {
+        m->cnt = g->cnt; /* first touch since it was registered: its evicted past comes back */
+        m->last = g->last;
+        kvb__gset_drop(&p->ghost[0], g);
+    }
+    m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
+                                                                              : 1;
+    m->last = p->clock;
+    /* Class 0 only for a leaf: a parent that restarted at count 1 still has its children cached. */
+    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? 0 : (m->cnt < 4 ? m->cnt : 4));
+    m->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
+}
+
+/* FOL: a victim with a count leaves a ghost (its count and last touch). */
+static void kvb__fol_forget(kvb_pool *p, const kvb__meta *m)
+{
+    kvb__ghost *g;
+    if (!m->cnt || !(g = kvb__gset_put(&p->ghost[0], p->cfg.fol_ghost, &m->hash))) return;
+    g->last = m->last;
+    g->cnt = m->cnt;
+    g->cls = m->cls;
+}
+
+/* ---- ARC and S3-FIFO (section 2) ----------------------------------------------------------------- */
+
+#define KVB__T1 0 /* ARC: seen once recently; S3-FIFO: the small queue */
+#define KVB__T2 1 /* ARC: seen at least twice; S3-FIFO: the main queue */
+
+static int kvb__two_lists(const kvb_pool *p)
+{
+    return p->cfg.eviction == KVB_EVICT_ARC || p->cfg.eviction == KVB_EVICT_S3FIFO;
+}
+
+/* A registered block moves to class c (inactive ones change ring). */
+static void kvb__set_cls(kvb_pool *p, uint32_t idx, uint32_t c)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (m->cls == c) return;
+    p->n_cls[m->cls]--;
+    p->n_cls[c]++;
+    if (m->flags & KVB__F_INACTIVE) {
+        p->rings[kvb__ring_of(m)].live--;
+        m->cls = (uint8_t)c;
+        kvb__ring_push(p, idx);
+    } else {
+        m->cls = (uint8_t)c;
+    }
+}
+
+/* A block is registered (a miss came in): a ghost hit sends it to T2 / the main queue; ARC's ghost
+ * hits move the target size of T1 toward the list that would have kept it. */
+static void kvb__two_lists_insert(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    kvb__ghost *g;
+    double b1 = (double)p->ghost[0].live, b2 = (double)p->ghost[1].live, c = (double)p->cfg.num_blocks;
+    m->cls = KVB__T1;
+    m->cnt = 0;
+    if (p->cfg.eviction == KVB_EVICT_ARC) {
+        if ((g = kvb__gset_find(&p->ghost[0], &m->hash)) != NULL) {
+            p->arc_p += b2 > b1 ? b2 / b1 : 1.0;
+            if (p->arc_p > c) p->arc_p = c;
+            kvb__gset_drop(&p->ghost[0], g);
+            m->cls = KVB__T2;
+        } else if ((g = kvb__gset_find(&p->ghost[1], &m->hash)) != NULL) {
+            p->arc_p -= b1 > b2 ? b1 / b2 : 1.0;
+            if (p->arc_p < 0) p->arc_p = 0;
+            kvb__gset_drop(&p->ghost[1], g);
+            m->cls = KVB__T2;
+        } else { /* a new block: ARC's bounds on the ghosts, |T1| + |B1| <= c and all four lists <= 2c */
+            uint32_t n = p->cfg.num_blocks;
+            while (p->ghost[0].live && p->ghost[0].live + p->n_cls[KVB__T1] >= n) kvb__gset_drop_oldest(&p->ghost[0]);
+            while (p->ghost[1].live && p->ghost[0].live + p->ghost[1].live + p->n_cls[KVB__T1] + p->n_cls[KVB__T2] >= 2 * n)
+                kvb__gset_drop_oldest(&p->ghost[1]);
+        }
+    } else if ((g = kvb__gset_find(&p->ghost[0], &m->hash)) != NULL) {
+        kvb__gset_drop(&p->ghost[0], g);
+        m->cls = KVB__T2;
+    }
+    p->n_cls[m->cls]++;
+}
+
+/* A cached block is referenced again (a match, an upgrade, a rejected duplicate). */
+static void kvb__two_lists_hit(kvb_pool *p, uint32_t idx)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (p->cfg.eviction == KVB_EVICT_ARC) kvb__set_cls(p, idx, KVB__T2);
+    else if (m->cnt < 3) m->cnt++; /* S3-FIFO: a hit only counts; the block keeps its place */
+}
+
+/* A victim leaves: ARC remembers it in B1 or B2 (bounded when a new block comes in); S3-FIFO remembers
+ * what leaves the small queue. */
+static void kvb__two_lists_evicted(kvb_pool *p, const kvb__meta *m)
+{
+    uint32_t c = p->cfg.num_blocks;
+    if (p->cfg.eviction == KVB_EVICT_S3FIFO) {
+        if (m->cls == KVB__T1) kvb__gset_put(&p->ghost[0], c, &m->hash);
+        return;
+    }
+    kvb__gset_put(&p->ghost[m->cls == KVB__T1 ? 0 : 1], c, &m->hash);
+}
+
+/* ARC's REPLACE among the leaves of one level: T1's oldest while T1 is larger than its target p, else
+ * T2's; the other list when the chosen one has no evictable leaf. */
+static uint32_t kvb__arc_victim(kvb_pool *p, uint32_t lvl)
+{
+    uint32_t first = (p->n_cls[KVB__T1] > 0 && (double)p->n_cls[KVB__T1] > p->arc_p) ? KVB__T1 : KVB__T2, v;
+    uint32_t rid = lvl * KVB__CLASSES + first, other = lvl * KVB__CLASSES + (first ^ 1u);
+    if (p->rings[rid].live && (v = kvb__ring_victim(p, rid, 1)) != KVB__NIL) return v;
+    if (p->rings[other].live && (v = kvb__ring_victim(p, other, 1)) != KVB__NIL) return v;
+    return KVB__NIL;
+}
+
+/* S3-FIFO among the leaves of one level: while the small queue holds at least a tenth of the pool, its
+ * oldest block leaves unless it was hit there (then it moves to the main queue); else the main queue's
+ * oldest leaves unless its count is above 0 (then it goes round again, one count less). Blocks stay in
+ * their place while in use; parents are passed over (their children go first). */
+static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
+{
+    uint32_t target = p->cfg.num_blocks / 10 ? p->cfg.num_blocks / 10 : 1, steps = 0, q;
+    for (q = 0; q < 4 && steps < 4 * KVB__LEAF_SCAN_LIMIT; q++) {
+        uint32_t cls = (p->n_cls[KVB__T1] >= target || !p->rings[lvl * KVB__CLASSES + KVB__T2].live) ? KVB__T1 : KVB__T2;
+        uint32_t rid = lvl * KVB__CLASSES + cls;
+        kvb__ring *r = &p->rings[rid];
+        size_t i;
+        if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
+        while (r->head < stbds_arrlenu(r->e) && !kvb__ring_kept(p, &r->e[r->head])) r->head++; /* gone ones */
+        for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
+            uint32_t v = r->e[i].idx;
+            kvb__meta *m = &p->meta[v];
+            if (!kvb__ring_valid(p, &r->e[i])) continue;
+            steps++;
+            if (cls == KVB__T1 && m->cnt) { /* hit while small: promoted */
+                m->cnt = 0;
+                kvb__set_cls(p, v, KVB__T2);
+                r = &p->rings[rid];
+                if (p->n_cls[KVB__T1] < target) break; /* the small queue is small enough now */
+                continue;
+            }
+            if (cls == KVB__T2 && m->cnt) { /* hit in the main queue: round again */
+                m->cnt--;
+                p->rings[rid].live--;
+                kvb__ring_push(p, v); /* may compact this very ring: scan again from its head */
+                r = &p->rings[rid];
+                i = r->head;
+                i--;
+                continue;
+            }
+            if (kvb__is_leaf(p, v)) return v;
+        }
+    }
+    return KVB__NIL;
+}
+
+
+/* The next victim under the pool's policy, lowest priority level first; KVB__NIL for none. */
 static uint32_t kvb__choose_victim(kvb_pool *p)
 {
     uint32_t lvl, i;
@@ -1247,169 +1947,18 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
             if ((i = kvb__fol_victim(p, lvl, 1)) != KVB__NIL || (i = kvb__fol_victim(p, lvl, 0)) != KVB__NIL) return i;
             continue;
         }
+        if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
+        if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
         if (!p->rings[lvl * KVB__CLASSES].live) continue;
         kvb__prefetch_victims(p, lvl * KVB__CLASSES, 8);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
-        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, 0)) != KVB__NIL) return i;
+        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, 0)) != KVB__NIL ||
+            (kvb__two_lists(p) && (i = kvb__ring_victim(p, lvl * KVB__CLASSES + KVB__T2, 0)) != KVB__NIL))
+            return i;
     return KVB__NIL;
 }
-
-/* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
-
-/* The adaptive step (section 2). */
-#define KVB__FOL_GHOST_HITS 16 /* a request's ghost hits that count (its deepest) */
-
-/* How far from the frontier a reference still counts, in evictions: num_blocks / 2, at most G. */
-static double kvb__fol_window(const kvb_pool *p)
-{
-    uint32_t w = p->cfg.num_blocks / 2;
-    return (double)(w < 1 ? 1 : w < p->cfg.fol_ghost ? w : p->cfg.fol_ghost);
-}
-
-/* The clock's mean advance per eviction, recently. */
-static double kvb__fol_tick(const kvb_pool *p) { return p->fol_evclock / p->fol_evn; }
-
-/* A victim leaves (kvb__fol_victim noted its key: the frontier): its class and the clock's advance
- * join the statistics. */
-static void kvb__fol_evicted(kvb_pool *p, const kvb__meta *m)
-{
-    uint32_t c;
-    p->fol_evc[m->cls] += 1.0;
-    p->fol_evn += 1.0;
-    p->fol_evclock += (double)(uint32_t)(p->clock - p->fol_evlast);
-    p->fol_evlast = p->clock;
-    if (p->fol_evn > 4.0 * (double)p->cfg.num_blocks) { /* the last few turnovers weigh most */
-        for (c = 0; c < KVB__CLASSES; c++) p->fol_evc[c] *= 0.5;
-        p->fol_evn *= 0.5;
-        p->fol_evclock *= 0.5;
-    }
-}
-
-/* A reference at the frontier to a block of class cls: the step moves by its weight. */
-static void kvb__fol_adapt(kvb_pool *p, uint32_t cls)
-{
-    double mean = 0, tick = kvb__fol_tick(p), n = (double)p->cfg.num_blocks;
-    double lo = -(n / 4.0 + 16.0 * tick), hi = 8.0 * n < 2147483647.0 ? 8.0 * n : 2147483647.0;
-    uint32_t c;
-    for (c = 0; c < KVB__CLASSES; c++) mean += p->fol_evc[c] * ((double)c - 1.0);
-    mean /= p->fol_evn;
-    p->fol_estimate += tick * ((double)cls - 1.0 - mean);
-    p->fol_estimate = p->fol_estimate < lo ? lo : p->fol_estimate > hi ? hi : p->fol_estimate;
-    p->fol_step = p->fol_estimate > 0 ? (int64_t)p->fol_estimate : 0;
-}
-
-/* An inactive cached block is referenced again (kvb__take_ref): a leaf near the frontier counts. */
-static void kvb__fol_reuse(kvb_pool *p, uint32_t idx)
-{
-    double slack;
-    if (p->fol_evn <= 0 || !p->meta[idx].cnt || !kvb__is_leaf(p, idx)) return;
-    slack = (double)(p->fol_front - kvb__fol_key(p, idx));
-    if (slack >= 0 && slack < kvb__fol_window(p) * kvb__fol_tick(p)) kvb__fol_adapt(p, p->meta[idx].cls);
-}
-
-/* The ghost table: a circle of the last G evicted hashes with their (count, last), found through an
- * open-addressing index on the (uniform) hash, like the prefix index. */
-static int kvb__ghost_init(kvb_pool *p)
-{
-    uint64_t cap = 1;
-    if (p->ghosts) return 1;
-    while (cap < 2 * (uint64_t)p->cfg.fol_ghost) cap <<= 1;
-    p->ghosts = (kvb__ghost *)KVB_MALLOC(p->cfg.fol_ghost * sizeof *p->ghosts);
-    p->ghost_index = (uint32_t *)KVB_MALLOC(cap * sizeof *p->ghost_index);
-    if (!p->ghosts || !p->ghost_index) {
-        KVB_FREE(p->ghosts);
-        KVB_FREE(p->ghost_index);
-        p->ghosts = NULL;
-        p->ghost_index = NULL;
-        return 0;
-    }
-    memset(p->ghosts, 0, p->cfg.fol_ghost * sizeof *p->ghosts);
-    memset(p->ghost_index, 0, cap * sizeof *p->ghost_index);
-    p->ghost_mask = cap - 1;
-    return 1;
-}
-
-/* The index slot naming h, or the empty slot where it would go. */
-static uint64_t kvb__ghost_slot(const kvb_pool *p, const kvb_hash *h)
-{
-    uint64_t s = h->lo & p->ghost_mask;
-    while (p->ghost_index[s]) {
-        const kvb__ghost *g = &p->ghosts[p->ghost_index[s] - 1];
-        if (g->hash.lo == h->lo && g->hash.hi == h->hi) break;
-        s = (s + 1) & p->ghost_mask;
-    }
-    return s;
-}
-
-/* Forget the ghost named at index slot s (backward-shift deletion). */
-static void kvb__ghost_drop(kvb_pool *p, uint64_t s)
-{
-    uint64_t i = s, j = s, k, m = p->ghost_mask;
-    p->ghosts[p->ghost_index[s] - 1].live = 0;
-    for (;;) {
-        j = (j + 1) & m;
-        if (!p->ghost_index[j]) break;
-        k = p->ghosts[p->ghost_index[j] - 1].hash.lo & m;
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        p->ghost_index[i] = p->ghost_index[j];
-        i = j;
-    }
-    p->ghost_index[i] = 0;
-}
-
-static void kvb__ghost_put(kvb_pool *p, const kvb__meta *m)
-{
-    uint32_t pos;
-    uint64_t s;
-    if (!kvb__ghost_init(p)) return;
-    pos = p->ghost_pos;
-    p->ghost_pos = pos + 1 < p->cfg.fol_ghost ? pos + 1 : 0;
-    if (p->ghosts[pos].live) kvb__ghost_drop(p, kvb__ghost_slot(p, &p->ghosts[pos].hash)); /* the oldest leaves */
-    s = kvb__ghost_slot(p, &m->hash);
-    if (p->ghost_index[s]) { /* put again: the older entry goes */
-        kvb__ghost_drop(p, s);
-        s = kvb__ghost_slot(p, &m->hash);
-    }
-    p->ghosts[pos].hash = m->hash;
-    p->ghosts[pos].last = m->last;
-    p->ghosts[pos].cnt = m->cnt;
-    p->ghosts[pos].cls = m->cls;
-    p->ghosts[pos].live = 1;
-    p->ghost_index[s] = pos + 1;
-}
-
-/* One reference to a registered block by the request releasing it. */
-static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
-{
-    kvb__meta *m = &p->meta[idx];
-    if (!m->cnt && p->ghosts) { /* first touch since it was registered: an evicted past may be a ghost */
-        uint64_t s = kvb__ghost_slot(p, &m->hash);
-        if (p->ghost_index[s]) {
-            uint32_t pos = p->ghost_index[s] - 1;
-            const kvb__ghost *g = &p->ghosts[pos];
-            m->cnt = g->cnt;
-            m->last = g->last;
-            if (p->fol_adaptive && p->fol_evn > 0 && p->fol_ghost_hits < KVB__FOL_GHOST_HITS) {
-                /* evictions since it left: the circle keeps them in eviction order */
-                uint64_t ago = ((uint64_t)p->ghost_pos + p->cfg.fol_ghost - 1 - pos) % p->cfg.fol_ghost;
-                if ((double)ago < kvb__fol_window(p)) {
-                    kvb__fol_adapt(p, g->cls);
-                    p->fol_ghost_hits++;
-                }
-            }
-            kvb__ghost_drop(p, s);
-        }
-    }
-    m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
-                                                                              : 1;
-    m->last = p->clock;
-    /* Class 0 only for a leaf: a parent that restarted at count 1 still has its children cached. */
-    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? 0 : (m->cnt < 4 ? m->cnt : 4));
-    m->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
-}
-
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
 
@@ -1468,6 +2017,7 @@ static void kvb__push_free(kvb_pool *p, uint32_t idx)
 /* Any block back to the free set. */
 static void kvb__make_free(kvb_pool *p, uint32_t idx)
 {
+    if (p->meta[idx].state == KVB_STATE_REGISTERED && kvb__two_lists(p)) p->n_cls[p->meta[idx].cls]--;
     if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
     else kvb__mut_drop(p, idx);
     kvb__push_free(p, idx);
@@ -1482,9 +2032,9 @@ static uint32_t kvb__alloc_one(kvb_pool *p)
     } else {
         idx = kvb__choose_victim(p);
         if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
-        if (p->fol_adaptive) kvb__fol_evicted(p, &p->meta[idx]);
         kvb__list_remove(p, idx);
-        if (p->cfg.eviction == KVB_EVICT_FOL && p->meta[idx].cnt) kvb__ghost_put(p, &p->meta[idx]);
+        if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
+        else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
         kvb__make_free(p, idx);
         p->n_free--;
         p->stats.evictions++;
@@ -1513,11 +2063,11 @@ static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->
 static void kvb__take_ref(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
-    if (m->refs == 0 && p->fol_adaptive) kvb__fol_reuse(p, idx);
     if (m->refs++ == 0) {
         kvb__list_remove(p, idx);
         p->n_active++;
     }
+    if (kvb__two_lists(p) && m->state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
 }
 
 /* Drop one reference; the last one makes the block inactive or free. */
@@ -1528,6 +2078,7 @@ static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     if (--m->refs) return;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
+        if (m->prio != prio) m->flags &= (uint8_t)~KVB__F_QUEUED; /* S3-FIFO: another level, another place */
         m->prio = (uint8_t)prio;
         kvb__list_push(p, idx);
     } else {
@@ -1541,12 +2092,12 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 {
     size_t i, tail = n;
     if (touch && p->cfg.eviction == KVB_EVICT_FOL) {
-        p->fol_ghost_hits = 0;
+        for (i = n; i-- > 0 && tail == n;)
+            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
+        if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
+                                                                                 which blocks were cached */
         for (i = n; i-- > 0;)
-            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) {
-                if (tail == n) tail = i;
-                kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
-            }
+            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
         p->clock += (uint32_t)n;
     }
     for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
@@ -1584,6 +2135,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
         m->dup_next = p->meta[old].dup_next;
         p->meta[old].dup_next = idx;
     }
+    if (kvb__two_lists(p)) kvb__two_lists_insert(p, idx);
     return idx;
 }
 
@@ -1637,8 +2189,9 @@ static void kvb__pool_free_parts(kvb_pool *p)
     stbds_hmfree(p->kids);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
-    KVB_FREE(p->ghosts);
-    KVB_FREE(p->ghost_index);
+    kvb__gset_free(&p->ghost[0]);
+    kvb__gset_free(&p->ghost[1]);
+    kvb__tune_free(p);
     kvb__mem_free(a, p->meta, p->meta_bytes);
     kvb__mem_free(a, p->slots, p->slot_bytes);
     kvb__mem_free(a, p->free_stack, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
@@ -1688,6 +2241,12 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
     p->fol_step = c.fol_class_step;
+    if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
+        pthread_mutex_destroy(&p->lock);
+        kvb__pool_free_parts(p);
+        kvb__mem_free(&c.allocator, p, sizeof *p);
+        return KVB_ENOMEM;
+    }
     *out_pool = p;
     return KVB_OK;
 }
@@ -1720,6 +2279,13 @@ KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
     out->inactive_blocks = pool->n_inactive;
     out->cached_hashes = pool->n_cached;
     out->fol_class_step = pool->cfg.eviction == KVB_EVICT_FOL ? (uint32_t)pool->fol_step : 0;
+    if (kvb__two_lists(pool)) {
+        out->list_blocks[0] = pool->n_cls[KVB__T1];
+        out->list_blocks[1] = pool->n_cls[KVB__T2];
+    }
+    out->ghost_blocks[0] = pool->ghost[0].live;
+    out->ghost_blocks[1] = pool->ghost[1].live;
+    out->arc_target = pool->cfg.eviction == KVB_EVICT_ARC ? (uint32_t)(pool->arc_p + 0.5) : 0;
     pthread_mutex_unlock(&pool->lock);
     return KVB_OK;
 }
@@ -2166,7 +2732,7 @@ static size_t kvb__fol_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
 {
     size_t k = 0, i;
-    uint32_t lvl;
+    uint32_t lvl, c;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
     for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++) {
@@ -2174,9 +2740,11 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
             k += kvb__fol_candidates(pool, lvl, out + k, max - k);
             continue;
         }
-        const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES];
-        for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
-            if (kvb__ring_valid(pool, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
+        for (c = 0; c < (kvb__two_lists(pool) ? 2u : 1u); c++) { /* ARC, S3-FIFO: T1 / small queue first */
+            const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES + c];
+            for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
+                if (kvb__ring_valid(pool, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
+        }
     }
     pthread_mutex_unlock(&pool->lock);
     *out_n = k;
@@ -2220,17 +2788,29 @@ KVB_API kvb_result kvb_block_data(kvb_pool *pool, kvb_block block, uint32_t laye
     return r;
 }
 
-static void kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
+/* Block src's bytes to block dst as spans (the whole block, or one per page): through the pool's
+ * copy_block hook when it has one, else memcpy. KVB_ECOPY when the hook fails. Pool locked. */
+static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
 {
-    uint32_t l, q;
-    if (!p->storage) return;
-    if (p->cfg.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS) {
-        memcpy(kvb__page(p, dst, 0, 0), kvb__page(p, src, 0, 0), (size_t)p->block_bytes);
-        return;
+    enum { STACK = 64 };
+    void *stack[2 * STACK] = {0}, **span = stack; /* zeroed: -O2 cannot see that n >= 1 */
+    const kvb_layout *y = &p->cfg.layout;
+    int whole = y->kind == KVB_LAYOUT_BLOCK_CONTIGUOUS;
+    size_t n = whole ? 1 : (size_t)y->num_layers * y->num_parts, i;
+    uint64_t bytes = whole ? p->block_bytes : y->page_bytes;
+    kvb_result r = KVB_OK;
+    if (!p->storage) return KVB_OK;
+    if (n > STACK && !(span = (void **)KVB_MALLOC(2 * n * sizeof *span))) return KVB_ENOMEM;
+    for (i = 0; i < n; i++) { /* dst spans first, then src spans */
+        span[i] = kvb__page(p, dst, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
+        span[n + i] = kvb__page(p, src, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
     }
-    for (l = 0; l < p->cfg.layout.num_layers; l++)
-        for (q = 0; q < p->cfg.layout.num_parts; q++)
-            memcpy(kvb__page(p, dst, l, q), kvb__page(p, src, l, q), (size_t)p->cfg.layout.page_bytes);
+    if (p->cfg.copy_block)
+        r = p->cfg.copy_block(p->cfg.copy_user, span, (const void *const *)(span + n), n, bytes) == 0 ? KVB_OK : KVB_ECOPY;
+    else
+        for (i = 0; i < n; i++) memcpy(span[i], span[n + i], (size_t)bytes);
+    if (span != stack) KVB_FREE(span);
+    return r;
 }
 
 /* ---- check -------------------------------------------------------------------------------------- */
@@ -2304,6 +2884,16 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
                 else kids[k].value++;
             }
         }
+    }
+    if (kvb__two_lists(pool)) { /* ARC, S3-FIFO: list sizes */
+        uint32_t per[2] = {0, 0};
+        for (i = 0; i < n; i++)
+            if (pool->meta[i].state == KVB_STATE_REGISTERED) {
+                if (pool->meta[i].cls > KVB__T2) KVB__FAIL("block %u in list %u", i, pool->meta[i].cls);
+                per[pool->meta[i].cls]++;
+            }
+        if (per[0] != pool->n_cls[0] || per[1] != pool->n_cls[1])
+            KVB__FAIL("list sizes %u/%u and %u/%u", per[0], pool->n_cls[0], per[1], pool->n_cls[1]);
     }
     if (n_free != pool->n_free || n_active != pool->n_active || n_inactive != pool->n_inactive)
         KVB__FAIL("set sizes free %u/%u active %u/%u inactive %u/%u", n_free, pool->n_free, n_active,
@@ -2426,7 +3016,12 @@ static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok)
     }
     kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
     p->meta[idx].state = KVB_STATE_PARTIAL;
-    kvb__copy_bytes(p, idx, old);
+    r = kvb__copy_bytes(p, idx, old);
+    if (r != KVB_OK) { /* the copy is dropped again: the sequence keeps the shared block */
+        kvb__drop_ref(p, idx, 0);
+        p->stats.allocations--; /* a block nobody saw (an eviction made for it stays counted) */
+        return r;
+    }
     kvb__drop_ref(p, old, 0);
     s->table[b] = kvb__block_of(p, idx);
     return KVB_OK;
@@ -2505,7 +3100,7 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     }
     if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
     kvb__unlock(p);
-    if (r != KVB_OK) goto out; /* only an out-of-memory gets here */
+    if (r != KVB_OK) goto out; /* out of memory, or a failed block copy */
     for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
     seq->cached += k * bt;
     if (k) seq->computed = seq->cached;
@@ -2597,22 +3192,26 @@ KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
     }
     for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
     if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
-    if (r == KVB_OK) {
+    if (r == KVB_OK && cow && kvb__available(p, 1)) { /* copy first: a failed copy changes nothing */
+        r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
+        if (r == KVB_OK) kvb__seq_drop_tail(seq, keep, 0);
+    } else if (r == KVB_OK) { /* the copy needs a block of the tail */
         kvb__seq_drop_tail(seq, keep, 0);
-        if (cow) {
-            r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
-        } else if (last != KVB__NIL) {
+        if (cow && (r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem)) != KVB_OK) {
+            kvb__seq_drop_tail(seq, keep - 1, 0); /* the tail is gone: end at the block boundary below */
+            num_tokens = (keep - 1) * bt;
+        } else if (!cow && last != KVB__NIL) {
             p->meta[last].ntok = (uint16_t)rem;
             p->meta[last].state = KVB_STATE_PARTIAL;
         }
     }
     kvb__unlock(p);
-    if (r != KVB_OK) return r;
+    if (r != KVB_OK && stbds_arrlenu(seq->table) == nb) return r;
     KVB__ARR_SHRINK(seq->tokens, num_tokens);
     KVB__ARR_SHRINK(seq->hashes, num_tokens / bt);
     if (seq->computed > num_tokens) seq->computed = num_tokens;
     if (seq->cached > num_tokens) seq->cached = num_tokens;
-    return KVB_OK;
+    return r;
 }
 
 KVB_API kvb_result kvb_seq_blocks(const kvb_seq *seq, const kvb_block **out_table, size_t *out_n)

@@ -74,6 +74,7 @@ struct kvc_context {
     kvc_result status;    /* KVC_OK, or why the context is unusable */
     int device;
     cudaStream_t stream[2];
+    cudaStream_t cow_stream; /* sequence copy-on-write of device pools (kvc__copy_block) */
     int batch_ok;         /* cudaMemcpyBatchAsync usable (atomic) */
     kvc_device_info info;
     pthread_mutex_t lock; /* message, allocations */
@@ -194,6 +195,8 @@ extern "C" kvc_result kvc_context_create(int device, kvc_context **out)
         e = cudaStreamCreateWithFlags(&ctx->stream[i], cudaStreamNonBlocking);
         if (e != cudaSuccess) return ctx->status = kvc__cuda_fail(ctx, e, "cudaStreamCreateWithFlags");
     }
+    e = cudaStreamCreateWithFlags(&ctx->cow_stream, cudaStreamNonBlocking);
+    if (e != cudaSuccess) return ctx->status = kvc__cuda_fail(ctx, e, "cudaStreamCreateWithFlags");
     ctx->info.device = device;
     snprintf(ctx->info.name, sizeof ctx->info.name, "%s", prop.name);
     ctx->info.total_bytes = prop.totalGlobalMem;
@@ -239,6 +242,7 @@ extern "C" void kvc_context_destroy(kvc_context *ctx)
     for (i = 0; i < ctx->n_allocs; i++) kvc__free_alloc(&ctx->allocs[i]);
     for (i = 0; i < 2; i++)
         if (ctx->stream[i]) cudaStreamDestroy(ctx->stream[i]);
+    if (ctx->cow_stream) cudaStreamDestroy(ctx->cow_stream);
     (void)cudaGetLastError();
     free(ctx->allocs);
     pthread_mutex_destroy(&ctx->lock);
@@ -581,6 +585,25 @@ extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where,
     return KVC_OK;
 }
 
+/* kvb_pool_config.copy_block of a device pool (sequence copy-on-write and truncate): one device-to-
+ * device cudaMemcpyAsync per span on the context's own copy-on-write stream, then a wait for that
+ * stream only, so offloads in flight on the copy streams do not hold the pool's lock. */
+extern "C" int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+{
+    kvc_context *ctx = (kvc_context *)user;
+    cudaError_t e = cudaSuccess;
+    size_t i;
+    if (kvc__enter(ctx) != KVC_OK) return -1;
+    for (i = 0; i < n && e == cudaSuccess; i++)
+        e = cudaMemcpyAsync(dst[i], src[i], (size_t)bytes, cudaMemcpyDeviceToDevice, ctx->cow_stream);
+    if (e == cudaSuccess) e = cudaStreamSynchronize(ctx->cow_stream);
+    if (e != cudaSuccess) {
+        kvc__cuda_fail(ctx, e, "kvcuda: block copy for sequence copy-on-write");
+        return -1;
+    }
+    return 0;
+}
+
 extern "C" kvc_result kvc_pool_create(kvc_context *ctx, kvc_memory where, const kvb_pool_config *config, kvb_pool **out)
 {
     kvb_pool_config c;
@@ -589,6 +612,10 @@ extern "C" kvc_result kvc_pool_create(kvc_context *ctx, kvc_memory where, const 
     if (!config || !out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_pool_create: NULL argument") : KVC_EINVAL;
     c = *config;
     if ((r = kvc_pool_storage_alloc(ctx, where, &c)) != KVC_OK) return r;
+    if (where == KVC_MEMORY_DEVICE && !c.copy_block) { /* the CPU cannot memcpy device memory */
+        c.copy_block = kvc_copy_block;
+        c.copy_user = ctx;
+    }
     br = kvb_pool_create(&c, out);
     if (br != KVB_OK) {
         if (where == KVC_MEMORY_DEVICE)
@@ -705,7 +732,8 @@ __host__ __device__ static inline void kvc__item(const kvc__desc *descs, unsigne
 }
 
 /* Thread block b takes items b, b + gridDim.x, ...; its threads copy one item together, 16 bytes per
- * load with four loads in flight per thread (byte by byte when an end is not 16-byte aligned). */
+ * load with four loads in flight per thread (byte by byte when an end is not 16-byte aligned). Plain
+ * loads and stores only (no cp.async, TMA or clusters), so the same source runs on sm_80 and later. */
 __global__ void kvc__copy_kernel(const kvc__desc *__restrict__ descs, unsigned long long items, unsigned count,
                                  unsigned long long sstride, unsigned long long dstride)
 {

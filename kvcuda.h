@@ -17,9 +17,11 @@
  *
  * Link: kv_impl.o your.o build/libkvcuda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread
  * (built with the Makefile's flags the library needs no C++ runtime, so cc can link it). The Makefile
- * compiles sm_90 code (Hopper) plus compute_90 PTX that newer GPUs JIT-compile; for older GPUs build
- * with your own -gencode. Streams and events appear as `void *` (a cudaStream_t is a
- * pointer), so C code can use this header without the CUDA toolkit's headers.
+ * compiles code for sm_80, sm_86, sm_89 and sm_90 (A100, A10 / RTX 30xx, L4 / L40S / RTX 40xx, H100),
+ * sm_100 / sm_120 where the toolkit has them, and compute_80 PTX that any newer GPU JIT-compiles;
+ * `make cuda CUDA_ARCHS="86 90"` picks others. The kernels use nothing newer than sm_80. Streams and
+ * events appear as `void *` (a cudaStream_t is a pointer), so C code can use this header without the
+ * CUDA toolkit's headers.
  *
  * Manual: 1. Quick start  2. Concepts  3. The copy backend  4. Thread safety  5. Errors
  *
@@ -55,10 +57,14 @@
  * parallel so tens of GiB are ready in a fraction of a second, then cudaHostRegister; cudaHostAlloc
  * when registration fails), both zeroed. kvc_pool_create gives a kvb pool such memory as
  * KVB_STORAGE_EXTERNAL storage (either layout) and kvc_pool_destroy frees it with the pool.
- * Caution: kvblock copies bytes itself with memcpy in two places (kvb_seq copy-on-write of a shared
- * partial block, and kvb_seq_truncate's private copy); on a device pool those would touch device
- * memory from the CPU, so a device pool's sequences must not share partial blocks (no kvb_seq_fork
- * before the last block is full, no truncate into a shared block).
+ * Sequences on a device pool: kvblock copies block bytes itself in two places (kvb_seq copy-on-write
+ * of a shared partial block, kvb_seq_truncate's private copy), through kvb_pool_config.copy_block.
+ * kvc_pool_create(KVC_MEMORY_DEVICE) installs a device copy there (unless the config has its own):
+ * a device-to-device cudaMemcpyAsync per span on a stream of the context's own, waited for before the
+ * kvb_seq call returns, so kvb_seq_fork + appends work as on a host pool (beam search, parallel
+ * sampling). That stream is not ordered after your kernels: the forward pass that wrote the shared
+ * block must be complete (synchronize its stream) before the append or truncate that copies it.
+ * A CUDA failure there fails the kvb_seq call with KVB_ECOPY; the context's message names the error.
  * Events: a kvc_event is a CUDA event that is also a kvoffload precondition event (its query is
  * cudaEventQuery: 1 done, 0 not ready, negative on error). Record it after the work that writes the
  * blocks; re-recording it is allowed (a transfer still waiting then waits for the new record, which is
@@ -237,9 +243,16 @@ KVC_API kvc_result kvc_memcpy(kvc_context *ctx, void *dst, const void *src, size
 KVC_API kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where, kvb_pool_config *config);
 
 /* kvc_pool_storage_alloc on a copy of config, then kvb_pool_create; kvb_result codes pass through
- * (the memory is freed again). Thread safety: any thread. */
+ * (the memory is freed again). A device pool gets the device block copy as config.copy_block when
+ * the config has none (section 2). Thread safety: any thread. */
 KVC_API kvc_result kvc_pool_create(kvc_context *ctx, kvc_memory where, const kvb_pool_config *config,
                                    kvb_pool **out);
+
+/* The device block copy kvc_pool_create installs as kvb_pool_config.copy_block (user = the
+ * kvc_context): set it yourself on a pool over device memory you allocated (an engine's own KV
+ * tensors, KVB_STORAGE_EXTERNAL), or call it from a hook of your own. 0 on success, -1 on a CUDA
+ * error (message on the context). Thread safety: any thread. */
+KVC_API int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes);
 
 /* kvb_pool_destroy, then free the pool's memory. No copy may be in flight on it. NULL pool: no-op. */
 KVC_API kvc_result kvc_pool_destroy(kvc_context *ctx, kvb_pool *pool);

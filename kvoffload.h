@@ -28,7 +28,9 @@
  *     Evaluating -> Queued -> Transferring -> Complete | Cancelled | Failed
  * with counts: blocks transferred, skipped by policy, skipped because the policy timed out, dropped
  * because their weak handle could not be upgraded (evicted meanwhile), failed in the backend, and for
- * onboarding, found already present in the destination.
+ * onboarding, found already present in the destination, or joined: already in flight to it for
+ * another transfer of the pipeline, so waited for instead of copied twice (two requests with a common
+ * prefix onboarded in one step move each block once).
  * Stages: PolicyEvaluator -> PreconditionAwaiter -> Batcher -> in-queue (weak batches, higher priority
  * first, FIFO within) -> on-deck (upgraded batches, bounded) -> TransferExecutor (backend), with a
  * CancelSweeper every sweep interval. A block that passes lands in the destination pool Registered
@@ -296,6 +298,8 @@ typedef struct kvo_transfer_info {
     uint32_t blocks;         /* in the container */
     uint32_t transferred;    /* copied and registered in the destination */
     uint32_t present;        /* already in the destination (onboarding: returned as they are) */
+    uint32_t joined;         /* onboarding: in flight to the destination for another transfer; waited
+                                for and returned from there, not copied again */
     uint32_t skipped;        /* refused by a policy */
     uint32_t timed_out;      /* policy gave no answer in time */
     uint32_t dropped;        /* weak handle could not be upgraded */
@@ -351,6 +355,7 @@ typedef struct kvo_enqueue_opts {
 
 typedef struct kvo_pipeline_stats {
     uint64_t enqueued, transferred, present, skipped, timed_out, dropped, failed, cancelled;
+    uint64_t joined;              /* onboarded blocks that joined another transfer's copy */
     uint64_t dest_full;           /* offloads that found the destination full */
     uint64_t batches, bytes;
     uint32_t in_flight_blocks;
@@ -371,8 +376,11 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
 /* Onboard: load the blocks with these hashes from the source pool into the destination. Each hash is
- * matched in the destination first (present: its block is returned as it is), then in the source
- * (references taken at once); a hash in neither is a miss and ends the request there (longest prefix).
+ * matched in the destination first (present: its block is returned as it is), then among the blocks
+ * this pipeline has in flight (joined: another transfer is copying it; this one waits for that copy
+ * and then takes the block from the destination, so two requests with a common prefix move it once;
+ * should that copy fail, this transfer loads the block itself), then in the source (references taken
+ * at once); a hash in none of them is a miss and ends the request there (longest prefix).
  * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks.
  * Thread safety: any thread. */
 KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
@@ -1415,7 +1423,9 @@ enum { /* per-block progress inside a container */
     KVO__B_PRESENT,
     KVO__B_DROPPED,
     KVO__B_DONE,
-    KVO__B_FAILED
+    KVO__B_FAILED,
+    KVO__B_JOINING, /* onboarding: waits for another transfer's copy of the hash */
+    KVO__B_JOINED   /* ... which landed: dst_keep holds the block */
 };
 
 typedef struct kvo__container {
@@ -1640,6 +1650,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     kvo__stage(pl, c, st);
     s->transferred += c->info.transferred;
     s->present += c->info.present;
+    s->joined += c->info.joined;
     s->skipped += c->info.skipped;
     s->timed_out += c->info.timed_out;
     s->dropped += c->info.dropped;
@@ -1844,7 +1855,47 @@ static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
     if (kvo_queue_push(pl->q_batch, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
 }
 
-/* PreconditionAwaiter: a poll of each event, so waiting never blocks and a sweep can cancel it. */
+static uint32_t kvo__offered(const kvo__container *c);
+
+static int kvo__joining(const kvo__container *c)
+{
+    size_t i;
+    for (i = 0; c->onboard && i < c->n; i++)
+        if (c->state[i] == KVO__B_JOINING) return 1;
+    return 0;
+}
+
+/* Onboarding blocks that joined another transfer, once nothing of their hash is in flight any more:
+ * taken from the destination where that copy landed, else (it failed, or the block went again) loaded
+ * from the source like any other, else failed. 1 while some still wait. */
+static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
+{
+    size_t i, k;
+    int waiting = 0;
+    for (i = 0; i < c->n; i++) {
+        kvb_block_info info;
+        if (c->state[i] != KVO__B_JOINING) continue;
+        if (kvo__count_get(&pl->inflight, &c->hashes[i])) {
+            waiting = 1;
+        } else if (kvb_match(pl->cfg.dst, &c->hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
+            c->state[i] = KVO__B_JOINED;
+            c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
+            c->info.joined++;
+        } else if (kvb_match(pl->cfg.src, &c->hashes[i], 1, &c->src_strong[i], &k) == KVB_OK && k) {
+            kvb_block_get_info(pl->cfg.src, c->src_strong[i].id, &info);
+            c->parents[i] = info.parent;
+            c->state[i] = KVO__B_OFFER;
+            kvo__count_add(&pl->inflight, &c->hashes[i], 1);
+        } else {
+            c->state[i] = KVO__B_FAILED;
+            c->info.failed++;
+        }
+    }
+    return waiting;
+}
+
+/* PreconditionAwaiter: a poll of each event (and of the copies joined onboarding blocks wait for), so
+ * waiting never blocks and a sweep can cancel it. */
 static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
 {
     kvo__container **waiting = NULL;
@@ -1853,7 +1904,11 @@ static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
     while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
-        if (s > 0) kvo__to_batcher(pl, c, now);
+        if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
+            stbds_arrput(waiting, c); /* no timeout: the copies it waits for end by themselves */
+        else if (s > 0 && c->onboard && !kvo__offered(c))
+            kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+        else if (s > 0) kvo__to_batcher(pl, c, now);
         else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
         else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
         else stbds_arrput(waiting, c);
@@ -2326,7 +2381,8 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     return r;
 }
 
-/* Onboarding: present blocks are matched in the destination, the rest taken in the source at once. */
+/* Onboarding: present blocks are matched in the destination, blocks in flight to it joined, the rest
+ * taken in the source at once. */
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
     size_t i, k;
@@ -2337,6 +2393,10 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             c->state[i] = KVO__B_PRESENT;
             c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
             c->info.present++;
+            continue;
+        }
+        if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
+            c->state[i] = KVO__B_JOINING;
             continue;
         }
         if (kvb_match(pl->cfg.src, &hashes[i], 1, &c->src_strong[i], &k) != KVB_OK || !k) break;
@@ -2364,7 +2424,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
         c->n = found; /* the longest prefix found */
         c->info.blocks = (uint32_t)found;
         *out = kvo__handle_of(pipeline, c);
-        if (!kvo__offered(c)) {
+        if (!kvo__offered(c) && !kvo__joining(c)) {
             kvo__finalize(pipeline, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;

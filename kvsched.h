@@ -94,7 +94,9 @@
  *     block_stored / block_removed / block_cleared   [tier, tokens, hash, parent] (hashes: 32 hex digits)
  *     transfer    [transfer, stage, src_tier, dst_tier, blocks, moved, error, onboard]; stages:
  *                 PendingEvaluation -> Promoted -> Skipped | Completed | Cancelled | Failed
- *     tiers       once per step [num_tiers, used[4], total[4]] (used: blocks holding data)
+ *     tiers       once per step [num_tiers, used[4], total[4], policies, device_step] (used: blocks
+ *                 holding data; policies: each tier's kvb_evict_policy, a byte per tier, G1 lowest;
+ *                 device_step: G1's FOL class step in use, 0 for LRU order or another policy)
  *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs; the
  *                 prompt follows an add in `tokens` events of up to 11 words [words]; an append carries
  *                 its first 10 tokens itself [n, words], the rest follow in `tokens` events
@@ -125,7 +127,8 @@
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
- * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total, ...
+ * direction="offload"}, kvcache_inflight_blocks, kvcache_evictions_total, kvcache_dedups_total,
+ * kvcache_onboard_joined_blocks_total{tier="1"} (onboarded blocks that joined another request's copy), ...
  *
  * Thread safety: bus, reader, recorder and console functions from any thread; events may be published
  * from any thread (pipelines publish from theirs).
@@ -481,7 +484,8 @@ typedef struct kvs_event {
         struct { uint32_t tier, tokens; kvb_hash hash, parent; } block;          /* STORED/REMOVED/CLEARED */
         struct { uint64_t transfer; uint32_t stage, src_tier, dst_tier, blocks, moved; int32_t error;
                  uint32_t onboard; } transfer;                                   /* moved: copied blocks */
-        struct { uint32_t num_tiers, used[4], total[4]; } tiers;
+        struct { uint32_t num_tiers, used[4], total[4];
+                 uint32_t policies, device_step; } tiers; /* policies: tier t's kvb_evict_policy in bits 8t..8t+7 */
         struct { uint64_t num_prompt, salt; uint32_t max_new_tokens; int32_t priority;
                  uint32_t num_extra; } add;
         struct { uint32_t n, words[11]; } tokens;                                /* ADD: extra keys (lo, hi) then prompt */
@@ -907,6 +911,8 @@ static const kvs__field kvs__fields[] = {
     KVS__F(KVS_EV_TRANSFER, KVS__F_U32, transfer.onboard, "onboard"),
     KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.num_tiers, "num_tiers"),
     KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.used, "used"), KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.total, "total"),
+    KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.policies, "policies"),
+    KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.device_step, "device_step"),
     KVS__F(KVS_EV_ADD, KVS__F_U64, add.num_prompt, "num_prompt"), KVS__F(KVS_EV_ADD, KVS__F_U64, add.salt, "salt"),
     KVS__F(KVS_EV_ADD, KVS__F_U32, add.max_new_tokens, "max_new_tokens"),
     KVS__F(KVS_EV_ADD, KVS__F_I32, add.priority, "priority"),
@@ -3197,6 +3203,12 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
         e.u.tiers.used[t] = ps.num_blocks - ps.free_blocks;
         e.u.tiers.total[t] = ps.num_blocks;
         e.u.tiers.num_tiers = t + 1;
+        {
+            kvb_pool_config bc;
+            if (kvb_pool_get_config(t ? pc.dst : s->cfg.device, &bc) == KVB_OK)
+                e.u.tiers.policies |= ((uint32_t)bc.eviction & 0xffu) << (8 * t);
+        }
+        if (!t) e.u.tiers.device_step = ps.fol_class_step; /* FOL: the class step in use */
     }
     kvs_bus_publish(s->cfg.bus, &e);
 }
@@ -3677,6 +3689,12 @@ static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
                             up ? "onboard" : "offload", (unsigned long long)v);
             }
     }
+    kvs__family(t, "onboard_joined_blocks_total", "counter",
+                "Blocks to onboard that were already in flight to G1 for another request: waited for, not copied.");
+    for (tier = 1; tier < KVO_MAX_TIERS; tier++)
+        if (kvo_manager_pipeline(m, tier, 1))
+            kvs__printf(t, "kvcache_onboard_joined_blocks_total{tier=\"%u\"} %llu\n", tier,
+                        (unsigned long long)ms.up[tier].joined);
 }
 
 static void kvs__disk_metrics(kvs__text *t, kvs_sched *s, kvo_backend *disk)

@@ -592,6 +592,18 @@ static void render_title(app *a, frame *f)
 
 static int row_ptr_order(const void *a, const void *b) { return row_order(*(row *const *)a, *(row *const *)b); }
 
+/* A tier's eviction policy, and for FOL on G1 the class step in use (self-tuning or fixed). */
+static const char *policy_text(const model *m, uint32_t tier)
+{
+    static const char *const names[] = {"default", "lineage", "lru", "custom", "fol", "arc", "s3fifo"};
+    static char text[48];
+    uint32_t p = (m->tiers.u.tiers.policies >> (8 * tier)) & 0xffu;
+    const char *name = p < sizeof names / sizeof names[0] ? names[p] : "?";
+    if (p == KVB_EVICT_FOL && tier == 0) snprintf(text, sizeof text, "fol, step %u", m->tiers.u.tiers.device_step);
+    else snprintf(text, sizeof text, "%s", name);
+    return text;
+}
+
 /* The slot table in `room` lines (header included): live requests, then recently finished ones. */
 static void render_slots(app *a, frame *f, int room, uint64_t sel)
 {
@@ -640,7 +652,8 @@ static void render_tiers(const model *m, frame *f)
         fill = total ? (uint32_t)((uint64_t)used * 20 / total) : 0;
         for (k = 0; k < 20; k++) bar[k] = k < fill ? '#' : '.';
         bar[20] = 0;
-        put(f, MARK_NONE, "  G%u [%s] %9u/%-9u %5.1f%%", i + 1, bar, used, total, percent(used, total));
+        put(f, MARK_NONE, "  G%u [%s] %9u/%-9u %5.1f%%  %s", i + 1, bar, used, total, percent(used, total),
+            policy_text(m, i));
     }
     if (!n) put(f, MARK_NONE, "  (no occupancy reported yet)");
 }

@@ -13,6 +13,10 @@
  *        build/tiny_llm --check   proves that logits are equal bit for bit to from-scratch runs with prefix
  *                                 hits, after onboarding from host and from disk, and after a fork with
  *                                 copy-on-write; one line per check, exit status 0 only if all hold
+ *        build/tiny_llm_cuda --check --gpu   the same, with the fork check's pool in GPU memory
+ *                                 (kvc_pool_create): the copy-on-write runs on the device through the
+ *                                 pool's copy_block hook; the CPU model reads and writes the pages
+ *                                 through a host copy of the blocks it uses (make tiny_llm_cuda)
  * Build: make build/tiny_llm, or
  *   cc -std=c11 -O2 -D_GNU_SOURCE -I. -I/usr/include/stb examples/tiny_llm.c -o tiny_llm -pthread -lm
  */
@@ -21,6 +25,9 @@
 #endif
 #define KVCACHE_IMPLEMENTATION
 #include "kvsched.h"
+#ifdef TINY_LLM_CUDA
+#include "kvcuda.h" /* build/tiny_llm_cuda: --gpu puts the fork check's pool in GPU memory */
+#endif
 
 #include <math.h>
 #include <stdint.h>
@@ -281,8 +288,19 @@ static int forward_token(const model *m, const kv_pages *pg, uint32_t token, siz
 
 /* ---- engine: the model over block tables -------------------------------------------------------- */
 
+/* A pool whose storage the CPU cannot touch (GPU memory): engine_run copies the blocks it uses to
+ * `mirror` (same offsets) before computing, and the blocks it wrote back after. */
+typedef struct device_view {
+    kvb_pool *pool;
+    unsigned char *base, *mirror;
+    uint64_t block_bytes;
+    int (*copy)(void *user, void *dst, const void *src, size_t bytes); /* kvc_memcpy */
+    void *copy_user;
+} device_view;
+
 typedef struct engine {
     const model *m;
+    device_view *dev;          /* NULL: every pool is host memory */
     uint64_t computed;         /* tokens run through the model */
     uint64_t rewrites;         /* tokens recomputed inside a Registered block (see kv_store) */
     uint64_t rewrite_mismatch; /* ... whose K/V differed from the stored bytes: must stay 0 */
@@ -290,13 +308,37 @@ typedef struct engine {
 
 /* Compute tokens [from, to) of one request over its block table. Logits of each position p >= logits_from
  * go to logits[(p - logits_from) * VOCAB]. -1 when the table cannot hold the tokens. */
+/* Device pools: blocks [first, last) of a resolved table between the device and the host mirror
+ * (to_host = 1: device -> mirror), one copy per block (block-contiguous); the page addresses are turned
+ * into mirror addresses when to_host. 0 on success. */
+static int device_stage(const device_view *v, kv_pages *pg, size_t first, size_t last, int to_host)
+{
+    size_t b, i;
+    for (b = first; b < last; b++) {
+        float **page = pg->page + b * LAYERS * 2;
+        unsigned char *dev = (unsigned char *)page[0], *host;
+        if (!to_host) dev = v->base + ((unsigned char *)page[0] - v->mirror);
+        host = v->mirror + (dev - v->base);
+        if (to_host ? v->copy(v->copy_user, host, dev, (size_t)v->block_bytes)
+                    : v->copy(v->copy_user, dev, host, (size_t)v->block_bytes))
+            return -1;
+        for (i = 0; to_host && i < LAYERS * 2; i++) page[i] = (float *)(v->mirror + ((unsigned char *)page[i] - v->base));
+    }
+    return 0;
+}
+
 static int engine_run(engine *e, kvb_pool *pool, const kvb_block *table, size_t n_blocks, const uint32_t *tokens,
                       size_t from, size_t to, size_t logits_from, float *logits)
 {
     kv_pages pg;
     size_t need = (to + BLOCK - 1) / BLOCK, p;
     int read_only = 0;
+    const device_view *dev = e->dev && e->dev->pool == pool ? e->dev : NULL;
     if (to > MAX_POS || need > n_blocks || pages_resolve(pool, table, need, &pg) != 0) return -1;
+    if (dev && device_stage(dev, &pg, 0, need, 1) != 0) {
+        free(pg.page);
+        return -1;
+    }
     for (p = from; p < to; p++) {
         if (p == from || p % BLOCK == 0) { /* the state of the block that takes this token */
             kvb_block_info info;
@@ -311,15 +353,30 @@ static int engine_run(engine *e, kvb_pool *pool, const kvb_block *table, size_t 
         e->rewrites += (uint64_t)read_only;
         e->computed++;
     }
+    read_only = dev && to > from ? device_stage(dev, &pg, from / BLOCK, need, 0) : 0; /* the blocks written */
     free(pg.page);
+    return read_only == 0 ? 0 : -1;
+}
+
+/* kvb_pool_config.copy_block for the fork check: the hook through which kvblock copies a shared block
+ * on write (a device pool gets a device copy from kvcuda); here memcpy, counted in *user. */
+static int counted_copy(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+{
+    size_t i;
+    for (i = 0; i < n; i++) memcpy(dst[i], src[i], (size_t)bytes);
+    ++*(unsigned *)user;
     return 0;
 }
 
-/* A layout-true memory pool for the model's K/V: kvs_model_preset(KVS_MODEL_TINY). */
-static int kv_pool_create(uint32_t num_blocks, kvb_layout_kind kind, kvb_dup_policy dup, uint32_t tier, kvb_pool **out)
+/* A layout-true memory pool for the model's K/V: kvs_model_preset(KVS_MODEL_TINY). copies: NULL for
+ * kvblock's own memcpy, else block copies go through counted_copy. */
+static int kv_pool_create(uint32_t num_blocks, kvb_layout_kind kind, kvb_dup_policy dup, uint32_t tier, unsigned *copies,
+                          kvb_pool **out)
 {
     kvb_pool_config pc;
     memset(&pc, 0, sizeof pc);
+    pc.copy_block = copies ? counted_copy : NULL;
+    pc.copy_user = copies;
     if (kvs_model_preset(KVS_MODEL_TINY, kind, &pc.block_tokens, &pc.layout) != KVS_OK) return -1;
     pc.num_blocks = num_blocks;
     pc.storage = KVB_STORAGE_HOST;
@@ -339,7 +396,7 @@ static int reference_logits(const model *m, const uint32_t *tokens, size_t n, si
     int r = -1;
     memset(&e, 0, sizeof e);
     e.m = m;
-    if (kv_pool_create((uint32_t)((n + BLOCK - 1) / BLOCK), KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, &pool) == 0 &&
+    if (kv_pool_create((uint32_t)((n + BLOCK - 1) / BLOCK), KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, NULL, &pool) == 0 &&
         kvb_seq_create(pool, NULL, &seq) == KVB_OK && kvb_seq_append(seq, tokens, n, &cached) == KVB_OK && cached == 0 &&
         kvb_seq_blocks(seq, &table, &n_blocks) == KVB_OK &&
         engine_run(&e, pool, table, n_blocks, tokens, 0, n, from, out) == 0)
@@ -390,8 +447,8 @@ static int tiers_open(tiers *t, uint32_t g1, uint32_t g2, uint32_t g3)
     }
     snprintf(t->path, sizeof t->path, "%s/g3.kv", t->dir);
     /* G2 uses the other layout on purpose: the copy backends gather and scatter between the two. */
-    if (kv_pool_create(g1, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, &t->pool[0]) != 0 ||
-        kv_pool_create(g2, KVB_LAYOUT_LAYER_SEPARATE, KVB_DUP_REJECT, 1, &t->pool[1]) != 0 ||
+    if (kv_pool_create(g1, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, NULL, &t->pool[0]) != 0 ||
+        kv_pool_create(g2, KVB_LAYOUT_LAYER_SEPARATE, KVB_DUP_REJECT, 1, NULL, &t->pool[1]) != 0 ||
         kvb_pool_storage(t->pool[0], NULL, NULL, &block_bytes, NULL) != KVB_OK)
         return -1;
     pc.num_blocks = g3;
@@ -776,8 +833,50 @@ static int fork_run(engine *e, kvb_pool *pool, fork_case *fc)
     return r;
 }
 
-/* Check 3: two continuations of one prompt after kvb_seq_fork equal their from-scratch runs. */
-static void check_fork(const model *m)
+#ifdef TINY_LLM_CUDA
+/* The fork check's pool on the GPU: kvcuda's device block copy, counted. */
+typedef struct gpu_fork { kvc_context *ctx; unsigned copies; device_view view; } gpu_fork;
+
+static int counted_device_copy(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+{
+    gpu_fork *g = (gpu_fork *)user;
+    g->copies++;
+    return kvc_copy_block(g->ctx, dst, src, n, bytes);
+}
+
+static int device_memcpy(void *user, void *dst, const void *src, size_t bytes)
+{
+    return kvc_memcpy((kvc_context *)user, dst, src, bytes) == KVC_OK ? 0 : -1;
+}
+
+/* A 16-block device pool for the fork check with a host mirror for the CPU model; 0 on success. */
+static int gpu_fork_pool(gpu_fork *g, kvb_pool **out)
+{
+    kvb_pool_config pc;
+    void *base = NULL;
+    uint64_t bytes = 0;
+    memset(&pc, 0, sizeof pc);
+    if (kvs_model_preset(KVS_MODEL_TINY, KVB_LAYOUT_BLOCK_CONTIGUOUS, &pc.block_tokens, &pc.layout) != KVS_OK) return -1;
+    pc.num_blocks = 16;
+    pc.copy_block = counted_device_copy;
+    pc.copy_user = g;
+    if (kvc_pool_create(g->ctx, KVC_MEMORY_DEVICE, &pc, out) != KVC_OK) {
+        fprintf(stderr, "tiny_llm: device pool: %s\n", kvc_last_error_message(g->ctx));
+        return -1;
+    }
+    kvb_pool_storage(*out, &base, &bytes, &g->view.block_bytes, NULL);
+    g->view.pool = *out;
+    g->view.base = (unsigned char *)base;
+    g->view.mirror = (unsigned char *)calloc(1, (size_t)bytes);
+    g->view.copy = device_memcpy;
+    g->view.copy_user = g->ctx;
+    return g->view.mirror ? 0 : -1;
+}
+#endif
+
+/* Check 3: two continuations of one prompt after kvb_seq_fork equal their from-scratch runs. gpu: a
+ * kvc_context, the pool is then in its GPU memory (build/tiny_llm_cuda --gpu), else NULL. */
+static void check_fork(const model *m, void *gpu)
 {
     static const char *const more[2] = {"User: tell me a story", "User: count to twenty"};
     fork_case *fc = (fork_case *)calloc(1, sizeof *fc);
@@ -786,24 +885,51 @@ static void check_fork(const model *m)
     kvb_pool *pool = NULL;
     char detail[256];
     int i, k, equal = 0, ran = 0;
+    unsigned copies = 0;
+    int made;
+#ifdef TINY_LLM_CUDA
+    gpu_fork g;
+    memset(&g, 0, sizeof g);
+    g.ctx = (kvc_context *)gpu;
+#endif
+    (void)gpu;
     memset(&e, 0, sizeof e);
     e.m = m;
-    if (fc && ref && kv_pool_create(16, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, &pool) == 0) {
+#ifdef TINY_LLM_CUDA
+    if (gpu) {
+        made = gpu_fork_pool(&g, &pool) == 0;
+        e.dev = &g.view;
+    } else
+#endif
+        made = kv_pool_create(16, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_DUP_ALLOW, 0, &copies, &pool) == 0;
+    if (fc && ref && made) {
         for (k = 0; k < 2; k++)
             for (i = 0; i < FORK_PROMPT + FORK_MORE; i++)
                 fc->tokens[k][i] = (unsigned char)(i < FORK_PROMPT ? SYSTEM_PROMPT[i] : more[k][i - FORK_PROMPT]);
         ran = fork_run(&e, pool, fc) == 0;
+#ifdef TINY_LLM_CUDA
+        if (gpu) copies = g.copies;
+#endif
         for (k = 0; ran && k < 2; k++)
             equal += reference_logits(m, fc->tokens[k], FORK_PROMPT + FORK_MORE, FORK_PROMPT - 1, ref) == 0 &&
                      memcmp(ref, fc->logits[k], FORK_ROWS * VOCAB * sizeof *ref) == 0;
     }
     snprintf(detail, sizeof detail,
-             "prompt of %d tokens (ends mid-block), 2 branches of %d tokens computed interleaved; full blocks %s, "
-             "partial block %s; %d of 2 branches with logits equal bit for bit to a from-scratch run",
-             FORK_PROMPT, FORK_MORE, fc && fc->shared_full ? "shared" : "NOT shared",
-             fc && fc->copied_partial ? "copied on write" : "NOT copied", equal);
-    report(ran && equal == 2 && fc->shared_full && fc->copied_partial && kvb_pool_check(pool, NULL, 0) == KVB_OK,
+             "%sprompt of %d tokens (ends mid-block), 2 branches of %d tokens computed interleaved; full blocks %s, "
+             "partial block %s (%u copy through copy_block); %d of 2 branches with logits equal bit for bit to a "
+             "from-scratch run",
+             gpu ? "pool in GPU memory: " : "", FORK_PROMPT, FORK_MORE, fc && fc->shared_full ? "shared" : "NOT shared",
+             fc && fc->copied_partial ? "copied on write" : "NOT copied", copies, equal);
+    report(ran && equal == 2 && fc->shared_full && fc->copied_partial && copies == 1 &&
+               kvb_pool_check(pool, NULL, 0) == KVB_OK,
            "3. fork with copy-on-write", detail);
+#ifdef TINY_LLM_CUDA
+    if (gpu) {
+        kvc_pool_destroy(g.ctx, pool);
+        free(g.view.mirror);
+        pool = NULL;
+    }
+#endif
     kvb_pool_destroy(pool);
     free(ref);
     free(fc);
@@ -827,12 +953,12 @@ static void check_pools(world *w)
     report(ok && active == 0, "4. pools after the run", detail);
 }
 
-static int run_checks(world *w)
+static int run_checks(world *w, void *gpu)
 {
     check_device_hits(w);
     check_onboard(w, 2, 0, "2a. offloaded, evicted from G1, onboarded from host");
     check_onboard(w, 3, 1, "2b. offloaded, evicted from G1 and G2, onboarded from disk");
-    check_fork(&w->m);
+    check_fork(&w->m, gpu);
     check_pools(w);
     printf("%d passed, %d failed\n", n_passed, n_failed);
     return n_failed ? 1 : 0;
@@ -841,26 +967,52 @@ static int run_checks(world *w)
 int main(int argc, char **argv)
 {
     world *w;
-    int check = argc == 2 && strcmp(argv[1], "--check") == 0, rc;
-    if (argc > 2 || (argc == 2 && !check)) {
-        fprintf(stderr, "usage: %s [--check]\n", argv[0]);
+    void *gpu = NULL;
+    int check = 0, want_gpu = 0, bad = 0, rc, i;
+    for (i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--check") == 0) check = 1;
+        else if (strcmp(argv[i], "--gpu") == 0) want_gpu = 1;
+        else bad = 1;
+    }
+#ifndef TINY_LLM_CUDA
+    bad |= want_gpu; /* --gpu needs build/tiny_llm_cuda */
+#endif
+    if (bad || (want_gpu && !check)) {
+        fprintf(stderr, "usage: %s [--check]%s\n", argv[0],
+#ifdef TINY_LLM_CUDA
+                " | --check --gpu"
+#else
+                " (--gpu: build/tiny_llm_cuda, make tiny_llm_cuda)"
+#endif
+        );
         return 2;
     }
+#ifdef TINY_LLM_CUDA
+    if (want_gpu) {
+        kvc_context *ctx = NULL;
+        if (kvc_context_create(0, &ctx) != KVC_OK) {
+            printf("FAIL no usable GPU: %s\n0 passed, 1 failed\n", kvc_last_error_message(ctx));
+            kvc_context_destroy(ctx);
+            return 1;
+        }
+        gpu = ctx;
+    }
+#endif
     if (!(w = (world *)calloc(1, sizeof *w))) return 2;
     if (world_open(w) != 0 || run_scenario(w) != 0) {
         fprintf(stderr, "tiny_llm: setup or serving failed%s%s\n", w->t.note[0] ? ": " : "", w->t.note);
         if (check) printf("FAIL serving the requests\n0 passed, 1 failed\n");
-        world_close(w);
-        free(w);
-        return check ? 1 : 2;
-    }
-    if (check) {
-        rc = run_checks(w);
+        rc = check ? 1 : 2;
+    } else if (check) {
+        rc = run_checks(w, gpu);
     } else {
         print_report(w);
         rc = 0;
     }
     world_close(w);
     free(w);
+#ifdef TINY_LLM_CUDA
+    kvc_context_destroy((kvc_context *)gpu);
+#endif
     return rc;
 }

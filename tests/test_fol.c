@@ -3,9 +3,10 @@
  * a small reference model of the documented policy, a hand-made trace where FOL keeps a thrice-used
  * block that LRU evicts, and FOL's hit rate against LRU on a synthetic multi-turn chat workload.
  * The rules are the issue's, with its step of 10,000 set explicitly (ISSUE_STEP): the default step
- * (fol_class_step 0) is adapted online (kvblock.h section 2), checked here by its own tests: it starts
- * at LRU order, rises where frequency pays, falls back where it stops paying, and keeps FOL at or above
- * LRU where the issue's fixed step falls below it.
+ * (fol_class_step 0) is chosen online by miniature simulation (kvblock.h section 2), checked here by its
+ * own tests: it starts at LRU order, rises where frequency pays, falls back where it stops paying, and
+ * keeps FOL within 0.002 of LRU or above where the issue's fixed step falls below it (issue 14's rule;
+ * tests/test_policy_workloads.c checks it on the production-like workloads).
  *
  * A block's class is internal, so it is observed through eviction order: a pool whose blocks are all
  * cached and unreferenced is asked for every block at once (kvb_alloc), and the REMOVED events it
@@ -20,7 +21,7 @@
 #include <math.h>
 
 #define MAXREQ 128
-#define ISSUE_STEP 10000u /* the issue's class step; 0 now selects the adaptive one */
+#define ISSUE_STEP 10000u /* the issue's class step; 0 now selects the self-tuning one */
 
 /* ---- requests ---------------------------------------------------------------------------------- */
 
@@ -161,10 +162,11 @@ static void test_fol_class_rules(void)
     kvb_pool_destroy(pool);
 }
 
-/* The same blocks in a pool with the adaptive step, fresh (no eviction has taught it anything): the
- * step is 0, W = {-0, 0, 0, 0, 0}, so the order is LRU's among leaves: release order, a request's
- * deeper block first (6 before 5, 8 before 7). */
-static void test_fol_adaptive_starts_as_lru(void)
+/* The same blocks in a pool with the self-tuning step, fresh (no eviction has taught it anything): the
+ * step is C/2 = 4 and W = {-4, 0, 4, 8, 12}. At clock 18 the keys (age - W) are 1: 14 - 12 = 2,
+ * 2: 10 - 12 = -2, 3: 7 - 8 = -1, 4: 5 - 4 = 1, 5: 4, 6 (a class-0 tail): 4 + 4 = 8, 7: 2, 8: 2 + 4 = 6;
+ * leaves first (5 waits for 6, 7 for 8), and a tie (1 and 7) goes to the ring scanned first. */
+static void test_fol_self_tuning_starts_at_half_pool(void)
 {
     fx_events rec;
     kvb_pool *pool = fol_pool(8, 0, 0, 0, &rec);
@@ -175,10 +177,10 @@ static void test_fol_adaptive_starts_as_lru(void)
     for (i = 0; i < 2; i++) REQ(pool, 4);
     REQ(pool, 5, 6);
     REQ(pool, 7, 8);
-    KVT_EQ(fx_stats(pool).fol_class_step, 0);
+    KVT_EQ(fx_stats(pool).fol_class_step, 4);
     uint64_t order[16];
     size_t n = evict_all(pool, &rec, order, 16);
-    CHECK_ORDER(order, n, 1, 2, 3, 4, 6, 5, 8, 7);
+    CHECK_ORDER(order, n, 6, 8, 5, 7, 1, 4, 3, 2);
     kvb_pool_destroy(pool);
 }
 
@@ -886,7 +888,7 @@ static void test_fol_hit_rate_vs_lru(void)
         double fixed = chat_hit_rate(sizes[i], KVB_EVICT_FOL, ISSUE_STEP, requests, 2024);
         printf("| %u | %.2f%% | %.2f%% | %.3fx | %.2f%% |\n", sizes[i], 100 * lru, 100 * fol, lru > 0 ? fol / lru : 0,
                100 * fixed);
-        KVT_CHECK(fol >= lru);                 /* never below LRU ... */
+        KVT_CHECK(fol >= lru - 0.002);         /* never below LRU (issue 14's tolerance) ... */
         if (i < 2) KVT_CHECK(fol > lru * 1.02); /* and above it where reuse rates differ within the pool's reach */
         if (i > 0) KVT_CHECK(fixed < lru);     /* where the issue's fixed step falls below LRU (issue 6) */
     }
@@ -953,8 +955,8 @@ static void serve_all(kvb_pool **pools, const kvb_hash *h, size_t n, size_t *hit
  * Phase 1: four 4-block prompts, each used once per round, each followed by a one-off scan that grows
  * from 16 to 65 blocks over the rounds: LRU never keeps a prompt (more than 64 other blocks come
  * between two of its uses); FOL keeps them by protecting blocks seen many times against the scans
- * (count-1 blocks), which takes a step that grows with the scans. The adaptive step starts at 0 (LRU
- * order) and rises on ghost hits of prompt blocks evicted moments before their next use.
+ * (count-1 blocks), which takes a step that grows with the scans. The self-tuning step starts at C/2
+ * and rises as the shadow pools with larger steps keep the prompts.
  * Phase 2: the prompts are never used again; 8-block chains are used twice, the second time three
  * chains later (40 new blocks between): LRU keeps every one; a large step keeps the dead prompts and
  * the chains already used twice (class 2) instead, and the chains waiting for their second use go.
@@ -972,7 +974,7 @@ static void test_fol_adaptive_step_direction(void)
     pools[P_ISSUE] = fx_pool_from(&cfg);
     cfg.eviction = KVB_EVICT_LRU;
     pools[P_LRU] = fx_pool_from(&cfg);
-    KVT_EQ(fx_stats(pools[P_ADAPTIVE]).fol_class_step, 0);
+    KVT_EQ(fx_stats(pools[P_ADAPTIVE]).fol_class_step, 32); /* C/2 until the shadows know better */
     for (int round = 0; round < 200; round++) {
         if (round == 100) memcpy(half, hits, sizeof half);
         for (uint64_t p = 0; p < 4; p++) {
@@ -1022,7 +1024,7 @@ int main(void)
 {
     fx_watchdog(300);
     KVT_RUN(test_fol_class_rules);
-    KVT_RUN(test_fol_adaptive_starts_as_lru);
+    KVT_RUN(test_fol_self_tuning_starts_at_half_pool);
     KVT_RUN(test_fol_class_offsets);
     KVT_RUN(test_fol_eviction_candidates_in_order);
     KVT_RUN(test_fol_tie_same_request);

@@ -2118,7 +2118,7 @@ static void metrics_with_tiers_and_disk_are_valid_prometheus_text(void)
     sf_opts o;
     kvs_sched_config sc;
     uint32_t prompt[96];
-    size_t len = 0, tier_seen[3] = {0}, direction = 0, checksum = 0;
+    size_t len = 0, tier_seen[3] = {0}, direction = 0, checksum = 0, joined = 0;
     char *text;
     prom_doc *d = (prom_doc *)calloc(1, sizeof *d);
     if (!d) return;
@@ -2160,8 +2160,16 @@ static void metrics_with_tiers_and_disk_are_valid_prometheus_text(void)
                 KVT_CHECK(has_label(&d->s[i], "tier=\"2\"")); /* the disk's tier */
                 checksum++;
             }
+            if (strcmp(d->s[i].name, "kvcache_onboard_joined_blocks_total") == 0) { /* G2 and G3 -> G1 */
+                kvo_manager_stats ms;
+                uint32_t t = has_label(&d->s[i], "tier=\"1\"") ? 1 : 2;
+                KVT_EQ(kvo_manager_get_stats(e.m, &ms), KVO_OK);
+                KVT_EQ((uint64_t)d->s[i].value, ms.up[t].joined);
+                joined++;
+            }
         }
         KVT_EQ(checksum, 1);
+        KVT_EQ(joined, 2);
         KVT_CHECK(tier_seen[0] && tier_seen[1] && tier_seen[2]);
         KVT_CHECK(direction > 0);
     }

@@ -2,7 +2,7 @@
  * destination (device tier) with identical bytes and registered there; a hash already in the
  * destination returns the existing block without a copy; the first miss ends the request; the caller
  * takes the destination blocks once, as strong references; cancel, release without taking, a full
- * destination, and the threaded mode. */
+ * destination, the threaded mode, and two requests with a common prefix moving each block once. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -238,6 +238,71 @@ static void test_onboard_threaded(void)
     rig_close(&r);
 }
 
+/* Two requests with the same prefix onboarded in one step: the second joins the first's copies and
+ * loads only its own tail; each block moves once, both get the same G1 blocks with the right bytes. */
+static void test_same_prefix_in_one_step_moves_each_block_once(void)
+{
+    rig r;
+    rig_open(&r);
+    kvo_transfer a = onboard(&r, r.h, 6), b = onboard(&r, r.h, 8); /* b: the same 6, then 2 more */
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_backend_copies(r.w), 8);
+    for (size_t i = 0; i < 8; i++) KVT_EQ(of_backend_saw_src(r.w, r.g2, kvb_block_index(r.in_g2[i].id)), 1);
+    kvo_transfer_info ia = of_info(r.p, a), ib = of_info(r.p, b);
+    KVT_EQ(ia.transferred, 6);
+    KVT_EQ(ia.joined, 0);
+    KVT_EQ(ib.transferred, 2);
+    KVT_EQ(ib.joined, 6);
+    KVT_EQ(ib.present, 0);
+    kvo_pipeline_stats ps;
+    KVT_EQ(kvo_pipeline_get_stats(r.p, &ps), KVO_OK);
+    KVT_EQ(ps.joined, 6);
+    KVT_EQ(ps.transferred, 8);
+    kvb_block ga[8], gb[8];
+    size_t na = 0, nb = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, a, ga, 8, &na), KVO_OK);
+    KVT_EQ(kvo_transfer_take_blocks(r.p, b, gb, 8, &nb), KVO_OK);
+    KVT_EQ(na, 6);
+    KVT_EQ(nb, 8);
+    for (size_t i = 0; i < nb; i++) {
+        if (i < na) KVT_EQ(kvb_block_index(gb[i].id), kvb_block_index(ga[i].id));
+        KVT_EQ(of_refs(r.g1, gb[i].id), i < na ? 2 : 1);
+        KVT_CHECK(of_hash_eq(of_hash_of(r.g1, gb[i].id), r.h[i]));
+        KVT_CHECK(of_bytes_ok(r.g1, gb[i], r.h[i]));
+    }
+    KVT_EQ(kvb_release(r.g1, ga, na, NULL), KVB_OK);
+    KVT_EQ(kvb_release(r.g1, gb, nb, NULL), KVB_OK);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
+/* The copy a request joined fails: that request loads the block itself once the failed transfer is
+ * over, and takes the one that did land. */
+static void test_joined_copy_that_fails_is_loaded_again(void)
+{
+    rig r;
+    rig_open(&r);
+    of_backend_set_fail(r.w, 1, KVO_EIO); /* the first copy (h[0] for a) fails */
+    kvo_transfer a = onboard(&r, r.h, 2), b = onboard(&r, r.h, 2);
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_FAILED);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info ib = of_info(r.p, b);
+    KVT_EQ(ib.transferred, 1);
+    KVT_EQ(ib.joined, 1);
+    KVT_EQ(of_backend_copies(r.w), 3);
+    kvb_block got[2];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, b, got, 2, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    for (size_t i = 0; i < n; i++) KVT_CHECK(of_bytes_ok(r.g1, got[i], r.h[i]));
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -247,5 +312,7 @@ int main(void)
     KVT_RUN(test_take_cancel_and_release_rules);
     KVT_RUN(test_full_destination);
     KVT_RUN(test_onboard_threaded);
+    KVT_RUN(test_same_prefix_in_one_step_moves_each_block_once);
+    KVT_RUN(test_joined_copy_that_fails_is_loaded_again);
     return kvt_summary();
 }

@@ -1,6 +1,6 @@
 /* Sequences of kvblock.h: incremental hashing as tokens arrive, fork and copy-on-write of the shared
- * partial block (bytes included), reference counting across forks, truncation, chunked commits, and
- * an append that does not fit changing nothing. */
+ * partial block (bytes included), reference counting across forks, truncation, chunked commits, an
+ * append that does not fit changing nothing, and those copies through the pool's copy_block hook. */
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"
 #include "kvtest.h"
@@ -350,6 +350,138 @@ static void test_copy_on_write_without_space_changes_nothing(void)
     kvb_pool_destroy(pool);
 }
 
+/* ---- the copy_block hook: what a device pool (kvcuda) plugs in ---------------------------------- */
+
+typedef struct copy_log {
+    int calls, fail;      /* fail: refuse every copy */
+    size_t n;             /* spans of the last call */
+    uint64_t bytes;       /* span size of the last call */
+} copy_log;
+
+static int logged_copy(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+{
+    copy_log *log = (copy_log *)user;
+    log->calls++;
+    log->n = n;
+    log->bytes = bytes;
+    if (log->fail) return -1;
+    for (size_t i = 0; i < n; i++) memcpy(dst[i], src[i], (size_t)bytes);
+    return 0;
+}
+
+static kvb_pool *hooked_pool(uint32_t num_blocks, kvb_layout_kind kind, copy_log *log)
+{
+    kvb_pool_config cfg = fx_config(num_blocks);
+    cfg.storage = KVB_STORAGE_HOST;
+    cfg.copy_block = logged_copy;
+    cfg.copy_user = log;
+    KVT_EQ(kvb_layout_for_model(kind, 16, LAYERS, 2, 8, 2, &cfg.layout), KVB_OK);
+    return fx_pool_from(&cfg);
+}
+
+/* Fork, then both branches write the shared partial block: each copy goes through the hook (one span
+ * per page in a layer-separate pool, the whole block in a block-contiguous one) with the bytes; a
+ * truncate into a registered block copies through it too. */
+static void test_copy_hook_carries_fork_and_truncate(void)
+{
+    const kvb_layout_kind kinds[2] = {KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS};
+    for (int k = 0; k < 2; k++) {
+        copy_log log;
+        memset(&log, 0, sizeof log);
+        kvb_pool *pool = hooked_pool(16, kinds[k], &log);
+        uint32_t tokens[40];
+        fx_iota(tokens, 40, 900);
+        kvb_seq *s = fx_seq(pool, NULL), *t = NULL;
+        KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 20), KVB_OK);
+        kvb_block before[2];
+        KVT_EQ(fx_seq_table(s, before, 2), 2);
+        fill_block(pool, before[1], 0x5a);
+        KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+        KVT_EQ(log.calls, 0); /* a fork shares, it copies nothing */
+
+        KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_OK);
+        KVT_EQ(log.calls, 1);
+        KVT_EQ(log.n, kinds[k] == KVB_LAYOUT_LAYER_SEPARATE ? 2 * LAYERS : 1);
+        KVT_EQ(log.bytes, kinds[k] == KVB_LAYOUT_LAYER_SEPARATE ? PAGE : 2 * LAYERS * PAGE);
+        KVT_EQ(kvb_seq_append(t, tokens + 30, 1, NULL), KVB_OK); /* t is the last owner now: no copy */
+        KVT_EQ(log.calls, 1);
+        kvb_block ts[2], tt[2];
+        KVT_EQ(fx_seq_table(s, ts, 2), 2);
+        KVT_EQ(fx_seq_table(t, tt, 2), 2);
+        KVT_CHECK(kvb_block_index(ts[1].id) != kvb_block_index(tt[1].id));
+        KVT_EQ(pages_differing(pool, ts[1], 0x5a), 0);
+        KVT_EQ(pages_differing(pool, tt[1], 0x5a), 0);
+
+        KVT_EQ(kvb_seq_append(s, tokens + 21, 11, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 32), KVB_OK); /* block 1 of s is registered now */
+        KVT_EQ(fx_seq_table(s, ts, 2), 2);
+        fill_block(pool, ts[1], 0x6b);
+        KVT_EQ(kvb_seq_truncate(s, 24), KVB_OK);
+        KVT_EQ(log.calls, 2);
+        kvb_block after[2];
+        KVT_EQ(fx_seq_table(s, after, 2), 2);
+        KVT_CHECK(kvb_block_index(after[1].id) != kvb_block_index(ts[1].id));
+        KVT_EQ(pages_differing(pool, after[1], 0x6b), 0);
+        kvb_seq_destroy(s);
+        kvb_seq_destroy(t);
+        FX_CHECK_POOL(pool);
+        kvb_pool_destroy(pool);
+    }
+}
+
+/* A hook that fails: append and truncate return KVB_ECOPY and change nothing; a truncate that had to
+ * free its tail for the copy ends at the block boundary below. */
+static void test_failed_copy_changes_nothing(void)
+{
+    copy_log log;
+    memset(&log, 0, sizeof log);
+    log.fail = 1;
+    kvb_pool *pool = hooked_pool(8, KVB_LAYOUT_LAYER_SEPARATE, &log);
+    uint32_t tokens[40];
+    fx_iota(tokens, 40, 1);
+    kvb_seq *s = fx_seq(pool, NULL), *t = NULL;
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+    kvb_block table[2];
+    KVT_EQ(fx_seq_table(s, table, 2), 2);
+    kvb_pool_stats st0 = fx_stats(pool);
+    KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_ECOPY);
+    kvb_pool_stats st1 = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&st0, &st1));
+    KVT_EQ(log.calls, 1);
+    KVT_EQ(fx_seq_info(s).num_tokens, 20);
+    KVT_EQ(fx_info(pool, table[1].id).refs, 2);
+    KVT_EQ(kvb_seq_truncate(s, 18), KVB_ECOPY); /* into the shared block: a copy, refused */
+    st1 = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&st0, &st1));
+    KVT_EQ(fx_seq_info(s).num_tokens, 20);
+    FX_CHECK_POOL(pool);
+
+    /* a full pool: s = [b0 shared with t, b1' its own copy, registered, b2 its own partial tail] */
+    log.fail = 0;
+    KVT_EQ(kvb_seq_append(s, tokens + 20, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(s, 40), KVB_OK);
+    kvb_block rest[4];
+    KVT_EQ(kvb_alloc(pool, 4, rest), KVB_OK);
+    KVT_EQ(fx_stats(pool).free_blocks, 0);
+    log.fail = 1;
+    log.calls = 0;
+    KVT_EQ(kvb_seq_truncate(s, 20), KVB_ECOPY);
+    KVT_EQ(log.calls, 1);
+    kvb_seq_info info = fx_seq_info(s);
+    KVT_EQ(info.num_tokens, 16);
+    KVT_EQ(info.num_blocks, 1);
+    KVT_EQ(info.num_full, 1);
+    KVT_EQ(fx_seq_info(t).num_tokens, 20); /* the other owner keeps everything */
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, rest, 4, NULL), KVB_OK);
+    kvb_seq_destroy(s);
+    kvb_seq_destroy(t);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -360,5 +492,7 @@ int main(void)
     KVT_RUN(test_chunked_commit_registers_full_blocks_only);
     KVT_RUN(test_append_without_space_changes_nothing);
     KVT_RUN(test_copy_on_write_without_space_changes_nothing);
+    KVT_RUN(test_copy_hook_carries_fork_and_truncate);
+    KVT_RUN(test_failed_copy_changes_nothing);
     return kvt_summary();
 }

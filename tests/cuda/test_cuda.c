@@ -5,7 +5,8 @@
  * With a device: round trips device -> pinned -> device for both layouts (and a mix) with random block
  * ids, byte-compared, by DMA, by the kernel and by the automatic choice; an offload waiting on a CUDA
  * event behind a slow kernel; cancel before the upgrade copies nothing; many small scattered copies in
- * one kernel job equal the same copies done one job each; per-copy errors. */
+ * one kernel job equal the same copies done one job each; per-copy errors; fork and copy-on-write of
+ * sequences on a device pool. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -473,7 +474,7 @@ static void test_plan_on_host(void)
 
 /* device A -> pinned H -> device B with random ids; every block byte-compared at each hop. */
 static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kind host_kind, kvc_copy_method method,
-                      uint64_t seed)
+                      uint64_t seed, int batch_api)
 {
     enum { NA = 96, NH = 160, NB = 80, N = 48, LAYERS = 3 };
     const uint64_t page = 4096 + 512; /* 16-byte multiple, not a power of two */
@@ -484,6 +485,7 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
     kvc_backend_config bc;
     memset(&bc, 0, sizeof bc);
     bc.method = method;
+    bc.batch_api = batch_api;
     kvo_backend *be = NULL;
     KVT_EQ(kvc_backend_create(ctx, &bc, &be), KVC_OK);
     if (!be) return;
@@ -542,6 +544,7 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
     }
     if (method == KVC_COPY_KERNEL) KVT_EQ(st.kernel_jobs, 2);
     if (method == KVC_COPY_DMA) KVT_EQ(st.dma_jobs, 2);
+    if (batch_api < 0) KVT_EQ(st.batch_calls, 0); /* the per-run path: one cudaMemcpyAsync per copy */
     free(named);
     free(zero);
     free(ha);
@@ -556,18 +559,18 @@ static void roundtrip(kvc_context *ctx, kvb_layout_kind dev_kind, kvb_layout_kin
 static void test_roundtrip_block_contiguous(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_AUTO, 11);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 12);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 13);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_AUTO, 11, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 12, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 13, 0);
     kvc_context_destroy(ctx);
 }
 
 static void test_roundtrip_layer_separate(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 21);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_DMA, 22);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_KERNEL, 23);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 21, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_DMA, 22, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_KERNEL, 23, 0);
     kvc_context_destroy(ctx);
 }
 
@@ -575,9 +578,19 @@ static void test_roundtrip_layer_separate(void)
 static void test_roundtrip_mixed_layouts(void)
 {
     NEED_GPU(ctx);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 31);
-    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 32);
-    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 33);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 31, 0);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_KERNEL, 32, 0);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_LAYER_SEPARATE, KVC_COPY_AUTO, 33, 0);
+    kvc_context_destroy(ctx);
+}
+
+/* DMA without cudaMemcpyBatchAsync (batch_api -1), the path a toolkit or driver older than 12.8 takes:
+ * one cudaMemcpyAsync per merged copy, same bytes. */
+static void test_roundtrip_per_run_copies(void)
+{
+    NEED_GPU(ctx);
+    roundtrip(ctx, KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 41, -1);
+    roundtrip(ctx, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVB_LAYOUT_BLOCK_CONTIGUOUS, KVC_COPY_DMA, 42, -1);
     kvc_context_destroy(ctx);
 }
 
@@ -893,6 +906,65 @@ static void test_copy_errors(void)
     kvc_context_destroy(ctx);
 }
 
+/* kvb_seq_fork + appends on a device pool: the shared partial block is copied on the device by the
+ * copy_block hook kvc_pool_create installs (a CPU memcpy of device memory would crash), bytes equal;
+ * a truncate into a registered block too. Both layouts. */
+static void test_fork_on_device_pool(void)
+{
+    NEED_GPU(ctx);
+    const kvb_layout_kind kinds[2] = {KVB_LAYOUT_LAYER_SEPARATE, KVB_LAYOUT_BLOCK_CONTIGUOUS};
+    for (int k = 0; k < 2; k++) {
+        kvb_pool *pool = make_pool(ctx, KVC_MEMORY_DEVICE, 16, layout_of(kinds[k], 3, 4096 + 256));
+        if (!pool) break;
+        kvb_pool_config cfg;
+        memset(&cfg, 0, sizeof cfg);
+        KVT_EQ(kvb_pool_get_config(pool, &cfg), KVB_OK);
+        KVT_CHECK(cfg.copy_block != NULL && cfg.copy_user == (void *)ctx);
+        fill_random(ctx, pool, 500 + (uint64_t)k);
+        uint32_t tokens[40];
+        for (uint32_t i = 0; i < 40; i++) tokens[i] = 100 + i;
+        kvb_seq *s = NULL, *t = NULL;
+        KVT_EQ(kvb_seq_create(pool, NULL, &s), KVB_OK);
+        KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 20), KVB_OK);
+        KVT_EQ(kvb_seq_fork(s, &t), KVB_OK);
+        const kvb_block *table = NULL;
+        size_t n = 0;
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        uint32_t shared = kvb_block_index(table[1].id);
+        uint64_t bytes = 0;
+        unsigned char *before = snapshot(ctx, pool, &bytes);
+
+        KVT_EQ(kvb_seq_append(s, tokens + 20, 1, NULL), KVB_OK); /* s copies the shared block */
+        KVT_EQ(kvb_seq_append(t, tokens + 30, 1, NULL), KVB_OK); /* t is its last owner: writes in place */
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        uint32_t copy = kvb_block_index(table[1].id);
+        KVT_CHECK(copy != shared);
+        unsigned char *after = snapshot(ctx, pool, &bytes);
+        KVT_CHECK(same_block(before, pool, shared, after, pool, copy));
+        KVT_CHECK(same_block(before, pool, shared, after, pool, shared));
+
+        KVT_EQ(kvb_seq_append(s, tokens + 21, 11, NULL), KVB_OK);
+        KVT_EQ(kvb_seq_commit(s, 32), KVB_OK); /* s's block 1 is registered: truncating into it copies */
+        free(before);
+        before = snapshot(ctx, pool, &bytes);
+        KVT_EQ(kvb_seq_truncate(s, 24), KVB_OK);
+        KVT_EQ(kvb_seq_blocks(s, &table, &n), KVB_OK);
+        KVT_EQ(n, 2);
+        free(after);
+        after = snapshot(ctx, pool, &bytes);
+        KVT_CHECK(kvb_block_index(table[1].id) != copy);
+        KVT_CHECK(same_block(before, pool, copy, after, pool, kvb_block_index(table[1].id)));
+        free(before);
+        free(after);
+        kvb_seq_destroy(s);
+        kvb_seq_destroy(t);
+        KVT_EQ(kvb_pool_check(pool, NULL, 0), KVB_OK);
+        KVT_EQ(kvc_pool_destroy(ctx, pool), KVC_OK);
+    }
+    kvc_context_destroy(ctx);
+}
+
 int main(void)
 {
     signal(SIGALRM, watchdog_fired);
@@ -904,9 +976,11 @@ int main(void)
     KVT_RUN(test_roundtrip_block_contiguous);
     KVT_RUN(test_roundtrip_layer_separate);
     KVT_RUN(test_roundtrip_mixed_layouts);
+    KVT_RUN(test_roundtrip_per_run_copies);
     KVT_RUN(test_precondition_event);
     KVT_RUN(test_cancel_before_upgrade);
     KVT_RUN(test_scattered_equals_one_by_one);
     KVT_RUN(test_copy_errors);
+    KVT_RUN(test_fork_on_device_pool);
     return kvt_summary();
 }
