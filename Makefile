@@ -92,7 +92,7 @@ CFLAGS_CUDA_TEST := $(BASE) -g -O1 -fsanitize=undefined -fno-sanitize-recover=al
 CUDA_TESTS := $(if $(HAVE_NVCC),$(BUILD)/cuda/test_cuda)
 .PHONY: cuda bench-cuda
 
-test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(BUILD)/kvtop $(CUDA_TESTS)
+test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(BUILD)/kvtop $(BUILD)/workloads $(CUDA_TESTS)
 	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS)) $(CHECK_PROGRAMS) $(CUDA_TESTS) $(TEST_MORE)
 
 tsan: deps $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))

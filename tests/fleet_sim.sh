@@ -2,14 +2,16 @@
 # serve_sim --engines / --route (issue 18): a fleet of engines on one simulated clock with the KV-aware
 # router in front. Everything here is simulated time, so every figure is deterministic:
 #  - KV-aware routing never gets a lower fleet hit rate than round-robin, on synthetic workloads of
-#    several seeds and fleet sizes and on the sample trace;
+#    several seeds and fleet sizes, on every shape build/workloads generates (chat, api, docs, agent,
+#    burst, mixed; 1,000 requests each, 4 engines) and on the sample trace;
 #  - --engines auto keeps every engine under 0.8 utilisation without hits (and one engine fewer would
 #    not), and keeps TTFT p99 within three full scheduler steps (5 ms + 8192 tokens x 60 us each);
 #  - --engines 1 on a trace that overloads one engine warns on stderr and says so in the JSON;
 #    --engines auto on it runs several engines and does not warn;
 #  - the same fleet run twice gives the same report; bad combinations are refused with exit 2.
-# Run from the repository root after `make build/serve_sim`. Ends with "N passed, N failed".
+# Run from the repository root after `make build/serve_sim build/workloads`. Ends with "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
+WORKLOADS=${WORKLOADS:-build/workloads}
 TRACE=examples/traces/small.jsonl
 passed=0
 failed=0
@@ -44,14 +46,30 @@ run() { # run NAME ARGS...: JSON to $dir/NAME.json, stderr to $dir/NAME.err
 # ---- KV-aware routing vs round-robin ---------------------------------------------------------------
 for seed in 1 2 3; do
     for n in 2 4; do
-        run kv --requests 1500 --seed $seed --engines $n --route kv || continue
-        run rr --requests 1500 --seed $seed --engines $n --route rr || continue
+        run kv --requests 1000 --seed $seed --engines $n --route kv || continue
+        run rr --requests 1000 --seed $seed --engines $n --route rr || continue
         kv=$(field "$dir/kv.json" hit_rate)
         rr=$(field "$dir/rr.json" hit_rate)
         if ge "$kv" "$rr"; then ok "synthetic seed $seed, $n engines: kv hit rate $kv >= round-robin $rr"
         else bad "synthetic seed $seed, $n engines: kv hit rate $kv < round-robin $rr"; fi
     done
 done
+if [ -x "$WORKLOADS" ]; then
+    for shape in chat api docs agent burst mixed; do
+        if ! "$WORKLOADS" --write $shape "$dir/$shape.jsonl" --requests 1000 >/dev/null 2>&1; then
+            bad "$WORKLOADS --write $shape failed"
+            continue
+        fi
+        run kv --trace "$dir/$shape.jsonl" --engines 4 --route kv || continue
+        run rr --trace "$dir/$shape.jsonl" --engines 4 --route rr || continue
+        kv=$(field "$dir/kv.json" hit_rate)
+        rr=$(field "$dir/rr.json" hit_rate)
+        if ge "$kv" "$rr"; then ok "generated $shape trace, 4 engines: kv hit rate $kv >= round-robin $rr"
+        else bad "generated $shape trace, 4 engines: kv hit rate $kv < round-robin $rr"; fi
+    done
+else
+    bad "$WORKLOADS not built (make build/workloads)"
+fi
 if run kv --trace $TRACE --engines 3 --route kv && run rr --trace $TRACE --engines 3 --route rr; then
     kv=$(field "$dir/kv.json" hit_rate)
     rr=$(field "$dir/rr.json" hit_rate)
