@@ -2324,12 +2324,14 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     }
     pool->n_inactive = 0;
     pool->n_cached = 0;
+    memset(pool->n_cls, 0, sizeof pool->n_cls); /* no block is active: every registered one went */
     memset(pool->slots, 0, pool->slot_bytes);
     stbds_hmfree(pool->kids);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
         pool->rings[i].live = 0;
+        pool->rings[i].held = 0;
     }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
