@@ -120,8 +120,8 @@
  * FOL's self-tuning step (fol_class_step = 0, the default). No fixed step suits every workload and pool
  * size: the best one on real traffic runs from 0.3 to 30 times the pool's size, and a wrong one loses
  * to LRU. So the pool measures, by miniature simulation (Waldspurger et al., USENIX ATC 2017; SHARDS,
- * FAST 2015): a fixed spatial sample of block hashes (hash.hi below a threshold, so a block is always
- * in or always out) is replayed through 10 metadata-only shadow pools of C x rate blocks (C = the
+ * FAST 2015): a fixed spatial sample of block hashes (a mix of the hash below a threshold, so a block is
+ * always in or always out) is replayed through 10 metadata-only shadow pools of C x rate blocks (C = the
  * pool's size, rate = min(1, KVB_FOL_SHADOW_BLOCKS / C): every shadow holds 4,096 blocks, all of a
  * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
  * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
@@ -868,7 +868,7 @@ typedef struct kvb__shadow {
 } kvb__shadow;
 typedef struct kvb__tuner {
     kvb__shadow sh[KVB__TUNE_K];
-    uint64_t imask, thresh;    /* index size - 1; a block is sampled when hash.hi >> 32 < thresh */
+    uint64_t imask, thresh;    /* index size - 1; a block is sampled when its mixed hash >> 32 < thresh */
     uint64_t seen;             /* sampled blocks since the scores were last halved */
     double live, live_differ;  /* the live pool's own hits on them; blocks where it and LRU order differ */
     double caution;            /* dwell multiplier: doubles each time switching lost to LRU order */
@@ -1582,7 +1582,11 @@ static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, u
     kvb__tune_touch(p, sh, x, now, depth, tail);
 }
 
-static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h) { return (h->hi >> 32) < t->thresh; }
+/* Sampled or not, by the hash alone (mixed, so that a user's hash_fn with weak high bits samples evenly). */
+static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h)
+{
+    return (((h->lo ^ h->hi) * UINT64_C(0x9e3779b97f4a7c15)) >> 32) < t->thresh;
+}
 
 /* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest): first
  * the hits (counted, then touched, deepest first), then the misses come in. Returns the blocks sampled. */
@@ -2356,12 +2360,14 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     }
     pool->n_inactive = 0;
     pool->n_cached = 0;
+    memset(pool->n_cls, 0, sizeof pool->n_cls); /* no block is active: every registered one went */
     memset(pool->slots, 0, pool->slot_bytes);
     stbds_hmfree(pool->kids);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
         pool->rings[i].live = 0;
+        pool->rings[i].held = 0;
     }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);

@@ -12,8 +12,8 @@
  *   build/workloads --list    the shapes with their request and block counts
  * Shapes: chat api docs agent burst mixed (examples/workloads.h says what each is).
  *
- * Build: cc -std=c11 -O2 -I. -I/usr/include/stb -pthread examples/workloads.c -o workloads -lm
- * (make build/workloads does the same).
+ * Build (make build/workloads does the same):
+ *   cc -std=c11 -O2 -I. -I/usr/include/stb -pthread examples/workloads.c -o workloads -lm
  */
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"

@@ -266,7 +266,13 @@ static int fz_open(fz *f, fz_done_ctx done[2])
         f->num_blocks[p] = 1u + fz_below(f, 12);
         cfg.num_blocks = f->num_blocks[p];
         cfg.block_tokens = f->block_tokens;
-        cfg.eviction = (c0 >> (2 + p)) & 1 ? KVB_EVICT_LRU : KVB_EVICT_LINEAGE;
+        { /* three bits: lineage, LRU, FOL (self-tuning or a small fixed step), ARC, S3-FIFO */
+            static const kvb_evict_policy pols[8] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU,    KVB_EVICT_FOL, KVB_EVICT_ARC,
+                                                     KVB_EVICT_S3FIFO,  KVB_EVICT_FOL, KVB_EVICT_ARC, KVB_EVICT_S3FIFO};
+            unsigned k = ((c0 >> (2 + p)) & 1u) | (((c1 >> (1 + 2 * p)) & 1u) << 1) | (((c3 >> (5 + p)) & 1u) << 2);
+            cfg.eviction = pols[k];
+            if (k == 5) cfg.fol_class_step = 3;
+        }
         cfg.duplicates = (c0 >> (4 + p)) & 1 ? KVB_DUP_REJECT : KVB_DUP_ALLOW;
         cfg.priority_levels = 1u + ((c1 >> (2 * p)) & 1u) * 2u;
         cfg.tier = (uint32_t)p;
