@@ -755,7 +755,7 @@ typedef struct kvb__meta { /* one cache line per block */
     uint8_t flags;
     uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 */
     uint8_t depth;       /* FOL: position in the request that touched it last, up to 255 (ties) */
-    uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (= the map) */
+    uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (leaf-first policies) */
 } kvb__meta;
 typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
@@ -838,7 +838,8 @@ struct kvb_pool {
     int64_t fol_step;                /* FOL: the class step the keys use */
     int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
     kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
-    kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
+    int track_kids;         /* the policy takes leaves first: child counts are kept */
+    kvb__kid_entry *orphans; /* parent hash not indexed -> registered blocks naming it (stb_ds map, cold) */
     kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
     kvb_event *events;      /* pending batch (stb_ds array) */
     kvb_pool_stats stats;
@@ -1149,6 +1150,12 @@ static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
 
 /* ---- lineage counts: how many registered blocks name a hash as parent ---------------------------- */
 
+/* Policies that take leaves first keep, on the indexed block of each hash, how many registered blocks
+ * name that hash as parent: a child's registration and removal find their parent through the prefix
+ * index, and eviction reads leafness from the block it already looks at. A child whose parent hash is
+ * not indexed (it was evicted first, or never came) is counted in the orphan map, a cold path, and the
+ * count moves to the block that indexes the hash next. LRU and custom eviction never ask. */
+
 /* The map key of a parent hash. stb_ds's byte hash shifts each 4th byte into the sign bit of an int
  * (undefined behaviour for bytes >= 0x80), so bits 31 and 63 of each half are cleared: 124 bits left. */
 static kvb_hash kvb__kid_key(const kvb_hash *h)
@@ -1160,34 +1167,46 @@ static kvb_hash kvb__kid_key(const kvb_hash *h)
     return k;
 }
 
-static uint32_t kvb__kids(kvb_pool *p, const kvb_hash *h)
-{
-    kvb_hash key = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(p->kids, key);
-    return i < 0 ? 0 : p->kids[i].value;
-}
-
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
 
-/* Count a child in or out of its parent's hash, and keep the count on the parent's indexed block too,
- * so eviction reads leafness from the block it already looks at. */
+/* Children counted under a hash that is not indexed, moved from (take) or to (put) a block. The 124-bit
+ * key may merge two hashes; their counts stay exact in sum, and a wrong split needs a 2^-124 event. */
+static uint32_t kvb__orphans_take(kvb_pool *p, const kvb_hash *h)
+{
+    kvb_hash key;
+    ptrdiff_t i;
+    uint32_t n;
+    if (!p->orphans) return 0;
+    key = kvb__kid_key(h);
+    if ((i = stbds_hmgeti(p->orphans, key)) < 0) return 0;
+    n = p->orphans[i].value;
+    (void)stbds_hmdel(p->orphans, key);
+    return n;
+}
+
+static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n)
+{
+    kvb_hash key = kvb__kid_key(h);
+    ptrdiff_t i = stbds_hmgeti(p->orphans, key);
+    if (i < 0) stbds_hmput(p->orphans, key, n);
+    else p->orphans[i].value += n;
+}
+
+static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h)
+{
+    kvb_hash key = kvb__kid_key(h);
+    ptrdiff_t i = stbds_hmgeti(p->orphans, key);
+    if (i >= 0 && --p->orphans[i].value == 0) (void)stbds_hmdel(p->orphans, key);
+}
+
+/* Count a registered child in (+1) or out (-1) of its parent. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
-    kvb_hash key = kvb__kid_key(parent);
-    ptrdiff_t i;
-    uint32_t count = 0, holder;
-    if (kvb__hash_is_root(parent)) return;
-    i = stbds_hmgeti(p->kids, key);
-    if (i < 0) {
-        if (delta < 0) return;
-        stbds_hmput(p->kids, key, 1u);
-        count = 1;
-    } else if (delta > 0) {
-        count = ++p->kids[i].value;
-    } else if ((count = --p->kids[i].value) == 0) {
-        (void)stbds_hmdel(p->kids, key);
-    }
-    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids = count;
+    uint32_t holder;
+    if (!p->track_kids || kvb__hash_is_root(parent)) return;
+    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX;
+    else if (delta > 0) kvb__orphans_add(p, parent, 1);
+    else kvb__orphans_drop(p, parent);
 }
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
@@ -1265,7 +1284,6 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
 static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
-    if (stbds_hmlen(p->kids) == 0) return 1;
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
 }
 
@@ -1967,6 +1985,7 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
         } else {
             kvb__emit(p, KVB_EVENT_REMOVED, m);
             kvb__index_delete(p, s);
+            if (m->kids) kvb__orphans_add(p, &m->hash, m->kids); /* its children outlive it */
         }
     } else if (m->flags & KVB__F_DUP) {
         uint32_t c = kvb__find(p, &m->hash);
@@ -2106,7 +2125,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
         kvb__index_insert(p, idx);
-        m->kids = stbds_hmlen(p->kids) ? kvb__kids(p, &m->hash) : 0; /* children cached before it */
+        m->kids = kvb__orphans_take(p, &m->hash); /* children cached before it */
         kvb__emit(p, KVB_EVENT_STORED, m);
     } else { /* keep the first block matchable; chain this one behind it */
         m->flags |= KVB__F_DUP;
@@ -2164,7 +2183,7 @@ static void kvb__pool_free_parts(kvb_pool *p)
     ptrdiff_t i;
     for (i = 0; i < stbds_hmlen(p->muts); i++) KVB_FREE(p->muts[i].value);
     stbds_hmfree(p->muts);
-    stbds_hmfree(p->kids);
+    stbds_hmfree(p->orphans);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
     kvb__gset_free(&p->ghost[0]);
@@ -2218,6 +2237,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     }
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
+    p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
     p->fol_step = c.fol_class_step;
     if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
         pthread_mutex_destroy(&p->lock);
@@ -2299,7 +2319,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     pool->n_inactive = 0;
     pool->n_cached = 0;
     memset(pool->slots, 0, pool->slot_bytes);
-    stbds_hmfree(pool->kids);
+    stbds_hmfree(pool->orphans);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
@@ -2837,13 +2857,11 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (m->ntok > pool->cfg.block_tokens) KVB__FAIL("block %u holds %u tokens", i, m->ntok);
         if ((m->state == KVB_STATE_REGISTERED) != !!(m->flags & (KVB__F_INDEXED | KVB__F_DUP)))
             KVB__FAIL("block %u: registered but neither indexed nor duplicate", i);
-        if ((m->flags & KVB__F_INDEXED) && m->kids != kvb__kids(pool, &m->hash))
-            KVB__FAIL("block %u: child count %u, the parent map says %u", i, m->kids, kvb__kids(pool, &m->hash));
         if (m->state == KVB_STATE_REGISTERED) {
             uint32_t c = kvb__find(pool, &m->hash);
             while (c != KVB__NIL && c != i) c = pool->meta[c].dup_next;
             if (c != i) KVB__FAIL("registered block %u not reachable from the index", i);
-            if (!kvb__hash_is_root(&m->parent)) {
+            if (pool->track_kids && !kvb__hash_is_root(&m->parent)) { /* children counted by brute force */
                 kvb_hash key = kvb__kid_key(&m->parent);
                 k = stbds_hmgeti(kids, key);
                 if (k < 0) stbds_hmput(kids, key, 1u);
@@ -2889,12 +2907,25 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
     }
     if (n_cached != pool->n_cached) KVB__FAIL("index holds %u hashes, counted %u", n_cached, pool->n_cached);
-    if (stbds_hmlen(kids) != stbds_hmlen(pool->kids)) KVB__FAIL("parent counts: %d parents, expected %d",
-                                                               (int)stbds_hmlen(pool->kids), (int)stbds_hmlen(kids));
+    for (i = 0; i < n; i++) { /* an indexed block carries its hash's children; the rest are orphans */
+        const kvb__meta *m = &pool->meta[i];
+        kvb_hash key = kvb__kid_key(&m->hash);
+        uint32_t want = 0;
+        if (!(m->flags & KVB__F_INDEXED)) {
+            if (m->kids) KVB__FAIL("block %u not indexed, with a child count %u", i, m->kids);
+            continue;
+        }
+        if ((k = stbds_hmgeti(kids, key)) >= 0) {
+            want = kids[k].value;
+            (void)stbds_hmdel(kids, key);
+        }
+        if (m->kids != want) KVB__FAIL("block %u: child count %u, counted %u", i, m->kids, want);
+    }
+    if (stbds_hmlen(kids) != stbds_hmlen(pool->orphans))
+        KVB__FAIL("orphan counts: %d parents, counted %d", (int)stbds_hmlen(pool->orphans), (int)stbds_hmlen(kids));
     for (k = 0; k < stbds_hmlen(kids); k++) {
-        kvb_hash key = kids[k].key;
-        ptrdiff_t at = stbds_hmgeti(pool->kids, key);
-        if (at < 0 || pool->kids[at].value != kids[k].value) KVB__FAIL("parent count mismatch");
+        ptrdiff_t at = stbds_hmgeti(pool->orphans, kids[k].key);
+        if (at < 0 || pool->orphans[at].value != kids[k].value) KVB__FAIL("orphan count mismatch");
     }
 done:
     stbds_hmfree(kids);

@@ -24,7 +24,7 @@
  *                         bare_lru_ns_per_block: the same replay through a bare LRU prefix map written here
  *                         (a hash map and a linked list, serve_sim's reference_lru); replay_vs_bare_lru the
  *                         ratio (both must give the same hit rate, or the run stops); replay_fol_vs_lru: the
- *                         same replay under the default policy (FOL, self-tuning) / under LRU
+ *                         same replay under FOL (self-tuning, its default) / under LRU
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
  * and from kvoffload.h (section "kvoffload.h" below):
@@ -1482,7 +1482,7 @@ static void bench_replay(results *rs)
     if (b.hits_lib != b.hits_bare)
         die("replay: kvblock.h hit %llu blocks, the bare LRU map %llu", (unsigned long long)b.hits_lib,
             (unsigned long long)b.hits_bare);
-    b.policy = KVB_EVICT_DEFAULT;
+    b.policy = KVB_EVICT_FOL; /* self-tuning (fol_class_step 0) */
     fol = summarize_runs(MEDIAN, REPS_REPLAY, replay_lib_once, &b);
     free(b.blk);
     free(b.t.hashes);
