@@ -768,7 +768,6 @@ typedef struct kvb__mut { /* what a mutable block needs until it is registered *
     uint32_t tokens[1];
 } kvb__mut;
 
-typedef struct kvb__mut_entry { uint32_t key; kvb__mut *value; } kvb__mut_entry;
 
 /* Eviction order of one priority level: an array of (block, stamp) in release order, oldest at head.
  * A block taken back or evicted leaves a stale entry behind (its stamp moved on, or it is no longer
@@ -782,6 +781,12 @@ typedef struct kvb__ring {
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
+typedef struct kvb__orphan { kvb_hash parent; uint32_t count; } kvb__orphan; /* count 0 = empty */
+typedef struct kvb__otab { /* open addressing on the parent hash; grows, never shrinks */
+    kvb__orphan *e;
+    uint64_t mask;
+    uint32_t used;
+} kvb__otab;
 typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
 typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
     kvb__ghost *e;
@@ -839,8 +844,11 @@ struct kvb_pool {
     int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
     kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
     int track_kids;         /* the policy takes leaves first: child counts are kept */
-    kvb__kid_entry *orphans; /* parent hash not indexed -> registered blocks naming it (stb_ds map, cold) */
-    kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
+    kvb__otab orphans;      /* parent hash not indexed -> registered blocks naming it (cold path) */
+    uint32_t *mut_slot;     /* block index -> 1 + its mutable state in mut_buf, 0 = none (made when first needed) */
+    kvb__mut **mut_buf;     /* mutable states (stb_ds array), reused: the steady state allocates none */
+    uint32_t *mut_free;     /* unused entries of mut_buf (stb_ds array) */
+    uint32_t *scratch;      /* block indices of a call larger than KVB__SCRATCH (stb_ds array, only grows) */
     kvb_event *events;      /* pending batch (stb_ds array) */
     kvb_pool_stats stats;
     unsigned char *storage;
@@ -1169,34 +1177,84 @@ static kvb_hash kvb__kid_key(const kvb_hash *h)
 
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
 
-/* Children counted under a hash that is not indexed, moved from (take) or to (put) a block. The 124-bit
- * key may merge two hashes; their counts stay exact in sum, and a wrong split needs a 2^-124 event. */
+/* Children counted under a hash that is not indexed: a table that only grows (to the most orphaned
+ * parents at once), so a steady state allocates nothing. The slot of h, or the empty one where it goes. */
+static uint64_t kvb__orphan_slot(const kvb__otab *t, const kvb_hash *h)
+{
+    uint64_t s = h->lo & t->mask;
+    while (t->e[s].count && (t->e[s].parent.lo != h->lo || t->e[s].parent.hi != h->hi)) s = (s + 1) & t->mask;
+    return s;
+}
+
+/* Room for one more parent: double the table (rehash) at two thirds full. Returns 0 when out of memory. */
+static int kvb__orphan_room(kvb__otab *t)
+{
+    uint64_t n = t->e ? (t->mask + 1) * 2 : 64, i;
+    kvb__otab g;
+    if (t->e && (uint64_t)(t->used + 1) * 3 < (t->mask + 1) * 2) return 1;
+    g.e = (kvb__orphan *)KVB_MALLOC((size_t)n * sizeof *g.e);
+    if (!g.e) return 0;
+    memset(g.e, 0, (size_t)n * sizeof *g.e);
+    g.mask = n - 1;
+    g.used = t->used;
+    for (i = 0; t->e && i <= t->mask; i++)
+        if (t->e[i].count) g.e[kvb__orphan_slot(&g, &t->e[i].parent)] = t->e[i];
+    KVB_FREE(t->e);
+    *t = g;
+    return 1;
+}
+
+/* Forget the parent at slot s (backward-shift deletion). */
+static void kvb__orphan_delete(kvb__otab *t, uint64_t s)
+{
+    uint64_t i = s, j = s, k, m = t->mask;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!t->e[j].count) break;
+        k = t->e[j].parent.lo & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        t->e[i] = t->e[j];
+        i = j;
+    }
+    t->e[i].count = 0;
+    t->used--;
+}
+
+/* The children counted under h, taken out (they now belong to the block that indexes h). */
 static uint32_t kvb__orphans_take(kvb_pool *p, const kvb_hash *h)
 {
-    kvb_hash key;
-    ptrdiff_t i;
+    kvb__otab *t = &p->orphans;
+    uint64_t s;
     uint32_t n;
-    if (!p->orphans) return 0;
-    key = kvb__kid_key(h);
-    if ((i = stbds_hmgeti(p->orphans, key)) < 0) return 0;
-    n = p->orphans[i].value;
-    (void)stbds_hmdel(p->orphans, key);
+    if (!t->used) return 0;
+    s = kvb__orphan_slot(t, h);
+    if (!(n = t->e[s].count)) return 0;
+    kvb__orphan_delete(t, s);
     return n;
 }
 
+/* n more children under h. Out of memory, the count is lost: eviction may then take h's block before
+ * its children when h is cached again (a leaf-first preference, never a wrong answer to a lookup). */
 static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n)
 {
-    kvb_hash key = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(p->orphans, key);
-    if (i < 0) stbds_hmput(p->orphans, key, n);
-    else p->orphans[i].value += n;
+    kvb__otab *t = &p->orphans;
+    uint64_t s;
+    if (!kvb__orphan_room(t)) return;
+    s = kvb__orphan_slot(t, h);
+    if (!t->e[s].count) {
+        t->e[s].parent = *h;
+        t->used++;
+    }
+    t->e[s].count += n;
 }
 
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h)
 {
-    kvb_hash key = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(p->orphans, key);
-    if (i >= 0 && --p->orphans[i].value == 0) (void)stbds_hmdel(p->orphans, key);
+    kvb__otab *t = &p->orphans;
+    uint64_t s;
+    if (!t->used) return;
+    s = kvb__orphan_slot(t, h);
+    if (t->e[s].count && --t->e[s].count == 0) kvb__orphan_delete(t, s);
 }
 
 /* Count a registered child in (+1) or out (-1) of its parent. */
@@ -1226,12 +1284,13 @@ static int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* Drop stale entries once they outnumber the kept ones. */
+/* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
+ * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
 static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    if (len - r->head < 2 * ((size_t)r->live + r->held) + 64) return;
+    if (len < 2 * ((size_t)r->live + r->held) + 64) return;
     for (i = r->head; i < len; i++)
         if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
@@ -1958,18 +2017,40 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
 
-static kvb__mut *kvb__mut_of(kvb_pool *p, uint32_t idx)
+static kvb__mut *kvb__mut_of(const kvb_pool *p, uint32_t idx)
 {
-    ptrdiff_t i = stbds_hmgeti(p->muts, idx);
-    return i < 0 ? NULL : p->muts[i].value;
+    return p->mut_slot && p->mut_slot[idx] ? p->mut_buf[p->mut_slot[idx] - 1] : NULL;
+}
+
+/* A mutable state for block idx: a reused one, or a new one when every one made so far is in use. */
+static kvb__mut *kvb__mut_new(kvb_pool *p, uint32_t idx)
+{
+    size_t bytes = sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens;
+    uint32_t e;
+    if (!p->mut_slot) {
+        p->mut_slot = (uint32_t *)kvb__mem_alloc(&p->cfg.allocator, (size_t)p->cfg.num_blocks * sizeof(uint32_t), 64);
+        if (!p->mut_slot) return NULL;
+        memset(p->mut_slot, 0, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
+    }
+    if (stbds_arrlen(p->mut_free)) {
+        e = stbds_arrpop(p->mut_free);
+    } else {
+        kvb__mut *mu = (kvb__mut *)KVB_MALLOC(bytes);
+        if (!mu) return NULL;
+        stbds_arrput(p->mut_buf, mu);
+        stbds_arrput(p->mut_free, 0); /* room on the free list for it, so giving it back never allocates */
+        (void)stbds_arrpop(p->mut_free);
+        e = (uint32_t)stbds_arrlenu(p->mut_buf) - 1;
+    }
+    p->mut_slot[idx] = e + 1;
+    return p->mut_buf[e];
 }
 
 static void kvb__mut_drop(kvb_pool *p, uint32_t idx)
 {
-    kvb__mut *mu = kvb__mut_of(p, idx);
-    if (!mu) return;
-    KVB_FREE(mu);
-    (void)stbds_hmdel(p->muts, idx);
+    if (!p->mut_slot || !p->mut_slot[idx]) return;
+    stbds_arrput(p->mut_free, p->mut_slot[idx] - 1);
+    p->mut_slot[idx] = 0;
 }
 
 /* Take a registered block out of the index (promoting a duplicate) or out of its duplicate chain. */
@@ -2181,9 +2262,12 @@ static void kvb__pool_free_parts(kvb_pool *p)
 {
     const kvb_allocator *a = &p->cfg.allocator;
     ptrdiff_t i;
-    for (i = 0; i < stbds_hmlen(p->muts); i++) KVB_FREE(p->muts[i].value);
-    stbds_hmfree(p->muts);
-    stbds_hmfree(p->orphans);
+    for (i = 0; i < stbds_arrlen(p->mut_buf); i++) KVB_FREE(p->mut_buf[i]);
+    stbds_arrfree(p->mut_buf);
+    stbds_arrfree(p->mut_free);
+    stbds_arrfree(p->scratch);
+    kvb__mem_free(a, p->mut_slot, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
+    KVB_FREE(p->orphans.e);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
     kvb__gset_free(&p->ghost[0]);
@@ -2319,7 +2403,8 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     pool->n_inactive = 0;
     pool->n_cached = 0;
     memset(pool->slots, 0, pool->slot_bytes);
-    stbds_hmfree(pool->orphans);
+    if (pool->orphans.e) memset(pool->orphans.e, 0, (size_t)(pool->orphans.mask + 1) * sizeof *pool->orphans.e);
+    pool->orphans.used = 0;
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
@@ -2365,15 +2450,18 @@ static kvb_result kvb__strong_all(const kvb_pool *p, const kvb_block *blocks, si
     return KVB_OK;
 }
 
-/* Small arrays stay on the stack; larger ones use the allocator macros. */
+/* Block indices of one call (pool locked): small arrays on the stack, larger ones in the pool's scratch
+ * array, which only grows (to the largest call seen), so the steady state allocates nothing. */
 #define KVB__SCRATCH 64
-static uint32_t *kvb__scratch(uint32_t *stack, size_t n)
+static uint32_t *kvb__scratch(kvb_pool *p, uint32_t *stack, size_t n)
 {
-    return n <= KVB__SCRATCH ? stack : (uint32_t *)KVB_MALLOC(n * sizeof(uint32_t));
-}
-static void kvb__scratch_free(uint32_t *stack, uint32_t *p)
-{
-    if (p != stack) KVB_FREE(p);
+    if (n <= KVB__SCRATCH) return stack;
+    if (n > stbds_arrcap(p->scratch)) {
+        void *grown = stbds_arrgrowf(p->scratch, sizeof *p->scratch, 0, n);
+        if (!grown) return NULL;
+        p->scratch = (uint32_t *)grown;
+    }
+    return p->scratch;
 }
 
 KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
@@ -2382,13 +2470,15 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
     size_t i;
     kvb_result r;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__strong_all(pool, blocks, n, idx);
     if (r == KVB_OK)
         for (i = 0; i < n; i++) pool->meta[idx[i]].refs++;
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2420,8 +2510,11 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
     if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     for (i = 0; i < n && r == KVB_OK; i++) {
         if (blocks[i].id & KVB_WEAK_BIT) r = KVB_EWEAK;
         else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
@@ -2429,7 +2522,6 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     }
     if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio);
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2469,14 +2561,13 @@ static kvb_result kvb__lock_block(kvb_pool *p, kvb_block b, int state, uint32_t 
 static kvb_result kvb__init_block(kvb_pool *p, uint32_t idx, const kvb_hash *parent, uint64_t salt,
                                   const uint64_t *extra, size_t n_extra)
 {
-    kvb__mut *mu = (kvb__mut *)KVB_MALLOC(sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens);
+    kvb__mut *mu = kvb__mut_new(p, idx);
     kvb__meta *m = &p->meta[idx];
     if (!mu) return KVB_ENOMEM;
     memset(mu, 0, sizeof *mu);
     mu->salt = salt;
     mu->n_extra = (uint32_t)n_extra;
     if (n_extra) memcpy(mu->extra, extra, n_extra * sizeof *extra);
-    stbds_hmput(p->muts, idx, mu);
     if (parent) m->parent = *parent;
     else memset(&m->parent, 0, sizeof m->parent);
     m->ntok = 0;
@@ -2574,8 +2665,11 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
     size_t i;
     kvb_result r;
     if (!pool || (n && (!blocks || !out))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_COMPLETE, idx);
     for (i = 0; r == KVB_OK && i < n; i++) {
         kvb__meta *m = &pool->meta[idx[i]];
@@ -2585,7 +2679,6 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok));
     }
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2597,15 +2690,17 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     kvb_result r;
     kvb_hash root = {0, 0};
     if (!pool || (n && (!blocks || !out || !hashes))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens));
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2660,13 +2755,15 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
     uint32_t stack[KVB__SCRATCH], *idx;
     size_t k;
     if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     k = kvb__prefix(pool, hashes, n, idx);
     kvb__take_matched(pool, idx, k, n, out_blocks);
     *out_n = k;
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return KVB_OK;
 }
 
@@ -2674,11 +2771,13 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     if (!pool || !out_n || (n && !hashes)) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     *out_n = kvb__prefix(pool, hashes, n, idx);
     pthread_mutex_unlock(&pool->lock);
-    kvb__scratch_free(stack, idx);
     return KVB_OK;
 }
 
@@ -2921,11 +3020,15 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         }
         if (m->kids != want) KVB__FAIL("block %u: child count %u, counted %u", i, m->kids, want);
     }
-    if (stbds_hmlen(kids) != stbds_hmlen(pool->orphans))
-        KVB__FAIL("orphan counts: %d parents, counted %d", (int)stbds_hmlen(pool->orphans), (int)stbds_hmlen(kids));
-    for (k = 0; k < stbds_hmlen(kids); k++) {
-        ptrdiff_t at = stbds_hmgeti(pool->orphans, kids[k].key);
-        if (at < 0 || pool->orphans[at].value != kids[k].value) KVB__FAIL("orphan count mismatch");
+    if ((size_t)stbds_hmlen(kids) != pool->orphans.used)
+        KVB__FAIL("orphan counts: %u parents, counted %d", pool->orphans.used, (int)stbds_hmlen(kids));
+    for (s = 0; pool->orphans.e && s <= pool->orphans.mask; s++) {
+        const kvb__orphan *o = &pool->orphans.e[s];
+        kvb_hash key = kvb__kid_key(&o->parent);
+        if (!o->count) continue;
+        k = stbds_hmgeti(kids, key);
+        if (k < 0 || kids[k].value != o->count) KVB__FAIL("orphan count mismatch");
+        if (kvb__find(pool, &o->parent) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
     }
 done:
     stbds_hmfree(kids);
@@ -2971,11 +3074,10 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 static void kvb__seq_drop_tail(kvb_seq *s, size_t from, int touch)
 {
     size_t i, n = stbds_arrlenu(s->table) - from;
-    uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(stack, n);
+    uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(s->pool, stack, n);
     if (idx) {
         for (i = 0; i < n; i++) idx[i] = kvb_block_index(s->table[from + i].id);
         kvb__release_request(s->pool, idx, n, 0, touch);
-        kvb__scratch_free(stack, idx);
     } else {
         for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
     }
