@@ -781,12 +781,12 @@ typedef struct kvb__ring {
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
-typedef struct kvb__orphan { kvb_hash parent; uint32_t count; } kvb__orphan; /* count 0 = empty */
-typedef struct kvb__otab { /* open addressing on the parent hash; grows, never shrinks */
-    kvb__orphan *e;
+typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
+typedef struct kvb__ctab { /* a count per hash: open addressing on the hash; grows, never shrinks */
+    kvb__count *e;
     uint64_t mask;
     uint32_t used;
-} kvb__otab;
+} kvb__ctab;
 typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
 typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
     kvb__ghost *e;
@@ -844,7 +844,7 @@ struct kvb_pool {
     int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
     kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
     int track_kids;         /* the policy takes leaves first: child counts are kept */
-    kvb__otab orphans;      /* parent hash not indexed -> registered blocks naming it (cold path) */
+    kvb__ctab orphans;      /* parent hash not indexed -> registered blocks naming it (cold path) */
     uint32_t *mut_slot;     /* block index -> 1 + its mutable state in mut_buf, 0 = none (made when first needed) */
     kvb__mut **mut_buf;     /* mutable states (stb_ds array), reused: the steady state allocates none */
     uint32_t *mut_free;     /* unused entries of mut_buf (stb_ds array) */
@@ -1177,41 +1177,42 @@ static kvb_hash kvb__kid_key(const kvb_hash *h)
 
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
 
-/* Children counted under a hash that is not indexed: a table that only grows (to the most orphaned
- * parents at once), so a steady state allocates nothing. The slot of h, or the empty one where it goes. */
-static uint64_t kvb__orphan_slot(const kvb__otab *t, const kvb_hash *h)
+/* A count per hash (orphaned children here, in-flight and seen blocks in kvoffload.h): a table that only
+ * grows (to the most hashes counted at once), so a steady state allocates nothing. The slot of h, or the
+ * empty one where it goes. */
+static uint64_t kvb__ctab_slot(const kvb__ctab *t, const kvb_hash *h)
 {
     uint64_t s = h->lo & t->mask;
-    while (t->e[s].count && (t->e[s].parent.lo != h->lo || t->e[s].parent.hi != h->hi)) s = (s + 1) & t->mask;
+    while (t->e[s].count && (t->e[s].key.lo != h->lo || t->e[s].key.hi != h->hi)) s = (s + 1) & t->mask;
     return s;
 }
 
-/* Room for one more parent: double the table (rehash) at two thirds full. Returns 0 when out of memory. */
-static int kvb__orphan_room(kvb__otab *t)
+/* Room for one more hash: double the table (rehash) at two thirds full. Returns 0 when out of memory. */
+static int kvb__ctab_room(kvb__ctab *t)
 {
     uint64_t n = t->e ? (t->mask + 1) * 2 : 64, i;
-    kvb__otab g;
+    kvb__ctab g;
     if (t->e && (uint64_t)(t->used + 1) * 3 < (t->mask + 1) * 2) return 1;
-    g.e = (kvb__orphan *)KVB_MALLOC((size_t)n * sizeof *g.e);
+    g.e = (kvb__count *)KVB_MALLOC((size_t)n * sizeof *g.e);
     if (!g.e) return 0;
     memset(g.e, 0, (size_t)n * sizeof *g.e);
     g.mask = n - 1;
     g.used = t->used;
     for (i = 0; t->e && i <= t->mask; i++)
-        if (t->e[i].count) g.e[kvb__orphan_slot(&g, &t->e[i].parent)] = t->e[i];
+        if (t->e[i].count) g.e[kvb__ctab_slot(&g, &t->e[i].key)] = t->e[i];
     KVB_FREE(t->e);
     *t = g;
     return 1;
 }
 
-/* Forget the parent at slot s (backward-shift deletion). */
-static void kvb__orphan_delete(kvb__otab *t, uint64_t s)
+/* Forget the hash at slot s (backward-shift deletion). */
+static void kvb__ctab_delete(kvb__ctab *t, uint64_t s)
 {
     uint64_t i = s, j = s, k, m = t->mask;
     for (;;) {
         j = (j + 1) & m;
         if (!t->e[j].count) break;
-        k = t->e[j].parent.lo & m;
+        k = t->e[j].key.lo & m;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
         t->e[i] = t->e[j];
         i = j;
@@ -1220,42 +1221,56 @@ static void kvb__orphan_delete(kvb__otab *t, uint64_t s)
     t->used--;
 }
 
-/* The children counted under h, taken out (they now belong to the block that indexes h). */
-static uint32_t kvb__orphans_take(kvb_pool *p, const kvb_hash *h)
+static uint32_t kvb__ctab_get(const kvb__ctab *t, const kvb_hash *h)
 {
-    kvb__otab *t = &p->orphans;
+    return t->used ? t->e[kvb__ctab_slot(t, h)].count : 0;
+}
+
+/* count(h) += n (saturating). 0 when out of memory (nothing changed). */
+static int kvb__ctab_add(kvb__ctab *t, const kvb_hash *h, uint32_t n)
+{
     uint64_t s;
-    uint32_t n;
+    if (!n) return 1;
+    if (!kvb__ctab_room(t)) return 0;
+    s = kvb__ctab_slot(t, h);
+    if (!t->e[s].count) {
+        t->e[s].key = *h;
+        t->used++;
+    }
+    t->e[s].count = t->e[s].count > UINT32_MAX - n ? UINT32_MAX : t->e[s].count + n;
+    return 1;
+}
+
+/* count(h) -= n, at least 0 (a hash at 0 is forgotten); take = 1: all of it. Returns what was removed. */
+static uint32_t kvb__ctab_sub(kvb__ctab *t, const kvb_hash *h, uint32_t n, int take)
+{
+    uint64_t s;
+    uint32_t c;
     if (!t->used) return 0;
-    s = kvb__orphan_slot(t, h);
-    if (!(n = t->e[s].count)) return 0;
-    kvb__orphan_delete(t, s);
+    s = kvb__ctab_slot(t, h);
+    if (!(c = t->e[s].count)) return 0;
+    if (take || n >= c) {
+        kvb__ctab_delete(t, s);
+        return c;
+    }
+    t->e[s].count = c - n;
     return n;
 }
 
-/* n more children under h. Out of memory, the count is lost: eviction may then take h's block before
- * its children when h is cached again (a leaf-first preference, never a wrong answer to a lookup). */
-static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n)
+static void kvb__ctab_free(kvb__ctab *t)
 {
-    kvb__otab *t = &p->orphans;
-    uint64_t s;
-    if (!kvb__orphan_room(t)) return;
-    s = kvb__orphan_slot(t, h);
-    if (!t->e[s].count) {
-        t->e[s].parent = *h;
-        t->used++;
-    }
-    t->e[s].count += n;
+    KVB_FREE(t->e);
+    memset(t, 0, sizeof *t);
 }
 
-static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h)
-{
-    kvb__otab *t = &p->orphans;
-    uint64_t s;
-    if (!t->used) return;
-    s = kvb__orphan_slot(t, h);
-    if (t->e[s].count && --t->e[s].count == 0) kvb__orphan_delete(t, s);
-}
+/* The children counted under h, taken out (they now belong to the block that indexes h). */
+static uint32_t kvb__orphans_take(kvb_pool *p, const kvb_hash *h) { return kvb__ctab_sub(&p->orphans, h, 0, 1); }
+
+/* n more children under h. Out of memory, the count is lost: eviction may then take h's block before
+ * its children when h is cached again (a leaf-first preference, never a wrong answer to a lookup). */
+static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void)kvb__ctab_add(&p->orphans, h, n); }
+
+static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
 /* Count a registered child in (+1) or out (-1) of its parent. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
@@ -2267,7 +2282,7 @@ static void kvb__pool_free_parts(kvb_pool *p)
     stbds_arrfree(p->mut_free);
     stbds_arrfree(p->scratch);
     kvb__mem_free(a, p->mut_slot, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
-    KVB_FREE(p->orphans.e);
+    kvb__ctab_free(&p->orphans);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
     kvb__gset_free(&p->ghost[0]);
@@ -3023,12 +3038,12 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
     if ((size_t)stbds_hmlen(kids) != pool->orphans.used)
         KVB__FAIL("orphan counts: %u parents, counted %d", pool->orphans.used, (int)stbds_hmlen(kids));
     for (s = 0; pool->orphans.e && s <= pool->orphans.mask; s++) {
-        const kvb__orphan *o = &pool->orphans.e[s];
-        kvb_hash key = kvb__kid_key(&o->parent);
+        const kvb__count *o = &pool->orphans.e[s];
+        kvb_hash key = kvb__kid_key(&o->key);
         if (!o->count) continue;
         k = stbds_hmgeti(kids, key);
         if (k < 0 || kids[k].value != o->count) KVB__FAIL("orphan count mismatch");
-        if (kvb__find(pool, &o->parent) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
+        if (kvb__find(pool, &o->key) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
     }
 done:
     stbds_hmfree(kids);

@@ -1436,7 +1436,6 @@ typedef struct kvo__container {
 } kvo__container;
 
 typedef struct kvo__hslot { uint32_t gen; kvo__container *c; } kvo__hslot;
-typedef struct kvo__count_entry { kvb_hash key; uint32_t value; } kvo__count_entry;
 
 typedef struct kvo__note {
     kvo_transfer t;
@@ -1470,7 +1469,7 @@ struct kvo_pipeline {
     uint32_t executing;       /* jobs handed to the backend and not done */
     kvo__hslot *slots;
     uint32_t *free_slots;
-    kvo__count_entry *inflight, *freq;
+    kvb__ctab inflight, freq;  /* blocks in flight, blocks seen (frequency policy), per hash */
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
@@ -1487,27 +1486,13 @@ static uint64_t kvo__now(const kvo_pipeline *pl)
 }
 
 
-/* stb_ds creates the map on a first lookup, so the map is passed by address. */
-static uint32_t kvo__count_get(kvo__count_entry **m, const kvb_hash *h)
-{
-    kvb_hash k = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(*m, k);
-    return i < 0 ? 0 : (*m)[i].value;
-}
+static uint32_t kvo__count_get(const kvb__ctab *m, const kvb_hash *h) { return kvb__ctab_get(m, h); }
 
-static void kvo__count_add(kvo__count_entry **m, const kvb_hash *h, int delta)
+/* Out of memory a count is lost: a block may then be offered twice or once too few (policies only). */
+static void kvo__count_add(kvb__ctab *m, const kvb_hash *h, int delta)
 {
-    kvb_hash k = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(*m, k);
-    if (i < 0) {
-        if (delta > 0) stbds_hmput(*m, k, (uint32_t)delta);
-    } else if (delta > 0) {
-        (*m)[i].value += (uint32_t)delta;
-    } else if ((*m)[i].value <= (uint32_t)-delta) {
-        (void)stbds_hmdel(*m, k);
-    } else {
-        (*m)[i].value -= (uint32_t)-delta;
-    }
+    if (delta > 0) (void)kvb__ctab_add(m, h, (uint32_t)delta);
+    else (void)kvb__ctab_sub(m, h, (uint32_t)-delta, 0);
 }
 
 static kvo__container *kvo__container_new(size_t n)
@@ -2276,8 +2261,8 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->on_deck);
     stbds_arrfree(pipeline->slots);
     stbds_arrfree(pipeline->free_slots);
-    stbds_hmfree(pipeline->inflight);
-    stbds_hmfree(pipeline->freq);
+    kvb__ctab_free(&pipeline->inflight);
+    kvb__ctab_free(&pipeline->freq);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
     pthread_cond_destroy(&pipeline->cond);

@@ -2124,8 +2124,87 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     uint32_t loads_active;
 } kvs__plan;
 
+/* A map from a 64-bit id (request, transfer) to a pointer, NULL = absent: open addressing on a
+ * multiplicative hash, backward-shift deletion; it grows (at two thirds full) and never shrinks, so a
+ * steady state allocates nothing, and a lookup is one probe with no byte hashing. */
+typedef struct kvs__idslot { uint64_t key; void *val; } kvs__idslot;
+typedef struct kvs__idmap { kvs__idslot *e; uint64_t mask; size_t used; } kvs__idmap;
+
+static uint64_t kvs__id_home(const kvs__idmap *m, uint64_t key)
+{
+    return ((key * UINT64_C(0x9e3779b97f4a7c15)) >> 29) & m->mask;
+}
+
+static uint64_t kvs__id_slot(const kvs__idmap *m, uint64_t key)
+{
+    uint64_t s = kvs__id_home(m, key);
+    while (m->e[s].val && m->e[s].key != key) s = (s + 1) & m->mask;
+    return s;
+}
+
+static void *kvs__id_get(const kvs__idmap *m, uint64_t key)
+{
+    return m->used ? m->e[kvs__id_slot(m, key)].val : NULL;
+}
+
+/* key -> val (val not NULL). 0 when out of memory (nothing changed). */
+static int kvs__id_put(kvs__idmap *m, uint64_t key, void *val)
+{
+    uint64_t s;
+    if (!m->e || (m->used + 1) * 3 >= (m->mask + 1) * 2) {
+        kvs__idmap g;
+        uint64_t n = m->e ? (m->mask + 1) * 2 : 64, i;
+        g.e = (kvs__idslot *)KVB_MALLOC((size_t)n * sizeof *g.e);
+        if (!g.e) return 0;
+        memset(g.e, 0, (size_t)n * sizeof *g.e);
+        g.mask = n - 1;
+        g.used = m->used;
+        for (i = 0; m->e && i <= m->mask; i++)
+            if (m->e[i].val) g.e[kvs__id_slot(&g, m->e[i].key)] = m->e[i];
+        KVB_FREE(m->e);
+        *m = g;
+    }
+    s = kvs__id_slot(m, key);
+    if (!m->e[s].val) m->used++;
+    m->e[s].key = key;
+    m->e[s].val = val;
+    return 1;
+}
+
+/* Remove key; returns its value (NULL when absent). */
+static void *kvs__id_del(kvs__idmap *m, uint64_t key)
+{
+    uint64_t i, j, k;
+    void *val;
+    if (!m->used) return NULL;
+    i = j = kvs__id_slot(m, key);
+    if (!(val = m->e[i].val)) return NULL;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        if (!m->e[j].val) break;
+        k = kvs__id_home(m, m->e[j].key);
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        m->e[i] = m->e[j];
+        i = j;
+    }
+    m->e[i].val = NULL;
+    m->used--;
+    return val;
+}
+
+static void kvs__id_clear(kvs__idmap *m)
+{
+    if (m->used) memset(m->e, 0, (size_t)(m->mask + 1) * sizeof *m->e);
+    m->used = 0;
+}
+
+static void kvs__id_free(kvs__idmap *m)
+{
+    KVB_FREE(m->e);
+    memset(m, 0, sizeof *m);
+}
+
 typedef struct kvs__active_load { kvs_load load; kvo_transfer t; } kvs__active_load;
-typedef struct kvs__id_entry { uint64_t key; int value; } kvs__id_entry;
 typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int done; } kvs__active_store;
 
 struct kvs_connector {
@@ -2142,7 +2221,7 @@ struct kvs_connector {
     kvs_store *bound_stores;
     kvs__active_load *loads;
     kvs__active_store *stores;
-    kvs__id_entry *offloaded;  /* transfer ids reported by the manager (stb_ds set) */
+    kvs__idmap offloaded;      /* transfer ids reported by the manager (a set: the value is the connector) */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -2170,7 +2249,7 @@ static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const k
     (void)info;
     if (tier != 0) return;
     pthread_mutex_lock(&c->lock);
-    stbds_hmput(c->offloaded, t.id, 1);
+    (void)kvs__id_put(&c->offloaded, t.id, c); /* out of memory: the store is seen done when it is reported */
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -2228,7 +2307,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
-    stbds_hmfree(c->offloaded);
+    kvs__id_free(&c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
     pthread_mutex_destroy(&c->lock);
@@ -2443,9 +2522,7 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
 
 static int kvs__offloaded(kvs_connector *c, uint64_t id)
 {
-    if (stbds_hmgeti(c->offloaded, id) < 0) return 0;
-    (void)stbds_hmdel(c->offloaded, id);
-    return 1;
+    return kvs__id_del(&c->offloaded, id) != NULL;
 }
 
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
@@ -2465,7 +2542,7 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
         else c->stores[w++] = *s;
     }
     KVB__ARR_SHRINK(c->stores, w);
-    if (!w) stbds_hmfree(c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
+    if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
     out->finished_loads = c->fin_loads;
     out->num_finished_loads = stbds_arrlenu(c->fin_loads);
     out->finished_stores = c->fin_stores;
@@ -2621,16 +2698,18 @@ typedef struct kvs__req {
     size_t num_extra;
     int swapped, scheduled, drop_after_step;
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
+    size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
-
-typedef struct kvs__req_entry { uint64_t key; kvs__req *value; } kvs__req_entry;
 
 struct kvs_sched {
     kvs_sched_config cfg;
     const int *armed;          /* hooks or breakpoints on cfg.bus (kvs__unarmed without a bus) */
     kvs_connector *conn;
     uint32_t block_tokens, device_blocks;
-    kvs__req_entry *reqs;      /* stb_ds map id -> request */
+    kvs__idmap reqs;           /* id -> request */
+    kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
+    kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
+    size_t drops;              /* requests that give their blocks back when the step completes */
     kvs__req **waiting, **running, **swapped, **onboarding;
     uint64_t next_id, next_arrival, step_id;
     int in_step;
@@ -2642,8 +2721,7 @@ struct kvs_sched {
 
 static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
 {
-    ptrdiff_t i = stbds_hmgeti(s->reqs, id);
-    return i < 0 ? NULL : s->reqs[i].value;
+    return (kvs__req *)kvs__id_get(&s->reqs, id);
 }
 
 static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
@@ -2793,13 +2871,15 @@ static void kvs__req_free(kvs__req *r)
 
 KVS_API void kvs_sched_destroy(kvs_sched *sched)
 {
-    ptrdiff_t i;
+    size_t i;
     if (!sched) return;
-    for (i = 0; i < stbds_hmlen(sched->reqs); i++) {
-        kvs__drop_blocks(sched, sched->reqs[i].value);
-        kvs__req_free(sched->reqs[i].value);
+    for (i = 0; i < stbds_arrlenu(sched->all); i++) {
+        kvs__drop_blocks(sched, sched->all[i]);
+        kvs__req_free(sched->all[i]);
     }
-    stbds_hmfree(sched->reqs);
+    kvs__id_free(&sched->reqs);
+    stbds_arrfree(sched->all);
+    stbds_arrfree(sched->order);
     stbds_arrfree(sched->waiting);
     stbds_arrfree(sched->running);
     stbds_arrfree(sched->swapped);
@@ -2858,7 +2938,14 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     r->num_extra = request->num_extra;
     if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
     memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
-    stbds_hmput(sched->reqs, r->id, r);
+    if (!kvs__id_put(&sched->reqs, r->id, r)) {
+        sched->next_id--;
+        sched->next_arrival--;
+        kvs__req_free(r);
+        return KVS_ENOMEM;
+    }
+    r->at = stbds_arrlenu(sched->all);
+    stbds_arrput(sched->all, r);
     kvs__queue_insert(&sched->waiting, r);
     sched->stats.prompt_tokens += request->num_prompt;
     if (kvs__wants(sched->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(sched, r, (kvs_slot_state)0);
@@ -2988,9 +3075,11 @@ static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
 
 static void kvs__schedule_running(kvs_sched *s)
 {
-    kvs__req **order = NULL; /* a snapshot: preemption takes requests out of s->running meanwhile */
+    kvs__req **order; /* a snapshot: preemption takes requests out of s->running meanwhile */
     size_t i;
-    if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *order);
+    KVB__ARR_SHRINK(s->order, 0);
+    if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
+    order = s->order;
     for (i = 0; i < 2 * stbds_arrlenu(order); i++) { /* decodes first, then prefills */
         kvs__req *r = order[i % stbds_arrlenu(order)];
         int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
@@ -3006,7 +3095,6 @@ static void kvs__schedule_running(kvs_sched *s)
         else
             kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
     }
-    stbds_arrfree(order);
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -3287,12 +3375,13 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
     for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
     for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
     sched->in_step = 0;
-    for (a = 0; a < 2; a++) { /* requests that ended during the step give their blocks back now */
+    for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
         kvs_sched_item *items = a ? sched->decode : sched->prefill;
         for (i = 0; i < stbds_arrlenu(items); i++) {
             kvs__req *r = kvs__find(sched, items[i].request);
             if (r && r->drop_after_step) {
                 r->drop_after_step = 0;
+                sched->drops--;
                 kvs__drop_blocks(sched, r);
             }
         }
@@ -3306,7 +3395,10 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
     if (res != KVS_OK) return res;
     kvs__unqueue(s, r);
-    if (s->in_step && r->scheduled) r->drop_after_step = 1; /* the engine holds its block table */
+    if (s->in_step && r->scheduled) { /* the engine holds its block table */
+        r->drop_after_step = 1;
+        s->drops++;
+    }
     else kvs__drop_blocks(s, r);
     kvs__set_state(s, r, KVS_SLOT_FINISHED);
     if (aborted) s->stats.aborted++;
@@ -3362,7 +3454,10 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
-    (void)stbds_hmdel(sched->reqs, request);
+    if (r->drop_after_step) sched->drops--;
+    (void)kvs__id_del(&sched->reqs, request);
+    stbds_arrdelswap(sched->all, r->at);
+    if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
     kvs__req_free(r);
     return KVS_OK;
 }
