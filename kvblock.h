@@ -576,6 +576,18 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
  * the existing block). KVB_ERANGE past the appended tokens. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens);
 
+/* Batches for an engine's step (e.g. one sampled token for each decoding request): the pool is locked
+ * once for all of them, and sequence i gets what kvb_seq_append(seqs[i], tokens[i], counts[i], NULL) or
+ * kvb_seq_commit(seqs[i], num_tokens[i]) would do, in order. Every sequence must be on the same pool.
+ * append_many stops at the first sequence whose append fails (its result is returned; it and the
+ * ones after it are unchanged); *out_done = the sequences appended. commit_many checks every count
+ * first (KVB_ERANGE, nothing changed). KVB_EINVAL on NULL arguments, sequences of different pools or a
+ * sequence that comes twice.
+ * Thread safety: one thread per sequence; the pool serialises the batch with its other calls. */
+KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *const *tokens, const size_t *counts,
+                                       size_t n, size_t *out_done);
+KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n);
+
 /* A new sequence sharing every block of seq (one more reference each), same tokens and salt.
  * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out);
@@ -3043,6 +3055,7 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (!o->count) continue;
         k = stbds_hmgeti(kids, key);
         if (k < 0 || kids[k].value != o->count) KVB__FAIL("orphan count mismatch");
+        if (kvb__ctab_get(&pool->orphans, &o->key) != o->count) KVB__FAIL("orphan count unreachable by probing");
         if (kvb__find(pool, &o->key) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
     }
 done:
@@ -3055,15 +3068,17 @@ done:
 
 /* ---- sequences ---------------------------------------------------------------------------------- */
 
-struct kvb_seq {
+struct kvb_seq { /* what an append or a commit reads first (one cache line), the rest after */
     kvb_pool *pool;
-    uint64_t salt;
-    uint64_t extra[KVB_MAX_EXTRA_KEYS];
-    size_t n_extra;
     uint32_t *tokens;  /* stb_ds arrays */
     kvb_block *table;
     kvb_hash *hashes;  /* one per full block */
     size_t computed, cached;
+    size_t len0, nh0;  /* an append in progress: tokens and hashes before it */
+    uint64_t salt;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS];
+    size_t n_extra;
+    int in_batch;      /* scratch: seen in the batch being checked */
 };
 
 KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
@@ -3156,82 +3171,152 @@ static kvb_result kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, co
     return KVB_OK;
 }
 
-KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+/* Append, step 1 (pool not locked): the tokens and the hashes of the blocks they fill go on the
+ * sequence's arrays tentatively (the old lengths in len0 and nh0 for kvb__seq_rollback). The hashes
+ * are computed here, outside the pool's lock. */
+static void kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
 {
-    kvb_pool *p;
-    size_t bt, len, total, n_old, n_new, nb_old, nb_new, k = 0, need, i, inactive_hit = 0, room;
+    kvb_pool *p = s->pool;
+    size_t bt = p->cfg.block_tokens, i, n_new;
+    s->len0 = stbds_arrlenu(s->tokens);
+    s->nh0 = stbds_arrlenu(s->hashes);
+    if (!n) return;
+    memcpy(stbds_arraddnptr(s->tokens, n), tokens, n * sizeof *tokens);
+    n_new = stbds_arrlenu(s->tokens) / bt - s->nh0;
+    if (n_new) (void)stbds_arraddnptr(s->hashes, n_new);
+    for (i = s->nh0; i < s->nh0 + n_new; i++)
+        s->hashes[i] = kvb__hash(p, i ? &s->hashes[i - 1] : NULL, s->tokens + i * bt, bt, s->extra, s->n_extra, s->salt);
+}
+
+static void kvb__seq_rollback(kvb_seq *s)
+{
+    KVB__ARR_SHRINK(s->tokens, s->len0);
+    KVB__ARR_SHRINK(s->hashes, s->nh0);
+}
+
+/* Append, step 2 (pool locked): reuse cached blocks for the new full blocks while every earlier one was
+ * cached, fill the partial last block (copied first when shared), allocate the rest. All or nothing. */
+static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
+{
+    kvb_pool *p = s->pool;
+    size_t bt = p->cfg.block_tokens, len = s->len0, total = stbds_arrlenu(s->tokens), n = total - len;
+    size_t n_old = s->nh0, n_new = stbds_arrlenu(s->hashes) - n_old, nb_old = stbds_arrlenu(s->table);
+    size_t nb_new = (total + bt - 1) / bt, k = 0, need, i, inactive_hit = 0, room;
     uint32_t stack[KVB__SCRATCH], *idx = stack, last = KVB__NIL;
-    kvb_hash *fresh = NULL;
+    const kvb_hash *fresh = s->hashes + n_old;
     kvb_result r = KVB_OK;
-    if (!seq || (!tokens && n)) return KVB_EINVAL;
-    p = seq->pool;
-    bt = p->cfg.block_tokens;
-    len = stbds_arrlenu(seq->tokens);
-    total = len + n;
-    if (out_cached_tokens) *out_cached_tokens = 0;
     if (!n) return KVB_OK;
-    memcpy(stbds_arraddnptr(seq->tokens, n), tokens, n * sizeof *tokens); /* tentative */
-    n_old = stbds_arrlenu(seq->hashes);
-    n_new = total / bt - n_old;
-    nb_old = stbds_arrlenu(seq->table);
-    nb_new = (total + bt - 1) / bt;
-    if (n_new) fresh = (kvb_hash *)KVB_MALLOC(n_new * sizeof *fresh);
-    if (n_new > KVB__SCRATCH) idx = (uint32_t *)KVB_MALLOC(n_new * sizeof *idx);
-    if ((n_new && !fresh) || !idx) {
-        r = KVB_ENOMEM;
-        goto out;
-    }
-    for (i = 0; i < n_new; i++)
-        fresh[i] = kvb__hash(p, kvb__seq_parent(seq, n_old + i, fresh, n_old), seq->tokens + (n_old + i) * bt, bt,
-                             seq->extra, seq->n_extra, seq->salt);
-    pthread_mutex_lock(&p->lock);
     if (len % bt) { /* the partial last block takes tokens first: it must be writable */
-        last = kvb_block_index(seq->table[nb_old - 1].id);
-        if (p->meta[last].state != KVB_STATE_PARTIAL) r = KVB_ESTATE;
+        last = kvb_block_index(s->table[nb_old - 1].id);
+        if (p->meta[last].state != KVB_STATE_PARTIAL) return KVB_ESTATE;
     }
-    if (r == KVB_OK && seq->cached == len && len % bt == 0) k = kvb__prefix(p, fresh, n_new, idx);
+    if (s->cached == len && len % bt == 0 && n_new) {
+        if (!(idx = kvb__scratch(p, stack, n_new))) return KVB_ENOMEM;
+        k = kvb__prefix(p, fresh, n_new, idx);
+    }
     for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs == 0;
     need = nb_new - nb_old - k + (last != KVB__NIL && p->meta[last].refs > 1);
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
-    if (r == KVB_OK && need > room) r = KVB_ENOSPACE;
-    if (r != KVB_OK) {
-        pthread_mutex_unlock(&p->lock);
-        goto out;
-    }
-    if (n_new && seq->cached == len && len % bt == 0) {
+    if (need > room) return KVB_ENOSPACE;
+    if (k) {
         kvb__take_matched(p, idx, k, n_new, NULL);
-        for (i = 0; i < k; i++) stbds_arrput(seq->table, kvb__block_of(p, idx[i]));
+        for (i = 0; i < k; i++) stbds_arrput(s->table, kvb__block_of(p, idx[i]));
+    } else if (n_new && s->cached == len && len % bt == 0) {
+        kvb__take_matched(p, idx, 0, n_new, NULL); /* a lookup that missed still counts */
     }
     if (last != KVB__NIL) {
         size_t fill = bt - len % bt < n ? bt - len % bt : n;
-        if (p->meta[last].refs > 1) r = kvb__seq_cow(seq, nb_old - 1, (uint32_t)(len % bt));
-        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(seq->table[nb_old - 1].id), tokens, fill, 0);
+        if (p->meta[last].refs > 1) r = kvb__seq_cow(s, nb_old - 1, (uint32_t)(len % bt));
+        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), s->tokens + len, fill, 0);
     }
-    if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
-    kvb__unlock(p);
-    if (r != KVB_OK) goto out; /* only an out-of-memory gets here */
-    for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
-    seq->cached += k * bt;
-    if (k) seq->computed = seq->cached;
+    if (r == KVB_OK) r = kvb__seq_fill_new(s, nb_old + k, nb_new, fresh, n_old, total);
+    if (r != KVB_OK) return r; /* only an out-of-memory gets here */
+    s->cached += k * bt;
+    if (k) s->computed = s->cached;
     if (out_cached_tokens) *out_cached_tokens = k * bt;
-out:
-    if (r != KVB_OK) KVB__ARR_SHRINK(seq->tokens, len);
-    if (idx != stack) KVB_FREE(idx);
-    KVB_FREE(fresh);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+{
+    kvb_pool *p;
+    kvb_result r;
+    if (!seq || (!tokens && n)) return KVB_EINVAL;
+    if (out_cached_tokens) *out_cached_tokens = 0;
+    if (!n) return KVB_OK;
+    p = seq->pool;
+    kvb__seq_prepare(seq, tokens, n);
+    pthread_mutex_lock(&p->lock);
+    r = kvb__seq_append_locked(seq, out_cached_tokens);
+    kvb__unlock(p);
+    if (r != KVB_OK) kvb__seq_rollback(seq);
     return r;
 }
 
-KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
+/* A batch walks many sequences: their structs, then the ends of their arrays, then the metadata of
+ * their last blocks are fetched a few sequences ahead, so the misses overlap instead of adding up. */
+static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
+{
+    if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
+    if (i + 4 < n) {
+        const kvb_seq *s = seqs[i + 4];
+        size_t nb = stbds_arrlenu(s->table);
+        KVB__PREFETCH(s->tokens + stbds_arrlenu(s->tokens));
+        if (nb) KVB__PREFETCH(s->table + nb - 1);
+    }
+    if (meta && i + 2 < n) {
+        const kvb_seq *s = seqs[i + 2];
+        size_t nb = stbds_arrlenu(s->table);
+        if (nb) KVB__PREFETCH(&s->pool->meta[kvb_block_index(s->table[nb - 1].id)]);
+    }
+}
+
+/* The sequences of a batch share one pool and come once each. */
+static int kvb__seqs_one_pool(kvb_seq *const *seqs, size_t n)
+{
+    size_t i, ok = 1;
+    for (i = 0; i < n && ok; i++) {
+        ok = seqs[i] && seqs[i]->pool == seqs[0]->pool && !seqs[i]->in_batch;
+        if (ok) seqs[i]->in_batch = 1;
+    }
+    while (i-- > 0)
+        if (seqs[i]) seqs[i]->in_batch = 0;
+    return (int)ok;
+}
+
+KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *const *tokens, const size_t *counts,
+                                       size_t n, size_t *out_done)
 {
     kvb_pool *p;
-    size_t b, bt, len, nb;
-    if (!seq) return KVB_EINVAL;
-    p = seq->pool;
-    bt = p->cfg.block_tokens;
-    len = stbds_arrlenu(seq->tokens);
-    nb = stbds_arrlenu(seq->table);
-    if (num_tokens > len) return KVB_ERANGE;
+    size_t i, done = 0;
+    kvb_result r = KVB_OK;
+    if (!out_done || (n && (!seqs || !tokens || !counts))) return KVB_EINVAL;
+    *out_done = 0;
+    if (!n) return KVB_OK;
+    if (!kvb__seqs_one_pool(seqs, n)) return KVB_EINVAL;
+    for (i = 0; i < n; i++)
+        if (!tokens[i] && counts[i]) return KVB_EINVAL;
+    p = seqs[0]->pool;
+    for (i = 0; i < n; i++) {
+        kvb__seq_prefetch(seqs, i, n, 0);
+        kvb__seq_prepare(seqs[i], tokens[i], counts[i]);
+    }
     pthread_mutex_lock(&p->lock);
+    for (; done < n; done++) {
+        kvb__seq_prefetch(seqs, done, n, 1);
+        if ((r = kvb__seq_append_locked(seqs[done], NULL)) != KVB_OK) break;
+    }
+    kvb__unlock(p);
+    for (i = done; i < n; i++) kvb__seq_rollback(seqs[i]);
+    *out_done = done;
+    return r;
+}
+
+/* Commit, pool locked (see kvb_seq_commit). */
+static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
+{
+    kvb_pool *p = seq->pool;
+    size_t b, bt = p->cfg.block_tokens, len = stbds_arrlenu(seq->tokens), nb = stbds_arrlenu(seq->table);
     for (b = seq->computed / bt; b < nb; b++) { /* every block that ends within the computed tokens */
         size_t end = (b + 1) * bt < len ? (b + 1) * bt : len;
         uint32_t idx = kvb_block_index(seq->table[b].id);
@@ -3245,8 +3330,33 @@ KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
             seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok));
         }
     }
-    kvb__unlock(p);
     if (num_tokens > seq->computed) seq->computed = num_tokens;
+}
+
+KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
+{
+    if (!seq) return KVB_EINVAL;
+    if (num_tokens > stbds_arrlenu(seq->tokens)) return KVB_ERANGE;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_commit_locked(seq, num_tokens);
+    kvb__unlock(seq->pool);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n)
+{
+    size_t i;
+    if (n && (!seqs || !num_tokens)) return KVB_EINVAL;
+    if (!n) return KVB_OK;
+    if (!kvb__seqs_one_pool(seqs, n)) return KVB_EINVAL;
+    for (i = 0; i < n; i++)
+        if (num_tokens[i] > stbds_arrlenu(seqs[i]->tokens)) return KVB_ERANGE;
+    pthread_mutex_lock(&seqs[0]->pool->lock);
+    for (i = 0; i < n; i++) {
+        kvb__seq_prefetch(seqs, i, n, 1);
+        kvb__seq_commit_locked(seqs[i], num_tokens[i]);
+    }
+    kvb__unlock(seqs[0]->pool);
     return KVB_OK;
 }
 

@@ -2684,19 +2684,24 @@ KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t req
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
-typedef struct kvs__req {
-    uint64_t id, arrival;
-    kvs_slot_state state;
-    int32_t priority;
+typedef struct kvs__req { /* what every step reads first (one cache line), the rest after */
+    uint64_t id;
     uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
-    size_t num_prompt;
-    uint32_t max_new, generated, preemptions;
     kvb_seq *seq;
-    size_t computed, cached, lower_hit, registered_blocks;
+    size_t computed, in_seq;   /* tokens computed; tokens appended to seq */
+    size_t registered_blocks;
+    kvs_slot_state state;
+    int scheduled;
+    uint32_t max_new, generated;
+    uint64_t arrival;
+    int32_t priority;
+    uint32_t preemptions;
+    size_t num_prompt;
+    size_t cached, lower_hit;
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
-    int swapped, scheduled, drop_after_step;
+    int swapped, drop_after_step;
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
@@ -2710,6 +2715,11 @@ struct kvs_sched {
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
+    /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
+    kvs__req **batch;
+    kvb_seq **batch_seqs;
+    const uint32_t **batch_tokens;
+    size_t *batch_counts;
     kvs__req **waiting, **running, **swapped, **onboarding;
     uint64_t next_id, next_arrival, step_id;
     int in_step;
@@ -2860,6 +2870,7 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
     kvb_seq_destroy(r->seq);
     r->seq = NULL;
+    r->in_seq = 0;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
@@ -2880,6 +2891,10 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     kvs__id_free(&sched->reqs);
     stbds_arrfree(sched->all);
     stbds_arrfree(sched->order);
+    stbds_arrfree(sched->batch);
+    stbds_arrfree(sched->batch_seqs);
+    stbds_arrfree(sched->batch_tokens);
+    stbds_arrfree(sched->batch_counts);
     stbds_arrfree(sched->waiting);
     stbds_arrfree(sched->running);
     stbds_arrfree(sched->swapped);
@@ -3042,14 +3057,13 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
  * others when blocks run out. 0 when r itself had to go. */
 static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
-    size_t have;
-    kvb_seq_info info;
-    memset(&info, 0, sizeof info);
-    kvb_seq_get_info(r->seq, &info);
-    have = info.num_tokens;
+    size_t have = r->in_seq;
     while (have < stbds_arrlenu(r->tokens)) {
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) return 1;
+        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) {
+            r->in_seq = stbds_arrlenu(r->tokens);
+            return 1;
+        }
         v = kvs__victim(s, preempt_below, NULL);
         if (!v || v == r) return 0;
         kvs__preempt(s, v);
@@ -3073,28 +3087,70 @@ static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
+/* r has grown (or had to go): it gets its share of the budget, or is skipped this step. */
+static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int grown)
+{
+    if (!grown) { /* nobody else to preempt: r goes */
+        kvs__preempt(s, r);
+        return;
+    }
+    if (kvs__schedule_compute(s, r))
+        kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
+    else
+        kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
+}
+
+/* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
+static int kvs__wants_growth(const kvs__req *r, int decode_pass)
+{
+    int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+    if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
+    if (decoding != decode_pass || r->scheduled) return 0;
+    return !(decoding && stbds_arrlenu(r->tokens) <= r->computed); /* waiting for its sampled token */
+}
+
+/* The decoding requests from order[from] on that grow in this pass, appended in one batch (one lock of
+ * the device pool): as many as succeed in a row are scheduled; the first that fails takes the slow path
+ * (preempting others), exactly where the one-by-one loop would have. Returns where the pass goes on. */
+static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, size_t n)
+{
+    size_t i, k, done = 0;
+    KVB__ARR_SHRINK(s->batch, 0);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_tokens, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (i = from; i < n && kvs__wants_growth(order[i], 1); i++) {
+        kvs__req *r = order[i];
+        if (i + 8 < n) KVB__PREFETCH(order[i + 8]);
+        if (i + 4 < n) KVB__PREFETCH(order[i + 4]->tokens + order[i + 4]->in_seq);
+        stbds_arrput(s->batch, r);
+        stbds_arrput(s->batch_seqs, r->seq);
+        stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
+        stbds_arrput(s->batch_counts, stbds_arrlenu(r->tokens) - r->in_seq);
+    }
+    k = stbds_arrlenu(s->batch);
+    if (!k) return from + 1; /* order[from] does not grow in this pass */
+    kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = 0; i < done; i++) {
+        s->batch[i]->in_seq = stbds_arrlenu(s->batch[i]->tokens);
+        kvs__schedule_grown(s, s->batch[i], 1, 1);
+    }
+    if (done == k) return from + k;
+    kvs__schedule_grown(s, s->batch[done], 1, kvs__grow(s, s->batch[done], (int64_t)INT32_MAX + 1));
+    return from + done + 1;
+}
+
 static void kvs__schedule_running(kvs_sched *s)
 {
     kvs__req **order; /* a snapshot: preemption takes requests out of s->running meanwhile */
-    size_t i;
+    size_t i, n;
     KVB__ARR_SHRINK(s->order, 0);
     if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
     order = s->order;
-    for (i = 0; i < 2 * stbds_arrlenu(order); i++) { /* decodes first, then prefills */
-        kvs__req *r = order[i % stbds_arrlenu(order)];
-        int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
-        if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) continue; /* a victim meanwhile */
-        if (decoding != (i < stbds_arrlenu(order)) || r->scheduled) continue;
-        if (decoding && stbds_arrlenu(r->tokens) <= r->computed) continue; /* waiting for its sampled token */
-        if (!kvs__grow(s, r, (int64_t)INT32_MAX + 1)) { /* nobody else to preempt: r goes */
-            kvs__preempt(s, r);
-            continue;
-        }
-        if (kvs__schedule_compute(s, r))
-            kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
-        else
-            kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
-    }
+    n = stbds_arrlenu(order);
+    for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
+    for (i = 0; i < n; i++) /* then prefills */
+        if (kvs__wants_growth(order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -3165,7 +3221,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         kvs__req *v;
         size_t len = stbds_arrlenu(r->tokens);
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
-            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) break;
+            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
+                r->in_seq = len;
+                break;
+            }
             kvb_seq_truncate(r->seq, 0);
         }
         v = kvs__victim(s, r->priority, r);
@@ -3339,25 +3398,46 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     return KVS_OK;
 }
 
-/* Commit what an item computed; in eager mode the newly registered blocks go to the connector. */
-static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
+/* After an item's tokens were committed: counts, and in eager mode the newly registered blocks go to the
+ * connector. */
+static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
 {
-    kvs__req *r = kvs__find(s, it->request);
     const kvb_block *table = NULL;
-    size_t n = 0, done;
-    if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) return; /* aborted during the step */
-    done = it->num_computed + it->num_new;
-    kvb_seq_commit(r->seq, done);
+    size_t n = 0;
     if (done > r->computed) {
         s->stats.computed_tokens += done - r->computed;
         r->computed = done;
     }
-    kvb_seq_blocks(r->seq, &table, &n);
-    if (s->conn && r->computed / s->block_tokens > r->registered_blocks)
+    if (s->conn && r->computed / s->block_tokens > r->registered_blocks) {
+        kvb_seq_blocks(r->seq, &table, &n);
         kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
                                       r->computed / s->block_tokens - r->registered_blocks);
+    }
     if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
     if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
+}
+
+/* Commit what the step's items computed: every sequence in one batch (one lock of the device pool),
+ * then each request's counts and connector notes, in the step's order. */
+static void kvs__commit_items(kvs_sched *s)
+{
+    size_t a, i, k;
+    KVB__ARR_SHRINK(s->batch, 0);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (a = 0; a < 2; a++) {
+        const kvs_sched_item *items = a ? s->decode : s->prefill;
+        for (i = 0; i < stbds_arrlenu(items); i++) {
+            kvs__req *r = kvs__find(s, items[i].request);
+            if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) continue; /* aborted during the step */
+            stbds_arrput(s->batch, r);
+            stbds_arrput(s->batch_seqs, r->seq);
+            stbds_arrput(s->batch_counts, items[i].num_computed + items[i].num_new);
+        }
+    }
+    k = stbds_arrlenu(s->batch);
+    if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
+    for (i = 0; i < k; i++) kvs__committed(s, s->batch[i], s->batch_counts[i]);
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -3372,8 +3452,7 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
         e.u.run.step = step->id;
         kvs__emit_input(sched, &e, NULL, 0);
     }
-    for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
-    for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
+    kvs__commit_items(sched);
     sched->in_step = 0;
     for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
         kvs_sched_item *items = a ? sched->decode : sched->prefill;
