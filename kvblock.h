@@ -511,6 +511,16 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                              size_t *out_n);
 
+/* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
+ * blocks it did not match and kvb_register_hashed of them (each block's parent the hash before it, the
+ * first one's the root) would do in a row. out_blocks gets all n blocks, each with a reference for the
+ * caller (kvb_release them when the request ends); *out_cached = how many were matched. All or nothing:
+ * KVB_ENOSPACE when the blocks not matched do not fit (nothing changed, no lookup counted); KVB_EINVAL
+ * on NULL arguments and for KVB_EVICT_CUSTOM pools (their policy may refuse a victim halfway).
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                                     size_t *out_cached);
+
 /* Length of the cached prefix of `hashes` without taking references or counting a lookup (for probes
  * across tiers). Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_n);
@@ -2794,6 +2804,36 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
     return KVB_OK;
 }
 
+KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                                     size_t *out_cached)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t k, i, inactive_hit = 0;
+    kvb_hash root = {0, 0};
+    if (!pool || !out_cached || (n && (!hashes || !out_blocks)) || pool->cfg.eviction == KVB_EVICT_CUSTOM)
+        return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
+    k = kvb__prefix(pool, hashes, n, idx);
+    for (i = 0; i < k; i++) inactive_hit += pool->meta[idx[i]].refs++ == 0; /* each block once */
+    for (i = 0; i < k; i++) pool->meta[idx[i]].refs--;
+    if (n - k > (size_t)pool->n_free + pool->n_inactive - inactive_hit) { /* matched blocks stay cached */
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOSPACE;
+    }
+    kvb__take_matched(pool, idx, k, n, out_blocks);
+    for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
+    for (i = k; i < n; i++)
+        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], i ? &hashes[i - 1] : &root,
+                                                             pool->cfg.block_tokens));
+    *out_cached = k;
+    kvb__unlock(pool);
+    return KVB_OK;
+}
+
 KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_n)
 {
     uint32_t stack[KVB__SCRATCH], *idx;
@@ -3203,7 +3243,7 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     size_t n_old = s->nh0, n_new = stbds_arrlenu(s->hashes) - n_old, nb_old = stbds_arrlenu(s->table);
     size_t nb_new = (total + bt - 1) / bt, k = 0, need, i, inactive_hit = 0, room;
     uint32_t stack[KVB__SCRATCH], *idx = stack, last = KVB__NIL;
-    const kvb_hash *fresh = s->hashes + n_old;
+    const kvb_hash *fresh = n_new ? s->hashes + n_old : NULL;
     kvb_result r = KVB_OK;
     if (!n) return KVB_OK;
     if (len % bt) { /* the partial last block takes tokens first: it must be writable */
@@ -3261,7 +3301,7 @@ static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta
     if (i + 4 < n) {
         const kvb_seq *s = seqs[i + 4];
         size_t nb = stbds_arrlenu(s->table);
-        KVB__PREFETCH(s->tokens + stbds_arrlenu(s->tokens));
+        if (s->tokens) KVB__PREFETCH(s->tokens + stbds_arrlenu(s->tokens));
         if (nb) KVB__PREFETCH(s->table + nb - 1);
     }
     if (meta && i + 2 < n) {

@@ -24,7 +24,9 @@
  *                         bare_lru_ns_per_block: the same replay through a bare LRU prefix map written here
  *                         (a hash map and a linked list, serve_sim's reference_lru); replay_vs_bare_lru the
  *                         ratio (both must give the same hit rate, or the run stops); replay_fol_vs_lru: the
- *                         same replay under FOL (self-tuning, its default) / under LRU
+ *                         same replay under FOL (self-tuning, its default) / under LRU;
+ *                         replay_request_ns_per_block: the LRU replay with kvb_request_begin (match, alloc
+ *                         and register in one call) + kvb_release, replay_request_vs_bare_lru its ratio
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
  * and from kvoffload.h (section "kvoffload.h" below):
@@ -1427,6 +1429,7 @@ typedef struct replay_bench {
     kvb_block *blk;
     uint64_t hits_lib, hits_bare;
     kvb_evict_policy policy;
+    int one_call;       /* kvb_request_begin instead of kvb_match + kvb_alloc + kvb_register_hashed */
 } replay_bench;
 
 /* serve_sim --sequential's loop: match, allocate and register the misses, release the whole chain. */
@@ -1442,6 +1445,12 @@ static double replay_lib_once(void *ctx)
         const kvb_hash *h = b->t.hashes + b->t.off[q];
         size_t n = b->t.len[q], m = 0;
         if (!n) continue;
+        if (b->one_call) {
+            expect_ok(kvb_request_begin(pool, h, n, b->blk, &m), "replay: kvb_request_begin");
+            hits += m;
+            expect_ok(kvb_release(pool, b->blk, n, NULL), "replay: kvb_release");
+            continue;
+        }
         expect_ok(kvb_match(pool, h, n, b->blk, &m), "replay: kvb_match");
         hits += m;
         if (m < n) {
@@ -1475,13 +1484,19 @@ static double replay_bare_once(void *ctx)
 static void bench_replay(results *rs)
 {
     replay_bench b = { .policy = KVB_EVICT_LRU };
-    double lib, bare, fol;
+    double lib, bare, fol, one, bare1;
     replay_trace_make(&b.t);
     b.blk = xmalloc(b.t.max_len * sizeof *b.blk);
     summarize_interleaved(MEDIAN, REPS_REPLAY, replay_lib_once, replay_bare_once, &b, &lib, &bare);
     if (b.hits_lib != b.hits_bare)
         die("replay: kvblock.h hit %llu blocks, the bare LRU map %llu", (unsigned long long)b.hits_lib,
             (unsigned long long)b.hits_bare);
+    uint64_t hits = b.hits_lib;
+    b.one_call = 1;
+    summarize_interleaved(MEDIAN, REPS_REPLAY, replay_lib_once, replay_bare_once, &b, &one, &bare1);
+    if (b.hits_lib != hits) die("replay: kvb_request_begin hit %llu blocks, the separate calls %llu",
+                                (unsigned long long)b.hits_lib, (unsigned long long)hits);
+    b.one_call = 0;
     b.policy = KVB_EVICT_FOL; /* self-tuning (fol_class_step 0) */
     fol = summarize_runs(MEDIAN, REPS_REPLAY, replay_lib_once, &b);
     free(b.blk);
@@ -1492,6 +1507,8 @@ static void bench_replay(results *rs)
     results_add(rs, "bare_lru_ns_per_block", bare, "ns/block", NO_GOAL, GOAL_AT_MOST);
     results_add(rs, "replay_vs_bare_lru", lib / bare, "ratio", GOAL_REPLAY_VS_BARE, GOAL_AT_MOST);
     results_add(rs, "replay_fol_vs_lru", fol / lib, "ratio", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "replay_request_ns_per_block", one, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "replay_request_vs_bare_lru", one / bare1, "ratio", GOAL_REPLAY_VS_BARE, GOAL_AT_MOST);
 }
 
 /* ---- scheduler step ------------------------------------------------------------------------------ */
