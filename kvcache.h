@@ -195,7 +195,9 @@
  *     KVB_API                 declaration prefix (default extern)
  *     KVB_MALLOC(sz) / KVB_REALLOC(p, sz) / KVB_FREE(p)   all three or none: the default allocator
  *                             and every internal array (stb_ds); the runtime kvb_allocator in the
- *                             config, when given, serves the pool's metadata and storage.
+ *                             config, when given, serves the pool's metadata and storage. Internal
+ *                             arrays and tables only grow, to what the workload needs at most, so
+ *                             serving it again allocates nothing (tests/test_steady_alloc.c).
  *     KVB_MAX_EXTRA_KEYS      extra hash keys per block (default 8)
  *
  * 5. THREAD SAFETY
@@ -1169,17 +1171,23 @@ static void kvb__unlock(kvb_pool *p)
 
 /* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
 
-static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h)
+/* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
+static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
 {
     uint64_t pos = h->lo & p->slot_mask;
     for (;;) {
         const kvb__slot *s = &p->slots[pos];
-        if (!s->ref) return KVB__NIL;
+        if (!s->ref) {
+            if (empty) *empty = pos;
+            return KVB__NIL;
+        }
         if (s->lo == h->lo && s->hi32 == (uint32_t)h->hi && p->meta[s->ref - 1].hash.hi == h->hi)
             return s->ref - 1;
         pos = (pos + 1) & p->slot_mask;
     }
 }
+
+static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, NULL); }
 
 static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 {
@@ -1188,11 +1196,10 @@ static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
     return &p->slots[pos];
 }
 
-static void kvb__index_insert(kvb_pool *p, uint32_t idx)
+/* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash. */
+static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
 {
     const kvb_hash *h = &p->meta[idx].hash;
-    uint64_t pos = h->lo & p->slot_mask;
-    while (p->slots[pos].ref) pos = (pos + 1) & p->slot_mask;
     p->slots[pos].lo = h->lo;
     p->slots[pos].hi32 = (uint32_t)h->hi;
     p->slots[pos].ref = idx + 1;
@@ -2260,7 +2267,8 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
                                   uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
-    uint32_t old = kvb__find(p, hash);
+    uint64_t slot = 0;
+    uint32_t old = kvb__find_or_empty(p, hash, &slot); /* the index does not change until it is used */
     p->stats.registrations++;
     if (old != KVB__NIL) {
         p->stats.dedups++;
@@ -2278,7 +2286,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
     kvb__kids_add(p, &m->parent, +1);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
-        kvb__index_insert(p, idx);
+        kvb__index_insert(p, idx, slot);
         m->kids = kvb__orphans_take(p, &m->hash); /* children cached before it */
         kvb__emit(p, KVB_EVENT_STORED, m);
     } else { /* keep the first block matchable; chain this one behind it */
