@@ -2040,6 +2040,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
         kvb__ring *r = &p->rings[rid];
         size_t i;
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
+        while (r->head < stbds_arrlenu(r->e) && !kvb__ring_kept(p, &r->e[r->head])) r->head++; /* dead: not rescanned */
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];

@@ -364,7 +364,7 @@ static void empty_caches_clean(const unsigned char *buffer, size_t bytes)
 typedef enum goal_kind { GOAL_AT_MOST, GOAL_AT_LEAST } goal_kind;
 
 typedef struct result {
-    const char *name;
+    char name[64];      /* copied: callers build some names in a buffer they reuse */
     const char *unit;
     double value;
     double goal;    /* NO_GOAL for reference values */
@@ -381,7 +381,8 @@ static void results_add(results *rs, const char *name, double value, const char 
                         goal_kind kind)
 {
     if (rs->n == MAX_RESULTS) die("too many results");
-    rs->items[rs->n++] = (result){ .name = name, .unit = unit, .value = value, .goal = goal, .kind = kind };
+    rs->items[rs->n] = (result){ .unit = unit, .value = value, .goal = goal, .kind = kind };
+    snprintf(rs->items[rs->n++].name, sizeof rs->items[0].name, "%s", name);
 }
 
 static int result_has_goal(const result *r) { return !isnan(r->goal); }
