@@ -11,6 +11,9 @@
  *       then the share of the best fixed step's gain over LRU that the default keeps
  *   build/workloads --list    the shapes with their request and block counts
  * Shapes: chat api docs agent burst mixed (examples/workloads.h says what each is).
+ *
+ * Build (make builds build/workloads):
+ *   cc -std=c11 -O2 -D_GNU_SOURCE -I. -I/usr/include/stb examples/workloads.c -o workloads -pthread -lm
  */
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"
