@@ -196,7 +196,7 @@ clean:
 # ---- single file, compile matrix, fuzzing, install (issue 10) ----------------------------------------
 # `make test` also runs every test against kvcache.h, the compile matrix and the fuzz corpus, all counted
 # in its one summary line.
-.PHONY: amalgamate check-amalgamation test-single matrix fuzz install uninstall
+.PHONY: amalgamate check-amalgamation test-single matrix fuzz fuzz-diff install uninstall
 AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvremote.h kvsched.h kvroute.h kvcuda.h)
 OTHER_HEADERS := $(filter-out $(AMALG_PARTS) kvcache.h,$(wildcard kv*.h))
 DEB_PACKAGES  += clang libclang-rt-dev g++ pkg-config
@@ -274,12 +274,22 @@ matrix: deps
 # build/fuzz/crash-*. `make test` replays the corpus once with build/fuzz/replay (any compiler).
 FUZZ_SECONDS ?= 60
 FUZZ_CC      ?= clang
-$(BUILD)/fuzz/fuzz_ops: tests/fuzz/fuzz_ops.c $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/fuzz_ops: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(WARN) -D_GNU_SOURCE -I. -I$(STB_INC) -pthread -g -O1 -fsanitize=fuzzer,address,undefined \
 	    -fno-sanitize-recover=all -o $@ $< -lm
 
-$(BUILD)/fuzz/replay: tests/fuzz/fuzz_ops.c $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/replay: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
+
+# The differential target (issue 15): kvblock.h against a plain reference model, call by call.
+$(BUILD)/fuzz/fuzz_diff: tests/fuzz/fuzz_diff.c kvblock.h | deps
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(WARN) -D_GNU_SOURCE -I. -I$(STB_INC) -pthread -g -O1 -fsanitize=fuzzer,address,undefined \
+	    -fno-sanitize-recover=all -o $@ $< -lm
+
+$(BUILD)/fuzz/replay_diff: tests/fuzz/fuzz_diff.c tests/fuzz/fuzz_replay.h kvblock.h | deps
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
 
@@ -288,9 +298,14 @@ fuzz: deps $(BUILD)/fuzz/fuzz_ops
 	./$(BUILD)/fuzz/fuzz_ops -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
 	    -artifact_prefix=$(BUILD)/fuzz/ $(BUILD)/fuzz/found tests/fuzz/corpus
 
+fuzz-diff: deps $(BUILD)/fuzz/fuzz_diff
+	@mkdir -p $(BUILD)/fuzz/found_diff
+	./$(BUILD)/fuzz/fuzz_diff -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
+	    -artifact_prefix=$(BUILD)/fuzz/diff- $(BUILD)/fuzz/found_diff tests/fuzz/corpus_diff
+
 # What `make test` runs after the split suite (tests/run.sh takes commands).
-test: $(SINGLE_TESTS) $(BUILD)/fuzz/replay
-TEST_MORE := $(SINGLE_TESTS) $(MATRIX_RUN) $(BUILD)/fuzz/replay
+test: $(SINGLE_TESTS) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff
+TEST_MORE := $(SINGLE_TESTS) $(MATRIX_RUN) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff
 
 # Install every header, kvcache.h and kvcache.pc (header-only, so share/pkgconfig), and build/libkvcuda.a
 # into LIBDIR when `make cuda` built it (link it as kvcuda.h says); DESTDIR is honoured.

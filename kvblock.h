@@ -168,7 +168,9 @@
  *     KVB_API                 declaration prefix (default extern)
  *     KVB_MALLOC(sz) / KVB_REALLOC(p, sz) / KVB_FREE(p)   all three or none: the default allocator
  *                             and every internal array (stb_ds); the runtime kvb_allocator in the
- *                             config, when given, serves the pool's metadata and storage.
+ *                             config, when given, serves the pool's metadata and storage. Internal
+ *                             arrays and tables only grow, to what the workload needs at most, so
+ *                             serving it again allocates nothing (tests/test_steady_alloc.c).
  *     KVB_MAX_EXTRA_KEYS      extra hash keys per block (default 8)
  *
  * 5. THREAD SAFETY
@@ -530,6 +532,16 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                              size_t *out_n);
 
+/* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
+ * blocks it did not match and kvb_register_hashed of them (each block's parent the hash before it, the
+ * first one's the root) would do in a row. out_blocks gets all n blocks, each with a reference for the
+ * caller (kvb_release them when the request ends); *out_cached = how many were matched. All or nothing:
+ * KVB_ENOSPACE when the blocks not matched do not fit (nothing changed, no lookup counted); KVB_EINVAL
+ * on NULL arguments and for KVB_EVICT_CUSTOM pools (their policy may refuse a victim halfway).
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                                     size_t *out_cached);
+
 /* Length of the cached prefix of `hashes` without taking references or counting a lookup (for probes
  * across tiers). Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_n);
@@ -595,6 +607,18 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
  * ReadyForScheduling, Inflight, compute done; full ones are registered (a duplicate may be replaced by
  * the existing block). KVB_ERANGE past the appended tokens. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens);
+
+/* Batches for an engine's step (e.g. one sampled token for each decoding request): the pool is locked
+ * once for all of them, and sequence i gets what kvb_seq_append(seqs[i], tokens[i], counts[i], NULL) or
+ * kvb_seq_commit(seqs[i], num_tokens[i]) would do, in order. Every sequence must be on the same pool.
+ * append_many stops at the first sequence whose append fails (its result is returned; it and the
+ * ones after it are unchanged); *out_done = the sequences appended. commit_many checks every count
+ * first (KVB_ERANGE, nothing changed). KVB_EINVAL on NULL arguments, sequences of different pools or a
+ * sequence that comes twice.
+ * Thread safety: one thread per sequence; the pool serialises the batch with its other calls. */
+KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *const *tokens, const size_t *counts,
+                                       size_t n, size_t *out_done);
+KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n);
 
 /* A new sequence sharing every block of seq (one more reference each), same tokens and salt.
  * Thread safety: one thread per sequence. */
@@ -776,7 +800,7 @@ typedef struct kvb__meta { /* one cache line per block */
     uint8_t flags;
     uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 */
     uint8_t depth;       /* FOL: position in the request that touched it last, up to 255 (ties) */
-    uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (= the map) */
+    uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (leaf-first policies) */
 } kvb__meta;
 typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
@@ -789,7 +813,6 @@ typedef struct kvb__mut { /* what a mutable block needs until it is registered *
     uint32_t tokens[1];
 } kvb__mut;
 
-typedef struct kvb__mut_entry { uint32_t key; kvb__mut *value; } kvb__mut_entry;
 
 /* Eviction order of one priority level: an array of (block, stamp) in release order, oldest at head.
  * A block taken back or evicted leaves a stale entry behind (its stamp moved on, or it is no longer
@@ -803,6 +826,12 @@ typedef struct kvb__ring {
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
+typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
+typedef struct kvb__ctab { /* a count per hash: open addressing on the hash; grows, never shrinks */
+    kvb__count *e;
+    uint64_t mask;
+    uint32_t used;
+} kvb__ctab;
 typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
 typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
     kvb__ghost *e;
@@ -859,8 +888,12 @@ struct kvb_pool {
     int64_t fol_step;                /* FOL: the class step the keys use */
     int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
     kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
-    kvb__kid_entry *kids;   /* parent hash -> registered blocks naming it (stb_ds map) */
-    kvb__mut_entry *muts;   /* block index -> mutable state (stb_ds map) */
+    int track_kids;         /* the policy takes leaves first: child counts are kept */
+    kvb__ctab orphans;      /* parent hash not indexed -> registered blocks naming it (cold path) */
+    uint32_t *mut_slot;     /* block index -> 1 + its mutable state in mut_buf, 0 = none (made when first needed) */
+    kvb__mut **mut_buf;     /* mutable states (stb_ds array), reused: the steady state allocates none */
+    uint32_t *mut_free;     /* unused entries of mut_buf (stb_ds array) */
+    uint32_t *scratch;      /* block indices of a call larger than KVB__SCRATCH (stb_ds array, only grows) */
     kvb_event *events;      /* pending batch (stb_ds array) */
     kvb_pool_stats stats;
     unsigned char *storage;
@@ -1123,17 +1156,23 @@ static void kvb__unlock(kvb_pool *p)
 
 /* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
 
-static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h)
+/* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
+static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
 {
     uint64_t pos = h->lo & p->slot_mask;
     for (;;) {
         const kvb__slot *s = &p->slots[pos];
-        if (!s->ref) return KVB__NIL;
+        if (!s->ref) {
+            if (empty) *empty = pos;
+            return KVB__NIL;
+        }
         if (s->lo == h->lo && s->hi32 == (uint32_t)h->hi && p->meta[s->ref - 1].hash.hi == h->hi)
             return s->ref - 1;
         pos = (pos + 1) & p->slot_mask;
     }
 }
+
+static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, NULL); }
 
 static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 {
@@ -1142,11 +1181,10 @@ static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
     return &p->slots[pos];
 }
 
-static void kvb__index_insert(kvb_pool *p, uint32_t idx)
+/* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash. */
+static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
 {
     const kvb_hash *h = &p->meta[idx].hash;
-    uint64_t pos = h->lo & p->slot_mask;
-    while (p->slots[pos].ref) pos = (pos + 1) & p->slot_mask;
     p->slots[pos].lo = h->lo;
     p->slots[pos].hi32 = (uint32_t)h->hi;
     p->slots[pos].ref = idx + 1;
@@ -1170,6 +1208,12 @@ static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
 
 /* ---- lineage counts: how many registered blocks name a hash as parent ---------------------------- */
 
+/* Policies that take leaves first keep, on the indexed block of each hash, how many registered blocks
+ * name that hash as parent: a child's registration and removal find their parent through the prefix
+ * index, and eviction reads leafness from the block it already looks at. A child whose parent hash is
+ * not indexed (it was evicted first, or never came) is counted in the orphan map, a cold path, and the
+ * count moves to the block that indexes the hash next. LRU and custom eviction never ask. */
+
 /* The map key of a parent hash. stb_ds's byte hash shifts each 4th byte into the sign bit of an int
  * (undefined behaviour for bytes >= 0x80), so bits 31 and 63 of each half are cleared: 124 bits left. */
 static kvb_hash kvb__kid_key(const kvb_hash *h)
@@ -1181,34 +1225,111 @@ static kvb_hash kvb__kid_key(const kvb_hash *h)
     return k;
 }
 
-static uint32_t kvb__kids(kvb_pool *p, const kvb_hash *h)
-{
-    kvb_hash key = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(p->kids, key);
-    return i < 0 ? 0 : p->kids[i].value;
-}
-
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
 
-/* Count a child in or out of its parent's hash, and keep the count on the parent's indexed block too,
- * so eviction reads leafness from the block it already looks at. */
+/* A count per hash (orphaned children here, in-flight and seen blocks in kvoffload.h): a table that only
+ * grows (to the most hashes counted at once), so a steady state allocates nothing. The slot of h, or the
+ * empty one where it goes. */
+static uint64_t kvb__ctab_slot(const kvb__ctab *t, const kvb_hash *h)
+{
+    uint64_t s = h->lo & t->mask;
+    while (t->e[s].count && (t->e[s].key.lo != h->lo || t->e[s].key.hi != h->hi)) s = (s + 1) & t->mask;
+    return s;
+}
+
+/* Room for one more hash: double the table (rehash) at two thirds full. Returns 0 when out of memory. */
+static int kvb__ctab_room(kvb__ctab *t)
+{
+    uint64_t n = t->e ? (t->mask + 1) * 2 : 64, i;
+    kvb__ctab g;
+    if (t->e && (uint64_t)(t->used + 1) * 3 < (t->mask + 1) * 2) return 1;
+    g.e = (kvb__count *)KVB_MALLOC((size_t)n * sizeof *g.e);
+    if (!g.e) return 0;
+    memset(g.e, 0, (size_t)n * sizeof *g.e);
+    g.mask = n - 1;
+    g.used = t->used;
+    for (i = 0; t->e && i <= t->mask; i++)
+        if (t->e[i].count) g.e[kvb__ctab_slot(&g, &t->e[i].key)] = t->e[i];
+    KVB_FREE(t->e);
+    *t = g;
+    return 1;
+}
+
+/* Forget the hash at slot s (backward-shift deletion). */
+static void kvb__ctab_delete(kvb__ctab *t, uint64_t s)
+{
+    uint64_t i = s, j = s, k, m = t->mask;
+    for (;;) {
+        j = (j + 1) & m;
+        if (!t->e[j].count) break;
+        k = t->e[j].key.lo & m;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        t->e[i] = t->e[j];
+        i = j;
+    }
+    t->e[i].count = 0;
+    t->used--;
+}
+
+static uint32_t kvb__ctab_get(const kvb__ctab *t, const kvb_hash *h)
+{
+    return t->used ? t->e[kvb__ctab_slot(t, h)].count : 0;
+}
+
+/* count(h) += n (saturating). 0 when out of memory (nothing changed). */
+static int kvb__ctab_add(kvb__ctab *t, const kvb_hash *h, uint32_t n)
+{
+    uint64_t s;
+    if (!n) return 1;
+    if (!kvb__ctab_room(t)) return 0;
+    s = kvb__ctab_slot(t, h);
+    if (!t->e[s].count) {
+        t->e[s].key = *h;
+        t->used++;
+    }
+    t->e[s].count = t->e[s].count > UINT32_MAX - n ? UINT32_MAX : t->e[s].count + n;
+    return 1;
+}
+
+/* count(h) -= n, at least 0 (a hash at 0 is forgotten); take = 1: all of it. Returns what was removed. */
+static uint32_t kvb__ctab_sub(kvb__ctab *t, const kvb_hash *h, uint32_t n, int take)
+{
+    uint64_t s;
+    uint32_t c;
+    if (!t->used) return 0;
+    s = kvb__ctab_slot(t, h);
+    if (!(c = t->e[s].count)) return 0;
+    if (take || n >= c) {
+        kvb__ctab_delete(t, s);
+        return c;
+    }
+    t->e[s].count = c - n;
+    return n;
+}
+
+static void kvb__ctab_free(kvb__ctab *t)
+{
+    KVB_FREE(t->e);
+    memset(t, 0, sizeof *t);
+}
+
+/* The children counted under h, taken out (they now belong to the block that indexes h). */
+static uint32_t kvb__orphans_take(kvb_pool *p, const kvb_hash *h) { return kvb__ctab_sub(&p->orphans, h, 0, 1); }
+
+/* n more children under h. Out of memory, the count is lost: eviction may then take h's block before
+ * its children when h is cached again (a leaf-first preference, never a wrong answer to a lookup). */
+static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void)kvb__ctab_add(&p->orphans, h, n); }
+
+static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
+
+/* Count a registered child in (+1) or out (-1) of its parent. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
-    kvb_hash key = kvb__kid_key(parent);
-    ptrdiff_t i;
-    uint32_t count = 0, holder;
-    if (kvb__hash_is_root(parent)) return;
-    i = stbds_hmgeti(p->kids, key);
-    if (i < 0) {
-        if (delta < 0) return;
-        stbds_hmput(p->kids, key, 1u);
-        count = 1;
-    } else if (delta > 0) {
-        count = ++p->kids[i].value;
-    } else if ((count = --p->kids[i].value) == 0) {
-        (void)stbds_hmdel(p->kids, key);
-    }
-    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids = count;
+    uint32_t holder;
+    if (!p->track_kids || kvb__hash_is_root(parent)) return;
+    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX;
+    else if (delta > 0) kvb__orphans_add(p, parent, 1);
+    else kvb__orphans_drop(p, parent);
 }
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
@@ -1228,12 +1349,13 @@ static int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* Drop stale entries once they outnumber the kept ones. */
+/* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
+ * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
 static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    if (len - r->head < 2 * ((size_t)r->live + r->held) + 64) return;
+    if (len < 2 * ((size_t)r->live + r->held) + 64) return;
     for (i = r->head; i < len; i++)
         if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
@@ -1286,7 +1408,6 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
 static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
-    if (stbds_hmlen(p->kids) == 0) return 1;
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
 }
 
@@ -1908,7 +2029,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
         kvb__ring *r = &p->rings[rid];
         size_t i;
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
-        while (r->head < stbds_arrlenu(r->e) && !kvb__ring_kept(p, &r->e[r->head])) r->head++; /* gone ones */
+        while (r->head < stbds_arrlenu(r->e) && !kvb__ring_kept(p, &r->e[r->head])) r->head++; /* dead: not rescanned */
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];
@@ -1966,18 +2087,40 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
 
-static kvb__mut *kvb__mut_of(kvb_pool *p, uint32_t idx)
+static kvb__mut *kvb__mut_of(const kvb_pool *p, uint32_t idx)
 {
-    ptrdiff_t i = stbds_hmgeti(p->muts, idx);
-    return i < 0 ? NULL : p->muts[i].value;
+    return p->mut_slot && p->mut_slot[idx] ? p->mut_buf[p->mut_slot[idx] - 1] : NULL;
+}
+
+/* A mutable state for block idx: a reused one, or a new one when every one made so far is in use. */
+static kvb__mut *kvb__mut_new(kvb_pool *p, uint32_t idx)
+{
+    size_t bytes = sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens;
+    uint32_t e;
+    if (!p->mut_slot) {
+        p->mut_slot = (uint32_t *)kvb__mem_alloc(&p->cfg.allocator, (size_t)p->cfg.num_blocks * sizeof(uint32_t), 64);
+        if (!p->mut_slot) return NULL;
+        memset(p->mut_slot, 0, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
+    }
+    if (stbds_arrlen(p->mut_free)) {
+        e = stbds_arrpop(p->mut_free);
+    } else {
+        kvb__mut *mu = (kvb__mut *)KVB_MALLOC(bytes);
+        if (!mu) return NULL;
+        stbds_arrput(p->mut_buf, mu);
+        stbds_arrput(p->mut_free, 0); /* room on the free list for it, so giving it back never allocates */
+        (void)stbds_arrpop(p->mut_free);
+        e = (uint32_t)stbds_arrlenu(p->mut_buf) - 1;
+    }
+    p->mut_slot[idx] = e + 1;
+    return p->mut_buf[e];
 }
 
 static void kvb__mut_drop(kvb_pool *p, uint32_t idx)
 {
-    kvb__mut *mu = kvb__mut_of(p, idx);
-    if (!mu) return;
-    KVB_FREE(mu);
-    (void)stbds_hmdel(p->muts, idx);
+    if (!p->mut_slot || !p->mut_slot[idx]) return;
+    stbds_arrput(p->mut_free, p->mut_slot[idx] - 1);
+    p->mut_slot[idx] = 0;
 }
 
 /* Take a registered block out of the index (promoting a duplicate) or out of its duplicate chain. */
@@ -1993,6 +2136,7 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
         } else {
             kvb__emit(p, KVB_EVENT_REMOVED, m);
             kvb__index_delete(p, s);
+            if (m->kids) kvb__orphans_add(p, &m->hash, m->kids); /* its children outlive it */
         }
     } else if (m->flags & KVB__F_DUP) {
         uint32_t c = kvb__find(p, &m->hash);
@@ -2113,7 +2257,8 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
                                   uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
-    uint32_t old = kvb__find(p, hash);
+    uint64_t slot = 0;
+    uint32_t old = kvb__find_or_empty(p, hash, &slot); /* the index does not change until it is used */
     p->stats.registrations++;
     if (old != KVB__NIL) {
         p->stats.dedups++;
@@ -2131,8 +2276,8 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
     kvb__kids_add(p, &m->parent, +1);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
-        kvb__index_insert(p, idx);
-        m->kids = stbds_hmlen(p->kids) ? kvb__kids(p, &m->hash) : 0; /* children cached before it */
+        kvb__index_insert(p, idx, slot);
+        m->kids = kvb__orphans_take(p, &m->hash); /* children cached before it */
         kvb__emit(p, KVB_EVENT_STORED, m);
     } else { /* keep the first block matchable; chain this one behind it */
         m->flags |= KVB__F_DUP;
@@ -2188,9 +2333,12 @@ static void kvb__pool_free_parts(kvb_pool *p)
 {
     const kvb_allocator *a = &p->cfg.allocator;
     ptrdiff_t i;
-    for (i = 0; i < stbds_hmlen(p->muts); i++) KVB_FREE(p->muts[i].value);
-    stbds_hmfree(p->muts);
-    stbds_hmfree(p->kids);
+    for (i = 0; i < stbds_arrlen(p->mut_buf); i++) KVB_FREE(p->mut_buf[i]);
+    stbds_arrfree(p->mut_buf);
+    stbds_arrfree(p->mut_free);
+    stbds_arrfree(p->scratch);
+    kvb__mem_free(a, p->mut_slot, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
+    kvb__ctab_free(&p->orphans);
     stbds_arrfree(p->events);
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
     kvb__gset_free(&p->ghost[0]);
@@ -2244,6 +2392,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     }
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
+    p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
     p->fol_step = c.fol_class_step;
     if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
         pthread_mutex_destroy(&p->lock);
@@ -2326,7 +2475,8 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
     pool->n_cached = 0;
     memset(pool->n_cls, 0, sizeof pool->n_cls); /* no block is active: every registered one went */
     memset(pool->slots, 0, pool->slot_bytes);
-    stbds_hmfree(pool->kids);
+    if (pool->orphans.e) memset(pool->orphans.e, 0, (size_t)(pool->orphans.mask + 1) * sizeof *pool->orphans.e);
+    pool->orphans.used = 0;
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
         KVB__ARR_SHRINK(pool->rings[i].e, 0);
         pool->rings[i].head = 0;
@@ -2373,15 +2523,18 @@ static kvb_result kvb__strong_all(const kvb_pool *p, const kvb_block *blocks, si
     return KVB_OK;
 }
 
-/* Small arrays stay on the stack; larger ones use the allocator macros. */
+/* Block indices of one call (pool locked): small arrays on the stack, larger ones in the pool's scratch
+ * array, which only grows (to the largest call seen), so the steady state allocates nothing. */
 #define KVB__SCRATCH 64
-static uint32_t *kvb__scratch(uint32_t *stack, size_t n)
+static uint32_t *kvb__scratch(kvb_pool *p, uint32_t *stack, size_t n)
 {
-    return n <= KVB__SCRATCH ? stack : (uint32_t *)KVB_MALLOC(n * sizeof(uint32_t));
-}
-static void kvb__scratch_free(uint32_t *stack, uint32_t *p)
-{
-    if (p != stack) KVB_FREE(p);
+    if (n <= KVB__SCRATCH) return stack;
+    if (n > stbds_arrcap(p->scratch)) {
+        void *grown = stbds_arrgrowf(p->scratch, sizeof *p->scratch, 0, n);
+        if (!grown) return NULL;
+        p->scratch = (uint32_t *)grown;
+    }
+    return p->scratch;
 }
 
 KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
@@ -2390,13 +2543,15 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
     size_t i;
     kvb_result r;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__strong_all(pool, blocks, n, idx);
     if (r == KVB_OK)
         for (i = 0; i < n; i++) pool->meta[idx[i]].refs++;
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2428,8 +2583,11 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
     if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     for (i = 0; i < n && r == KVB_OK; i++) {
         if (blocks[i].id & KVB_WEAK_BIT) r = KVB_EWEAK;
         else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
@@ -2437,7 +2595,6 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     }
     if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio);
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2477,14 +2634,13 @@ static kvb_result kvb__lock_block(kvb_pool *p, kvb_block b, int state, uint32_t 
 static kvb_result kvb__init_block(kvb_pool *p, uint32_t idx, const kvb_hash *parent, uint64_t salt,
                                   const uint64_t *extra, size_t n_extra)
 {
-    kvb__mut *mu = (kvb__mut *)KVB_MALLOC(sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens);
+    kvb__mut *mu = kvb__mut_new(p, idx);
     kvb__meta *m = &p->meta[idx];
     if (!mu) return KVB_ENOMEM;
     memset(mu, 0, sizeof *mu);
     mu->salt = salt;
     mu->n_extra = (uint32_t)n_extra;
     if (n_extra) memcpy(mu->extra, extra, n_extra * sizeof *extra);
-    stbds_hmput(p->muts, idx, mu);
     if (parent) m->parent = *parent;
     else memset(&m->parent, 0, sizeof m->parent);
     m->ntok = 0;
@@ -2582,8 +2738,11 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
     size_t i;
     kvb_result r;
     if (!pool || (n && (!blocks || !out))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_COMPLETE, idx);
     for (i = 0; r == KVB_OK && i < n; i++) {
         kvb__meta *m = &pool->meta[idx[i]];
@@ -2593,7 +2752,6 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok));
     }
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2605,15 +2763,17 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     kvb_result r;
     kvb_hash root = {0, 0};
     if (!pool || (n && (!blocks || !out || !hashes))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens));
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
     return r;
 }
 
@@ -2668,13 +2828,45 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
     uint32_t stack[KVB__SCRATCH], *idx;
     size_t k;
     if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     k = kvb__prefix(pool, hashes, n, idx);
     kvb__take_matched(pool, idx, k, n, out_blocks);
     *out_n = k;
     kvb__unlock(pool);
-    kvb__scratch_free(stack, idx);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                                     size_t *out_cached)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t k, i, inactive_hit = 0;
+    kvb_hash root = {0, 0};
+    if (!pool || !out_cached || (n && (!hashes || !out_blocks)) || pool->cfg.eviction == KVB_EVICT_CUSTOM)
+        return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
+    k = kvb__prefix(pool, hashes, n, idx);
+    for (i = 0; i < k; i++) inactive_hit += pool->meta[idx[i]].refs++ == 0; /* each block once */
+    for (i = 0; i < k; i++) pool->meta[idx[i]].refs--;
+    if (n - k > (size_t)pool->n_free + pool->n_inactive - inactive_hit) { /* matched blocks stay cached */
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOSPACE;
+    }
+    kvb__take_matched(pool, idx, k, n, out_blocks);
+    for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
+    for (i = k; i < n; i++)
+        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], i ? &hashes[i - 1] : &root,
+                                                             pool->cfg.block_tokens));
+    *out_cached = k;
+    kvb__unlock(pool);
     return KVB_OK;
 }
 
@@ -2682,11 +2874,13 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     if (!pool || !out_n || (n && !hashes)) return KVB_EINVAL;
-    if (!(idx = kvb__scratch(stack, n))) return KVB_ENOMEM;
     pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     *out_n = kvb__prefix(pool, hashes, n, idx);
     pthread_mutex_unlock(&pool->lock);
-    kvb__scratch_free(stack, idx);
     return KVB_OK;
 }
 
@@ -2877,13 +3071,11 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (m->ntok > pool->cfg.block_tokens) KVB__FAIL("block %u holds %u tokens", i, m->ntok);
         if ((m->state == KVB_STATE_REGISTERED) != !!(m->flags & (KVB__F_INDEXED | KVB__F_DUP)))
             KVB__FAIL("block %u: registered but neither indexed nor duplicate", i);
-        if ((m->flags & KVB__F_INDEXED) && m->kids != kvb__kids(pool, &m->hash))
-            KVB__FAIL("block %u: child count %u, the parent map says %u", i, m->kids, kvb__kids(pool, &m->hash));
         if (m->state == KVB_STATE_REGISTERED) {
             uint32_t c = kvb__find(pool, &m->hash);
             while (c != KVB__NIL && c != i) c = pool->meta[c].dup_next;
             if (c != i) KVB__FAIL("registered block %u not reachable from the index", i);
-            if (!kvb__hash_is_root(&m->parent)) {
+            if (pool->track_kids && !kvb__hash_is_root(&m->parent)) { /* children counted by brute force */
                 kvb_hash key = kvb__kid_key(&m->parent);
                 k = stbds_hmgeti(kids, key);
                 if (k < 0) stbds_hmput(kids, key, 1u);
@@ -2929,12 +3121,30 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
     }
     if (n_cached != pool->n_cached) KVB__FAIL("index holds %u hashes, counted %u", n_cached, pool->n_cached);
-    if (stbds_hmlen(kids) != stbds_hmlen(pool->kids)) KVB__FAIL("parent counts: %d parents, expected %d",
-                                                               (int)stbds_hmlen(pool->kids), (int)stbds_hmlen(kids));
-    for (k = 0; k < stbds_hmlen(kids); k++) {
-        kvb_hash key = kids[k].key;
-        ptrdiff_t at = stbds_hmgeti(pool->kids, key);
-        if (at < 0 || pool->kids[at].value != kids[k].value) KVB__FAIL("parent count mismatch");
+    for (i = 0; i < n; i++) { /* an indexed block carries its hash's children; the rest are orphans */
+        const kvb__meta *m = &pool->meta[i];
+        kvb_hash key = kvb__kid_key(&m->hash);
+        uint32_t want = 0;
+        if (!(m->flags & KVB__F_INDEXED)) {
+            if (m->kids) KVB__FAIL("block %u not indexed, with a child count %u", i, m->kids);
+            continue;
+        }
+        if ((k = stbds_hmgeti(kids, key)) >= 0) {
+            want = kids[k].value;
+            (void)stbds_hmdel(kids, key);
+        }
+        if (m->kids != want) KVB__FAIL("block %u: child count %u, counted %u", i, m->kids, want);
+    }
+    if ((size_t)stbds_hmlen(kids) != pool->orphans.used)
+        KVB__FAIL("orphan counts: %u parents, counted %d", pool->orphans.used, (int)stbds_hmlen(kids));
+    for (s = 0; pool->orphans.e && s <= pool->orphans.mask; s++) {
+        const kvb__count *o = &pool->orphans.e[s];
+        kvb_hash key = kvb__kid_key(&o->key);
+        if (!o->count) continue;
+        k = stbds_hmgeti(kids, key);
+        if (k < 0 || kids[k].value != o->count) KVB__FAIL("orphan count mismatch");
+        if (kvb__ctab_get(&pool->orphans, &o->key) != o->count) KVB__FAIL("orphan count unreachable by probing");
+        if (kvb__find(pool, &o->key) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
     }
 done:
     stbds_hmfree(kids);
@@ -2946,15 +3156,17 @@ done:
 
 /* ---- sequences ---------------------------------------------------------------------------------- */
 
-struct kvb_seq {
+struct kvb_seq { /* what an append or a commit reads first (one cache line), the rest after */
     kvb_pool *pool;
-    uint64_t salt;
-    uint64_t extra[KVB_MAX_EXTRA_KEYS];
-    size_t n_extra;
     uint32_t *tokens;  /* stb_ds arrays */
     kvb_block *table;
     kvb_hash *hashes;  /* one per full block */
     size_t computed, cached;
+    size_t len0, nh0;  /* an append in progress: tokens and hashes before it */
+    uint64_t salt;
+    uint64_t extra[KVB_MAX_EXTRA_KEYS];
+    size_t n_extra;
+    int in_batch;      /* scratch: seen in the batch being checked */
 };
 
 KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
@@ -2980,11 +3192,10 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 static void kvb__seq_drop_tail(kvb_seq *s, size_t from, int touch)
 {
     size_t i, n = stbds_arrlenu(s->table) - from;
-    uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(stack, n);
+    uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(s->pool, stack, n);
     if (idx) {
         for (i = 0; i < n; i++) idx[i] = kvb_block_index(s->table[from + i].id);
         kvb__release_request(s->pool, idx, n, 0, touch);
-        kvb__scratch_free(stack, idx);
     } else {
         for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
     }
@@ -3053,82 +3264,152 @@ static kvb_result kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, co
     return KVB_OK;
 }
 
-KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+/* Append, step 1 (pool not locked): the tokens and the hashes of the blocks they fill go on the
+ * sequence's arrays tentatively (the old lengths in len0 and nh0 for kvb__seq_rollback). The hashes
+ * are computed here, outside the pool's lock. */
+static void kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
 {
-    kvb_pool *p;
-    size_t bt, len, total, n_old, n_new, nb_old, nb_new, k = 0, need, i, inactive_hit = 0, room;
+    kvb_pool *p = s->pool;
+    size_t bt = p->cfg.block_tokens, i, n_new;
+    s->len0 = stbds_arrlenu(s->tokens);
+    s->nh0 = stbds_arrlenu(s->hashes);
+    if (!n) return;
+    memcpy(stbds_arraddnptr(s->tokens, n), tokens, n * sizeof *tokens);
+    n_new = stbds_arrlenu(s->tokens) / bt - s->nh0;
+    if (n_new) (void)stbds_arraddnptr(s->hashes, n_new);
+    for (i = s->nh0; i < s->nh0 + n_new; i++)
+        s->hashes[i] = kvb__hash(p, i ? &s->hashes[i - 1] : NULL, s->tokens + i * bt, bt, s->extra, s->n_extra, s->salt);
+}
+
+static void kvb__seq_rollback(kvb_seq *s)
+{
+    KVB__ARR_SHRINK(s->tokens, s->len0);
+    KVB__ARR_SHRINK(s->hashes, s->nh0);
+}
+
+/* Append, step 2 (pool locked): reuse cached blocks for the new full blocks while every earlier one was
+ * cached, fill the partial last block (copied first when shared), allocate the rest. All or nothing. */
+static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
+{
+    kvb_pool *p = s->pool;
+    size_t bt = p->cfg.block_tokens, len = s->len0, total = stbds_arrlenu(s->tokens), n = total - len;
+    size_t n_old = s->nh0, n_new = stbds_arrlenu(s->hashes) - n_old, nb_old = stbds_arrlenu(s->table);
+    size_t nb_new = (total + bt - 1) / bt, k = 0, need, i, inactive_hit = 0, room;
     uint32_t stack[KVB__SCRATCH], *idx = stack, last = KVB__NIL;
-    kvb_hash *fresh = NULL;
+    const kvb_hash *fresh = n_new ? s->hashes + n_old : NULL;
     kvb_result r = KVB_OK;
-    if (!seq || (!tokens && n)) return KVB_EINVAL;
-    p = seq->pool;
-    bt = p->cfg.block_tokens;
-    len = stbds_arrlenu(seq->tokens);
-    total = len + n;
-    if (out_cached_tokens) *out_cached_tokens = 0;
     if (!n) return KVB_OK;
-    memcpy(stbds_arraddnptr(seq->tokens, n), tokens, n * sizeof *tokens); /* tentative */
-    n_old = stbds_arrlenu(seq->hashes);
-    n_new = total / bt - n_old;
-    nb_old = stbds_arrlenu(seq->table);
-    nb_new = (total + bt - 1) / bt;
-    if (n_new) fresh = (kvb_hash *)KVB_MALLOC(n_new * sizeof *fresh);
-    if (n_new > KVB__SCRATCH) idx = (uint32_t *)KVB_MALLOC(n_new * sizeof *idx);
-    if ((n_new && !fresh) || !idx) {
-        r = KVB_ENOMEM;
-        goto out;
-    }
-    for (i = 0; i < n_new; i++)
-        fresh[i] = kvb__hash(p, kvb__seq_parent(seq, n_old + i, fresh, n_old), seq->tokens + (n_old + i) * bt, bt,
-                             seq->extra, seq->n_extra, seq->salt);
-    pthread_mutex_lock(&p->lock);
     if (len % bt) { /* the partial last block takes tokens first: it must be writable */
-        last = kvb_block_index(seq->table[nb_old - 1].id);
-        if (p->meta[last].state != KVB_STATE_PARTIAL) r = KVB_ESTATE;
+        last = kvb_block_index(s->table[nb_old - 1].id);
+        if (p->meta[last].state != KVB_STATE_PARTIAL) return KVB_ESTATE;
     }
-    if (r == KVB_OK && seq->cached == len && len % bt == 0) k = kvb__prefix(p, fresh, n_new, idx);
+    if (s->cached == len && len % bt == 0 && n_new) {
+        if (!(idx = kvb__scratch(p, stack, n_new))) return KVB_ENOMEM;
+        k = kvb__prefix(p, fresh, n_new, idx);
+    }
     for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs == 0;
     need = nb_new - nb_old - k + (last != KVB__NIL && p->meta[last].refs > 1);
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
-    if (r == KVB_OK && need > room) r = KVB_ENOSPACE;
-    if (r != KVB_OK) {
-        pthread_mutex_unlock(&p->lock);
-        goto out;
-    }
-    if (n_new && seq->cached == len && len % bt == 0) {
+    if (need > room) return KVB_ENOSPACE;
+    if (k) {
         kvb__take_matched(p, idx, k, n_new, NULL);
-        for (i = 0; i < k; i++) stbds_arrput(seq->table, kvb__block_of(p, idx[i]));
+        for (i = 0; i < k; i++) stbds_arrput(s->table, kvb__block_of(p, idx[i]));
+    } else if (n_new && s->cached == len && len % bt == 0) {
+        kvb__take_matched(p, idx, 0, n_new, NULL); /* a lookup that missed still counts */
     }
     if (last != KVB__NIL) {
         size_t fill = bt - len % bt < n ? bt - len % bt : n;
-        if (p->meta[last].refs > 1) r = kvb__seq_cow(seq, nb_old - 1, (uint32_t)(len % bt));
-        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(seq->table[nb_old - 1].id), tokens, fill, 0);
+        if (p->meta[last].refs > 1) r = kvb__seq_cow(s, nb_old - 1, (uint32_t)(len % bt));
+        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), s->tokens + len, fill, 0);
     }
-    if (r == KVB_OK) r = kvb__seq_fill_new(seq, nb_old + k, nb_new, fresh, n_old, total);
-    kvb__unlock(p);
-    if (r != KVB_OK) goto out; /* out of memory, or a failed block copy */
-    for (i = 0; i < n_new; i++) stbds_arrput(seq->hashes, fresh[i]);
-    seq->cached += k * bt;
-    if (k) seq->computed = seq->cached;
+    if (r == KVB_OK) r = kvb__seq_fill_new(s, nb_old + k, nb_new, fresh, n_old, total);
+    if (r != KVB_OK) return r; /* out of memory, or a failed block copy: the caller rolls back */
+    s->cached += k * bt;
+    if (k) s->computed = s->cached;
     if (out_cached_tokens) *out_cached_tokens = k * bt;
-out:
-    if (r != KVB_OK) KVB__ARR_SHRINK(seq->tokens, len);
-    if (idx != stack) KVB_FREE(idx);
-    KVB_FREE(fresh);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+{
+    kvb_pool *p;
+    kvb_result r;
+    if (!seq || (!tokens && n)) return KVB_EINVAL;
+    if (out_cached_tokens) *out_cached_tokens = 0;
+    if (!n) return KVB_OK;
+    p = seq->pool;
+    kvb__seq_prepare(seq, tokens, n);
+    pthread_mutex_lock(&p->lock);
+    r = kvb__seq_append_locked(seq, out_cached_tokens);
+    kvb__unlock(p);
+    if (r != KVB_OK) kvb__seq_rollback(seq);
     return r;
 }
 
-KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
+/* A batch walks many sequences: their structs, then the ends of their arrays, then the metadata of
+ * their last blocks are fetched a few sequences ahead, so the misses overlap instead of adding up. */
+static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
+{
+    if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
+    if (i + 4 < n) {
+        const kvb_seq *s = seqs[i + 4];
+        size_t nb = stbds_arrlenu(s->table);
+        if (s->tokens) KVB__PREFETCH(s->tokens + stbds_arrlenu(s->tokens));
+        if (nb) KVB__PREFETCH(s->table + nb - 1);
+    }
+    if (meta && i + 2 < n) {
+        const kvb_seq *s = seqs[i + 2];
+        size_t nb = stbds_arrlenu(s->table);
+        if (nb) KVB__PREFETCH(&s->pool->meta[kvb_block_index(s->table[nb - 1].id)]);
+    }
+}
+
+/* The sequences of a batch share one pool and come once each. */
+static int kvb__seqs_one_pool(kvb_seq *const *seqs, size_t n)
+{
+    size_t i, ok = 1;
+    for (i = 0; i < n && ok; i++) {
+        ok = seqs[i] && seqs[i]->pool == seqs[0]->pool && !seqs[i]->in_batch;
+        if (ok) seqs[i]->in_batch = 1;
+    }
+    while (i-- > 0)
+        if (seqs[i]) seqs[i]->in_batch = 0;
+    return (int)ok;
+}
+
+KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *const *tokens, const size_t *counts,
+                                       size_t n, size_t *out_done)
 {
     kvb_pool *p;
-    size_t b, bt, len, nb;
-    if (!seq) return KVB_EINVAL;
-    p = seq->pool;
-    bt = p->cfg.block_tokens;
-    len = stbds_arrlenu(seq->tokens);
-    nb = stbds_arrlenu(seq->table);
-    if (num_tokens > len) return KVB_ERANGE;
+    size_t i, done = 0;
+    kvb_result r = KVB_OK;
+    if (!out_done || (n && (!seqs || !tokens || !counts))) return KVB_EINVAL;
+    *out_done = 0;
+    if (!n) return KVB_OK;
+    if (!kvb__seqs_one_pool(seqs, n)) return KVB_EINVAL;
+    for (i = 0; i < n; i++)
+        if (!tokens[i] && counts[i]) return KVB_EINVAL;
+    p = seqs[0]->pool;
+    for (i = 0; i < n; i++) {
+        kvb__seq_prefetch(seqs, i, n, 0);
+        kvb__seq_prepare(seqs[i], tokens[i], counts[i]);
+    }
     pthread_mutex_lock(&p->lock);
+    for (; done < n; done++) {
+        kvb__seq_prefetch(seqs, done, n, 1);
+        if ((r = kvb__seq_append_locked(seqs[done], NULL)) != KVB_OK) break;
+    }
+    kvb__unlock(p);
+    for (i = done; i < n; i++) kvb__seq_rollback(seqs[i]);
+    *out_done = done;
+    return r;
+}
+
+/* Commit, pool locked (see kvb_seq_commit). */
+static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
+{
+    kvb_pool *p = seq->pool;
+    size_t b, bt = p->cfg.block_tokens, len = stbds_arrlenu(seq->tokens), nb = stbds_arrlenu(seq->table);
     for (b = seq->computed / bt; b < nb; b++) { /* every block that ends within the computed tokens */
         size_t end = (b + 1) * bt < len ? (b + 1) * bt : len;
         uint32_t idx = kvb_block_index(seq->table[b].id);
@@ -3142,8 +3423,33 @@ KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
             seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok));
         }
     }
-    kvb__unlock(p);
     if (num_tokens > seq->computed) seq->computed = num_tokens;
+}
+
+KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
+{
+    if (!seq) return KVB_EINVAL;
+    if (num_tokens > stbds_arrlenu(seq->tokens)) return KVB_ERANGE;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_commit_locked(seq, num_tokens);
+    kvb__unlock(seq->pool);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n)
+{
+    size_t i;
+    if (n && (!seqs || !num_tokens)) return KVB_EINVAL;
+    if (!n) return KVB_OK;
+    if (!kvb__seqs_one_pool(seqs, n)) return KVB_EINVAL;
+    for (i = 0; i < n; i++)
+        if (num_tokens[i] > stbds_arrlenu(seqs[i]->tokens)) return KVB_ERANGE;
+    pthread_mutex_lock(&seqs[0]->pool->lock);
+    for (i = 0; i < n; i++) {
+        kvb__seq_prefetch(seqs, i, n, 1);
+        kvb__seq_commit_locked(seqs[i], num_tokens[i]);
+    }
+    kvb__unlock(seqs[0]->pool);
     return KVB_OK;
 }
 

@@ -63,7 +63,9 @@
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
  *           log callback). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
  *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
- *           never wrong data.
+ *           never wrong data. A job of several blocks is written by two threads: one prepares the
+ *           next slot (gathers it when needed, computes its checksum) while the other writes the last,
+ *           so the checksum stays off the disk's critical path.
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
@@ -1246,6 +1248,145 @@ static unsigned char *kvo__disk_direct_data(const kvo__disk *d, const kvo__geom 
     return ((uintptr_t)p & (KVO__SLOT_ALIGN - 1)) ? NULL : p;
 }
 
+/* Slot i of a write job made ready in buf (a slot-sized, aligned buffer): its data is the pool block
+ * itself when that can be written directly, else gathered into buf; then the header with the checksum. */
+static unsigned char *kvo__disk_prepare_slot(const kvo__disk *d, const kvo_copy_job *job, const kvo__geom *mem,
+                                             size_t i, unsigned char *buf)
+{
+    unsigned char *data = kvo__disk_direct_data(d, mem, job->src_idx[i]);
+    if (!data) {
+        data = buf + KVO__HEADER_BYTES;
+        memset(data + d->block_bytes, 0, (size_t)(d->data_bytes - d->block_bytes));
+        kvo__gather(mem, job->src_idx[i], data);
+    }
+    kvo__disk_header(d, &job->hashes[i], data, buf);
+    return data;
+}
+
+/* A write job's two threads: the preparer fills buf[i & 1] for slot i once slot i - 2 is written; the
+ * writer writes slot i once it is ready. */
+typedef struct kvo__disk_pipe {
+    const kvo__disk *d;
+    const kvo_copy_job *job;
+    const kvo__geom *mem;
+    unsigned char *buf[2], *data[2];
+    size_t ready, written;
+    int stop;
+    pthread_mutex_t lock;
+    pthread_cond_t cond;
+} kvo__disk_pipe;
+
+static void *kvo__disk_preparer(void *arg)
+{
+    kvo__disk_pipe *q = (kvo__disk_pipe *)arg;
+    size_t i;
+    for (i = 0; i < q->job->n; i++) {
+        unsigned char *data;
+        pthread_mutex_lock(&q->lock);
+        while (!q->stop && q->written + 2 <= i) pthread_cond_wait(&q->cond, &q->lock);
+        pthread_mutex_unlock(&q->lock);
+        if (q->stop) break;
+        data = kvo__disk_prepare_slot(q->d, q->job, q->mem, i, q->buf[i & 1]);
+        pthread_mutex_lock(&q->lock);
+        q->data[i & 1] = data;
+        q->ready = i + 1;
+        pthread_cond_broadcast(&q->cond);
+        pthread_mutex_unlock(&q->lock);
+    }
+    return NULL;
+}
+
+/* The slot of copy i is in place (or failed): the job's result, counts and message. */
+static void kvo__disk_note(kvo__disk *d, kvo_copy_job *job, size_t i, int e, int writing, int *result,
+                           uint64_t *bytes, uint64_t *io_errors, char *msg, size_t msg_size)
+{
+    uint32_t slot = writing ? job->dst_idx[i] : job->src_idx[i];
+    if (!e) {
+        job->results[i] = KVO_OK;
+        *bytes += d->block_bytes;
+        return;
+    }
+    job->results[i] = kvo__errno_result(e);
+    (*io_errors)++;
+    snprintf(msg, msg_size, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
+    if (*result == KVO_OK) *result = job->results[i];
+}
+
+/* Write the job's slots in order; with two or more, the next slot is prepared on a second thread while
+ * this one writes (one thread alone when that thread cannot be started). */
+static int kvo__disk_write_job(kvo__disk *d, kvo_copy_job *job, const kvo__geom *mem, unsigned char *bufs,
+                               uint64_t *bytes, uint64_t *io_errors, char *msg, size_t msg_size)
+{
+    kvo__disk_pipe q;
+    pthread_t helper;
+    int result = KVO_OK, threaded = 0;
+    size_t i;
+    memset(&q, 0, sizeof q);
+    q.d = d;
+    q.job = job;
+    q.mem = mem;
+    q.buf[0] = bufs;
+    q.buf[1] = bufs + d->slot_bytes;
+    if (job->n > 1 && pthread_mutex_init(&q.lock, NULL) == 0) {
+        if (pthread_cond_init(&q.cond, NULL) == 0) {
+            threaded = pthread_create(&helper, NULL, kvo__disk_preparer, &q) == 0;
+            if (!threaded) pthread_cond_destroy(&q.cond);
+        }
+        if (!threaded) pthread_mutex_destroy(&q.lock);
+    }
+    for (i = 0; i < job->n; i++) {
+        unsigned char *buf = q.buf[i & 1], *data;
+        if (threaded) {
+            pthread_mutex_lock(&q.lock);
+            while (q.ready <= i) pthread_cond_wait(&q.cond, &q.lock);
+            data = q.data[i & 1];
+            pthread_mutex_unlock(&q.lock);
+        } else {
+            data = kvo__disk_prepare_slot(d, job, mem, i, buf);
+        }
+        kvo__disk_note(d, job, i, kvo__disk_io(d, 1, buf, data, (uint64_t)job->dst_idx[i] * d->slot_bytes), 1,
+                       &result, bytes, io_errors, msg, msg_size);
+        if (threaded) {
+            pthread_mutex_lock(&q.lock);
+            q.written = i + 1;
+            pthread_cond_broadcast(&q.cond);
+            pthread_mutex_unlock(&q.lock);
+        }
+    }
+    if (threaded) {
+        pthread_join(helper, NULL);
+        pthread_cond_destroy(&q.cond);
+        pthread_mutex_destroy(&q.lock);
+    }
+    return result;
+}
+
+/* Read the job's slots, each verified (header and checksum) before it is scattered into the pool. */
+static int kvo__disk_read_job(kvo__disk *d, kvo_copy_job *job, const kvo__geom *mem, unsigned char *buf,
+                              uint64_t *bytes, uint64_t *checksum_errors, uint64_t *io_errors, char *msg,
+                              size_t msg_size)
+{
+    int result = KVO_OK;
+    size_t i;
+    for (i = 0; i < job->n; i++) {
+        uint32_t slot = job->src_idx[i];
+        unsigned char *data = kvo__disk_direct_data(d, mem, job->dst_idx[i]);
+        int e;
+        if (!data) data = buf + KVO__HEADER_BYTES;
+        e = kvo__disk_io(d, 0, buf, data, (uint64_t)slot * d->slot_bytes);
+        if (!e && !kvo__disk_verify(d, &job->hashes[i], buf, data)) {
+            job->results[i] = KVO_ECHECKSUM;
+            (*checksum_errors)++;
+            snprintf(msg, msg_size, "%s: slot %u failed its header or checksum check", d->path, slot);
+            if (result == KVO_OK) result = KVO_ECHECKSUM;
+            continue;
+        }
+        if (!e && data == buf + KVO__HEADER_BYTES) kvo__scatter(mem, job->dst_idx[i], data);
+        kvo__disk_note(d, job, i, e, 0, &result, bytes, io_errors, msg, msg_size);
+    }
+    return result;
+}
+
 static void kvo__disk_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
 {
     kvo__disk *d = (kvo__disk *)self->impl;
@@ -1257,41 +1398,15 @@ static void kvo__disk_run(kvo_backend *self, kvo_copy_job *job, uint32_t worker)
     uint64_t bytes = 0, checksum_errors = 0, io_errors = 0;
     (void)worker;
     kvo__geom_of(writing ? job->src : job->dst, &mem);
-    if (posix_memalign((void **)&buf, KVO__SLOT_ALIGN, (size_t)d->slot_bytes) != 0) buf = NULL;
-    for (i = 0; i < job->n; i++) {
-        uint32_t slot = writing ? job->dst_idx[i] : job->src_idx[i];
-        uint64_t off = (uint64_t)slot * d->slot_bytes;
-        int e;
-        if (!buf) {
-            job->results[i] = KVO_ENOMEM;
-            continue;
-        }
-        uint32_t mem_block = writing ? job->src_idx[i] : job->dst_idx[i];
-        unsigned char *data = kvo__disk_direct_data(d, &mem, mem_block);
-        if (!data) data = buf + KVO__HEADER_BYTES;
-        if (writing) {
-            if (data == buf + KVO__HEADER_BYTES) {
-                memset(data + d->block_bytes, 0, (size_t)(d->data_bytes - d->block_bytes));
-                kvo__gather(&mem, mem_block, data);
-            }
-            kvo__disk_header(d, &job->hashes[i], data, buf);
-        }
-        e = kvo__disk_io(d, writing, buf, data, off);
-        if (e) {
-            job->results[i] = kvo__errno_result(e);
-            io_errors++;
-            snprintf(msg, sizeof msg, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
-        } else if (!writing && !kvo__disk_verify(d, &job->hashes[i], buf, data)) {
-            job->results[i] = KVO_ECHECKSUM;
-            checksum_errors++;
-            snprintf(msg, sizeof msg, "%s: slot %u failed its header or checksum check", d->path, slot);
-        } else {
-            if (!writing && data == buf + KVO__HEADER_BYTES) kvo__scatter(&mem, mem_block, data);
-            job->results[i] = KVO_OK;
-            bytes += d->block_bytes;
-            continue;
-        }
-        if (result == KVO_OK) result = job->results[i];
+    if (posix_memalign((void **)&buf, KVO__SLOT_ALIGN, (size_t)d->slot_bytes * (writing && job->n > 1 ? 2 : 1)) != 0)
+        buf = NULL;
+    if (!buf) {
+        for (i = 0; i < job->n; i++) job->results[i] = KVO_ENOMEM;
+        result = job->n ? KVO_ENOMEM : KVO_OK;
+    } else if (writing) {
+        result = kvo__disk_write_job(d, job, &mem, buf, &bytes, &io_errors, msg, sizeof msg);
+    } else {
+        result = kvo__disk_read_job(d, job, &mem, buf, &bytes, &checksum_errors, &io_errors, msg, sizeof msg);
     }
     free(buf);
     pthread_mutex_lock(&d->lock);
@@ -1446,7 +1561,6 @@ typedef struct kvo__container {
 } kvo__container;
 
 typedef struct kvo__hslot { uint32_t gen; kvo__container *c; } kvo__hslot;
-typedef struct kvo__count_entry { kvb_hash key; uint32_t value; } kvo__count_entry;
 
 typedef struct kvo__note {
     kvo_transfer t;
@@ -1480,7 +1594,7 @@ struct kvo_pipeline {
     uint32_t executing;       /* jobs handed to the backend and not done */
     kvo__hslot *slots;
     uint32_t *free_slots;
-    kvo__count_entry *inflight, *freq;
+    kvb__ctab inflight, freq;  /* blocks in flight, blocks seen (frequency policy), per hash */
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
@@ -1497,27 +1611,13 @@ static uint64_t kvo__now(const kvo_pipeline *pl)
 }
 
 
-/* stb_ds creates the map on a first lookup, so the map is passed by address. */
-static uint32_t kvo__count_get(kvo__count_entry **m, const kvb_hash *h)
-{
-    kvb_hash k = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(*m, k);
-    return i < 0 ? 0 : (*m)[i].value;
-}
+static uint32_t kvo__count_get(const kvb__ctab *m, const kvb_hash *h) { return kvb__ctab_get(m, h); }
 
-static void kvo__count_add(kvo__count_entry **m, const kvb_hash *h, int delta)
+/* Out of memory a count is lost: a block may then be offered twice or once too few (policies only). */
+static void kvo__count_add(kvb__ctab *m, const kvb_hash *h, int delta)
 {
-    kvb_hash k = kvb__kid_key(h);
-    ptrdiff_t i = stbds_hmgeti(*m, k);
-    if (i < 0) {
-        if (delta > 0) stbds_hmput(*m, k, (uint32_t)delta);
-    } else if (delta > 0) {
-        (*m)[i].value += (uint32_t)delta;
-    } else if ((*m)[i].value <= (uint32_t)-delta) {
-        (void)stbds_hmdel(*m, k);
-    } else {
-        (*m)[i].value -= (uint32_t)-delta;
-    }
+    if (delta > 0) (void)kvb__ctab_add(m, h, (uint32_t)delta);
+    else (void)kvb__ctab_sub(m, h, (uint32_t)-delta, 0);
 }
 
 static kvo__container *kvo__container_new(size_t n)
@@ -2331,8 +2431,8 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->on_deck);
     stbds_arrfree(pipeline->slots);
     stbds_arrfree(pipeline->free_slots);
-    stbds_hmfree(pipeline->inflight);
-    stbds_hmfree(pipeline->freq);
+    kvb__ctab_free(&pipeline->inflight);
+    kvb__ctab_free(&pipeline->freq);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
     pthread_cond_destroy(&pipeline->cond);

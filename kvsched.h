@@ -2125,8 +2125,87 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     uint32_t loads_active;
 } kvs__plan;
 
+/* A map from a 64-bit id (request, transfer) to a pointer, NULL = absent: open addressing on a
+ * multiplicative hash, backward-shift deletion; it grows (at two thirds full) and never shrinks, so a
+ * steady state allocates nothing, and a lookup is one probe with no byte hashing. */
+typedef struct kvs__idslot { uint64_t key; void *val; } kvs__idslot;
+typedef struct kvs__idmap { kvs__idslot *e; uint64_t mask; size_t used; } kvs__idmap;
+
+static uint64_t kvs__id_home(const kvs__idmap *m, uint64_t key)
+{
+    return ((key * UINT64_C(0x9e3779b97f4a7c15)) >> 29) & m->mask;
+}
+
+static uint64_t kvs__id_slot(const kvs__idmap *m, uint64_t key)
+{
+    uint64_t s = kvs__id_home(m, key);
+    while (m->e[s].val && m->e[s].key != key) s = (s + 1) & m->mask;
+    return s;
+}
+
+static void *kvs__id_get(const kvs__idmap *m, uint64_t key)
+{
+    return m->used ? m->e[kvs__id_slot(m, key)].val : NULL;
+}
+
+/* key -> val (val not NULL). 0 when out of memory (nothing changed). */
+static int kvs__id_put(kvs__idmap *m, uint64_t key, void *val)
+{
+    uint64_t s;
+    if (!m->e || (m->used + 1) * 3 >= (m->mask + 1) * 2) {
+        kvs__idmap g;
+        uint64_t n = m->e ? (m->mask + 1) * 2 : 64, i;
+        g.e = (kvs__idslot *)KVB_MALLOC((size_t)n * sizeof *g.e);
+        if (!g.e) return 0;
+        memset(g.e, 0, (size_t)n * sizeof *g.e);
+        g.mask = n - 1;
+        g.used = m->used;
+        for (i = 0; m->e && i <= m->mask; i++)
+            if (m->e[i].val) g.e[kvs__id_slot(&g, m->e[i].key)] = m->e[i];
+        KVB_FREE(m->e);
+        *m = g;
+    }
+    s = kvs__id_slot(m, key);
+    if (!m->e[s].val) m->used++;
+    m->e[s].key = key;
+    m->e[s].val = val;
+    return 1;
+}
+
+/* Remove key; returns its value (NULL when absent). */
+static void *kvs__id_del(kvs__idmap *m, uint64_t key)
+{
+    uint64_t i, j, k;
+    void *val;
+    if (!m->used) return NULL;
+    i = j = kvs__id_slot(m, key);
+    if (!(val = m->e[i].val)) return NULL;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        if (!m->e[j].val) break;
+        k = kvs__id_home(m, m->e[j].key);
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        m->e[i] = m->e[j];
+        i = j;
+    }
+    m->e[i].val = NULL;
+    m->used--;
+    return val;
+}
+
+static void kvs__id_clear(kvs__idmap *m)
+{
+    if (m->used) memset(m->e, 0, (size_t)(m->mask + 1) * sizeof *m->e);
+    m->used = 0;
+}
+
+static void kvs__id_free(kvs__idmap *m)
+{
+    KVB_FREE(m->e);
+    memset(m, 0, sizeof *m);
+}
+
 typedef struct kvs__active_load { kvs_load load; kvo_transfer t; } kvs__active_load;
-typedef struct kvs__id_entry { uint64_t key; int value; } kvs__id_entry;
 typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int done; } kvs__active_store;
 
 struct kvs_connector {
@@ -2143,7 +2222,7 @@ struct kvs_connector {
     kvs_store *bound_stores;
     kvs__active_load *loads;
     kvs__active_store *stores;
-    kvs__id_entry *offloaded;  /* transfer ids reported by the manager (stb_ds set) */
+    kvs__idmap offloaded;      /* transfer ids reported by the manager (a set: the value is the connector) */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -2171,7 +2250,7 @@ static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const k
     (void)info;
     if (tier != 0) return;
     pthread_mutex_lock(&c->lock);
-    stbds_hmput(c->offloaded, t.id, 1);
+    (void)kvs__id_put(&c->offloaded, t.id, c); /* out of memory: the store is seen done when it is reported */
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -2229,7 +2308,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
-    stbds_hmfree(c->offloaded);
+    kvs__id_free(&c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
     pthread_mutex_destroy(&c->lock);
@@ -2444,9 +2523,7 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
 
 static int kvs__offloaded(kvs_connector *c, uint64_t id)
 {
-    if (stbds_hmgeti(c->offloaded, id) < 0) return 0;
-    (void)stbds_hmdel(c->offloaded, id);
-    return 1;
+    return kvs__id_del(&c->offloaded, id) != NULL;
 }
 
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
@@ -2466,7 +2543,7 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
         else c->stores[w++] = *s;
     }
     KVB__ARR_SHRINK(c->stores, w);
-    if (!w) stbds_hmfree(c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
+    if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
     out->finished_loads = c->fin_loads;
     out->num_finished_loads = stbds_arrlenu(c->fin_loads);
     out->finished_stores = c->fin_stores;
@@ -2608,30 +2685,42 @@ KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t req
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
-typedef struct kvs__req {
-    uint64_t id, arrival;
-    kvs_slot_state state;
-    int32_t priority;
+typedef struct kvs__req { /* what every step reads first (one cache line), the rest after */
+    uint64_t id;
     uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
-    size_t num_prompt;
-    uint32_t max_new, generated, preemptions;
     kvb_seq *seq;
-    size_t computed, cached, lower_hit, registered_blocks;
+    size_t computed, in_seq;   /* tokens computed; tokens appended to seq */
+    size_t registered_blocks;
+    kvs_slot_state state;
+    int scheduled;
+    uint32_t max_new, generated;
+    uint64_t arrival;
+    int32_t priority;
+    uint32_t preemptions;
+    size_t num_prompt;
+    size_t cached, lower_hit;
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
-    int swapped, scheduled, drop_after_step;
+    int swapped, drop_after_step;
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
+    size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
-
-typedef struct kvs__req_entry { uint64_t key; kvs__req *value; } kvs__req_entry;
 
 struct kvs_sched {
     kvs_sched_config cfg;
     const int *armed;          /* hooks or breakpoints on cfg.bus (kvs__unarmed without a bus) */
     kvs_connector *conn;
     uint32_t block_tokens, device_blocks;
-    kvs__req_entry *reqs;      /* stb_ds map id -> request */
+    kvs__idmap reqs;           /* id -> request */
+    kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
+    kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
+    size_t drops;              /* requests that give their blocks back when the step completes */
+    /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
+    kvs__req **batch;
+    kvb_seq **batch_seqs;
+    const uint32_t **batch_tokens;
+    size_t *batch_counts;
     kvs__req **waiting, **running, **swapped, **onboarding;
     uint64_t next_id, next_arrival, step_id;
     int in_step;
@@ -2643,8 +2732,7 @@ struct kvs_sched {
 
 static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
 {
-    ptrdiff_t i = stbds_hmgeti(s->reqs, id);
-    return i < 0 ? NULL : s->reqs[i].value;
+    return (kvs__req *)kvs__id_get(&s->reqs, id);
 }
 
 static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
@@ -2783,6 +2871,7 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
     kvb_seq_destroy(r->seq);
     r->seq = NULL;
+    r->in_seq = 0;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
@@ -2794,13 +2883,19 @@ static void kvs__req_free(kvs__req *r)
 
 KVS_API void kvs_sched_destroy(kvs_sched *sched)
 {
-    ptrdiff_t i;
+    size_t i;
     if (!sched) return;
-    for (i = 0; i < stbds_hmlen(sched->reqs); i++) {
-        kvs__drop_blocks(sched, sched->reqs[i].value);
-        kvs__req_free(sched->reqs[i].value);
+    for (i = 0; i < stbds_arrlenu(sched->all); i++) {
+        kvs__drop_blocks(sched, sched->all[i]);
+        kvs__req_free(sched->all[i]);
     }
-    stbds_hmfree(sched->reqs);
+    kvs__id_free(&sched->reqs);
+    stbds_arrfree(sched->all);
+    stbds_arrfree(sched->order);
+    stbds_arrfree(sched->batch);
+    stbds_arrfree(sched->batch_seqs);
+    stbds_arrfree(sched->batch_tokens);
+    stbds_arrfree(sched->batch_counts);
     stbds_arrfree(sched->waiting);
     stbds_arrfree(sched->running);
     stbds_arrfree(sched->swapped);
@@ -2859,7 +2954,14 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     r->num_extra = request->num_extra;
     if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
     memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
-    stbds_hmput(sched->reqs, r->id, r);
+    if (!kvs__id_put(&sched->reqs, r->id, r)) {
+        sched->next_id--;
+        sched->next_arrival--;
+        kvs__req_free(r);
+        return KVS_ENOMEM;
+    }
+    r->at = stbds_arrlenu(sched->all);
+    stbds_arrput(sched->all, r);
     kvs__queue_insert(&sched->waiting, r);
     sched->stats.prompt_tokens += request->num_prompt;
     if (kvs__wants(sched->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(sched, r, (kvs_slot_state)0);
@@ -2956,14 +3058,13 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
  * others when blocks run out. 0 when r itself had to go. */
 static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
-    size_t have;
-    kvb_seq_info info;
-    memset(&info, 0, sizeof info);
-    kvb_seq_get_info(r->seq, &info);
-    have = info.num_tokens;
+    size_t have = r->in_seq;
     while (have < stbds_arrlenu(r->tokens)) {
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) return 1;
+        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) {
+            r->in_seq = stbds_arrlenu(r->tokens);
+            return 1;
+        }
         v = kvs__victim(s, preempt_below, NULL);
         if (!v || v == r) return 0;
         kvs__preempt(s, v);
@@ -2987,27 +3088,70 @@ static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
+/* r has grown (or had to go): it gets its share of the budget, or is skipped this step. */
+static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int grown)
+{
+    if (!grown) { /* nobody else to preempt: r goes */
+        kvs__preempt(s, r);
+        return;
+    }
+    if (kvs__schedule_compute(s, r))
+        kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
+    else
+        kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
+}
+
+/* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
+static int kvs__wants_growth(const kvs__req *r, int decode_pass)
+{
+    int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+    if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
+    if (decoding != decode_pass || r->scheduled) return 0;
+    return !(decoding && stbds_arrlenu(r->tokens) <= r->computed); /* waiting for its sampled token */
+}
+
+/* The decoding requests from order[from] on that grow in this pass, appended in one batch (one lock of
+ * the device pool): as many as succeed in a row are scheduled; the first that fails takes the slow path
+ * (preempting others), exactly where the one-by-one loop would have. Returns where the pass goes on. */
+static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, size_t n)
+{
+    size_t i, k, done = 0;
+    KVB__ARR_SHRINK(s->batch, 0);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_tokens, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (i = from; i < n && kvs__wants_growth(order[i], 1); i++) {
+        kvs__req *r = order[i];
+        if (i + 8 < n) KVB__PREFETCH(order[i + 8]);
+        if (i + 4 < n) KVB__PREFETCH(order[i + 4]->tokens + order[i + 4]->in_seq);
+        stbds_arrput(s->batch, r);
+        stbds_arrput(s->batch_seqs, r->seq);
+        stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
+        stbds_arrput(s->batch_counts, stbds_arrlenu(r->tokens) - r->in_seq);
+    }
+    k = stbds_arrlenu(s->batch);
+    if (!k) return from + 1; /* order[from] does not grow in this pass */
+    kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = 0; i < done; i++) {
+        s->batch[i]->in_seq = stbds_arrlenu(s->batch[i]->tokens);
+        kvs__schedule_grown(s, s->batch[i], 1, 1);
+    }
+    if (done == k) return from + k;
+    kvs__schedule_grown(s, s->batch[done], 1, kvs__grow(s, s->batch[done], (int64_t)INT32_MAX + 1));
+    return from + done + 1;
+}
+
 static void kvs__schedule_running(kvs_sched *s)
 {
-    kvs__req **order = NULL; /* a snapshot: preemption takes requests out of s->running meanwhile */
-    size_t i;
-    if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *order);
-    for (i = 0; i < 2 * stbds_arrlenu(order); i++) { /* decodes first, then prefills */
-        kvs__req *r = order[i % stbds_arrlenu(order)];
-        int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
-        if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) continue; /* a victim meanwhile */
-        if (decoding != (i < stbds_arrlenu(order)) || r->scheduled) continue;
-        if (decoding && stbds_arrlenu(r->tokens) <= r->computed) continue; /* waiting for its sampled token */
-        if (!kvs__grow(s, r, (int64_t)INT32_MAX + 1)) { /* nobody else to preempt: r goes */
-            kvs__preempt(s, r);
-            continue;
-        }
-        if (kvs__schedule_compute(s, r))
-            kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
-        else
-            kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
-    }
-    stbds_arrfree(order);
+    kvs__req **order; /* a snapshot: preemption takes requests out of s->running meanwhile */
+    size_t i, n;
+    KVB__ARR_SHRINK(s->order, 0);
+    if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
+    order = s->order;
+    n = stbds_arrlenu(order);
+    for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
+    for (i = 0; i < n; i++) /* then prefills */
+        if (kvs__wants_growth(order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -3078,7 +3222,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         kvs__req *v;
         size_t len = stbds_arrlenu(r->tokens);
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
-            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) break;
+            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
+                r->in_seq = len;
+                break;
+            }
             kvb_seq_truncate(r->seq, 0);
         }
         v = kvs__victim(s, r->priority, r);
@@ -3252,25 +3399,46 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     return KVS_OK;
 }
 
-/* Commit what an item computed; in eager mode the newly registered blocks go to the connector. */
-static void kvs__commit_item(kvs_sched *s, const kvs_sched_item *it)
+/* After an item's tokens were committed: counts, and in eager mode the newly registered blocks go to the
+ * connector. */
+static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
 {
-    kvs__req *r = kvs__find(s, it->request);
     const kvb_block *table = NULL;
-    size_t n = 0, done;
-    if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) return; /* aborted during the step */
-    done = it->num_computed + it->num_new;
-    kvb_seq_commit(r->seq, done);
+    size_t n = 0;
     if (done > r->computed) {
         s->stats.computed_tokens += done - r->computed;
         r->computed = done;
     }
-    kvb_seq_blocks(r->seq, &table, &n);
-    if (s->conn && r->computed / s->block_tokens > r->registered_blocks)
+    if (s->conn && r->computed / s->block_tokens > r->registered_blocks) {
+        kvb_seq_blocks(r->seq, &table, &n);
         kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
                                       r->computed / s->block_tokens - r->registered_blocks);
+    }
     if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
     if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
+}
+
+/* Commit what the step's items computed: every sequence in one batch (one lock of the device pool),
+ * then each request's counts and connector notes, in the step's order. */
+static void kvs__commit_items(kvs_sched *s)
+{
+    size_t a, i, k;
+    KVB__ARR_SHRINK(s->batch, 0);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (a = 0; a < 2; a++) {
+        const kvs_sched_item *items = a ? s->decode : s->prefill;
+        for (i = 0; i < stbds_arrlenu(items); i++) {
+            kvs__req *r = kvs__find(s, items[i].request);
+            if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) continue; /* aborted during the step */
+            stbds_arrput(s->batch, r);
+            stbds_arrput(s->batch_seqs, r->seq);
+            stbds_arrput(s->batch_counts, items[i].num_computed + items[i].num_new);
+        }
+    }
+    k = stbds_arrlenu(s->batch);
+    if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
+    for (i = 0; i < k; i++) kvs__committed(s, s->batch[i], s->batch_counts[i]);
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -3285,15 +3453,15 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
         e.u.run.step = step->id;
         kvs__emit_input(sched, &e, NULL, 0);
     }
-    for (i = 0; i < stbds_arrlenu(sched->prefill); i++) kvs__commit_item(sched, &sched->prefill[i]);
-    for (i = 0; i < stbds_arrlenu(sched->decode); i++) kvs__commit_item(sched, &sched->decode[i]);
+    kvs__commit_items(sched);
     sched->in_step = 0;
-    for (a = 0; a < 2; a++) { /* requests that ended during the step give their blocks back now */
+    for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
         kvs_sched_item *items = a ? sched->decode : sched->prefill;
         for (i = 0; i < stbds_arrlenu(items); i++) {
             kvs__req *r = kvs__find(sched, items[i].request);
             if (r && r->drop_after_step) {
                 r->drop_after_step = 0;
+                sched->drops--;
                 kvs__drop_blocks(sched, r);
             }
         }
@@ -3307,7 +3475,10 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
     if (res != KVS_OK) return res;
     kvs__unqueue(s, r);
-    if (s->in_step && r->scheduled) r->drop_after_step = 1; /* the engine holds its block table */
+    if (s->in_step && r->scheduled) { /* the engine holds its block table */
+        r->drop_after_step = 1;
+        s->drops++;
+    }
     else kvs__drop_blocks(s, r);
     kvs__set_state(s, r, KVS_SLOT_FINISHED);
     if (aborted) s->stats.aborted++;
@@ -3363,7 +3534,10 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
-    (void)stbds_hmdel(sched->reqs, request);
+    if (r->drop_after_step) sched->drops--;
+    (void)kvs__id_del(&sched->reqs, request);
+    stbds_arrdelswap(sched->all, r->at);
+    if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
     kvs__req_free(r);
     return KVS_OK;
 }

@@ -17,6 +17,16 @@
  *                         evict_s3fifo_ns the same under FOL (self-tuning: its shadow pools' work is in the
  *                         release), ARC and S3-FIFO; evict_<policy>_vs_lru the ratios, _16k: the same in a
  *                         pool of 16,384 blocks (FOL's shadows sample a quarter of its blocks there)
+ *   replay_ns_per_block   a multi-turn chat trace (examples/workloads.h: 12,000 requests, shared system
+ *                         prompts, conversations that grow turn by turn, 512-token blocks) replayed through a
+ *                         10,000-block LRU pool as serve_sim --sequential does (kvb_match, kvb_alloc +
+ *                         kvb_register_hashed of the misses, kvb_release), per prompt block;
+ *                         bare_lru_ns_per_block: the same replay through a bare LRU prefix map written here
+ *                         (a hash map and a linked list, serve_sim's reference_lru); replay_vs_bare_lru the
+ *                         ratio (both must give the same hit rate, or the run stops); replay_fol_vs_lru: the
+ *                         same replay under FOL (self-tuning, its default) / under LRU;
+ *                         replay_request_ns_per_block: the LRU replay with kvb_request_begin (match, alloc
+ *                         and register in one call) + kvb_release, replay_request_vs_bare_lru its ratio
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
  * and from kvoffload.h (section "kvoffload.h" below):
@@ -75,6 +85,8 @@
 #include "tests/redis_fixtures.h"
 #include "bench/kvbench_remote.h"
 #endif
+#define WORKLOADS_IMPLEMENTATION
+#include "examples/workloads.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -114,6 +126,7 @@
 #define GOAL_EVENT_LOG_VS_FWRITE 2.0
 #define GOAL_SCHED_BUS_IDLE     1.05
 #define GOAL_ROUTE_NS           50.0
+#define GOAL_REPLAY_VS_BARE     1.5
 
 /* ---- sizes -------------------------------------------------------------------------------------- */
 
@@ -167,6 +180,10 @@
 #define REPS_SCHED  31
 #define REPS_OBSERVE 9
 #define REPS_ROUTE  9
+#define REPS_REPLAY 7
+#define REPLAY_REQUESTS 12000u
+#define REPLAY_POOL_BLOCKS 10000u
+#define REPLAY_BLOCK_TOKENS 512u
 #define EVICT_ITERATIONS 8192  /* x 16 evictions per repetition */
 #define SCHED_PROMPT_BLOCKS 2  /* each request: 2 full blocks + 0..15 tokens, so 1 in 16 crosses a block per step */
 
@@ -347,7 +364,7 @@ static void empty_caches_clean(const unsigned char *buffer, size_t bytes)
 typedef enum goal_kind { GOAL_AT_MOST, GOAL_AT_LEAST } goal_kind;
 
 typedef struct result {
-    const char *name;
+    char name[64];      /* copied: callers build some names in a buffer they reuse */
     const char *unit;
     double value;
     double goal;    /* NO_GOAL for reference values */
@@ -364,7 +381,8 @@ static void results_add(results *rs, const char *name, double value, const char 
                         goal_kind kind)
 {
     if (rs->n == MAX_RESULTS) die("too many results");
-    rs->items[rs->n++] = (result){ .name = name, .unit = unit, .value = value, .goal = goal, .kind = kind };
+    rs->items[rs->n] = (result){ .unit = unit, .value = value, .goal = goal, .kind = kind };
+    snprintf(rs->items[rs->n++].name, sizeof rs->items[0].name, "%s", name);
 }
 
 static int result_has_goal(const result *r) { return !isnan(r->goal); }
@@ -1232,8 +1250,9 @@ static void bench_cancel(results *rs, uint64_t *rng)
 
 static void usage(FILE *to)
 {
-    fprintf(to, "usage: kvbench [--json]\n"
-                "  Benchmarks kvblock.h and kvoffload.h; prints a table, or with --json one JSON object on stdout.\n");
+    fprintf(to, "usage: kvbench [--json] [--only SECTION,..]\n"
+                "  Benchmarks kvblock.h and kvoffload.h; prints a table, or with --json one JSON object on stdout.\n"
+                "  Sections: core gather pipeline disk cancel evict replay sched observe remote (default: all).\n");
 }
 
 
@@ -1287,6 +1306,208 @@ static void bench_evict(results *rs, uint64_t *rng)
         results_add(rs, pol[i].vs, ns / lru, "ratio", pol[i].goal, GOAL_AT_MOST);
         results_add(rs, pol[i].vs16k, ns16k / lru16k, "ratio", pol[i].goal, GOAL_AT_MOST);
     }
+}
+
+/* ---- replay: a multi-turn trace through kvblock.h and through a bare LRU prefix map ------------------ */
+
+/* The trace as the replay sees it: per request, the parent of its first block (the root) followed by
+ * its block hashes, clipped to the pool's size, so a request's parents are hashes[off - 1 + i]. */
+typedef struct replay_trace {
+    kvb_hash *hashes;
+    size_t *off, *len;  /* request q: hashes[off[q] .. off[q] + len[q]) */
+    size_t n, blocks, max_len;
+} replay_trace;
+
+static void replay_trace_make(replay_trace *t)
+{
+    wl_trace w;
+    if (wl_generate(WL_CHAT, REPLAY_BLOCK_TOKENS, REPLAY_REQUESTS, 1.0, 1, &w) != 0) die("replay: wl_generate");
+    t->n = w.n;
+    t->off = xmalloc(w.n * sizeof *t->off);
+    t->len = xmalloc(w.n * sizeof *t->len);
+    t->hashes = xmalloc((w.total_blocks + w.n) * sizeof *t->hashes);
+    t->blocks = t->max_len = 0;
+    size_t at = 0;
+    for (size_t q = 0; q < w.n; q++) {
+        size_t n = w.req[q].num_blocks < REPLAY_POOL_BLOCKS ? w.req[q].num_blocks : REPLAY_POOL_BLOCKS;
+        t->hashes[at++] = (kvb_hash){ 0, 0 };
+        t->off[q] = at;
+        t->len[q] = n;
+        for (size_t i = 0; i < n; i++) { /* identities to 128-bit hashes, high half mixed */
+            uint64_t s = w.req[q].blocks[i];
+            t->hashes[at + i] = (kvb_hash){ w.req[q].blocks[i], splitmix64(&s) };
+        }
+        at += n;
+        t->blocks += n;
+        if (n > t->max_len) t->max_len = n;
+    }
+    wl_free(&w);
+}
+
+/* The bare reference: an open-addressing map from hash to node and a doubly linked LRU list (node cap is
+ * the head: next = least recent). Per request: the cached prefix hits, the misses come in (evicting the
+ * least recent), then every block becomes most recent, deepest first, as kvb_release gives them back. */
+typedef struct bare_lru {
+    uint32_t *slot;                 /* node + 1, 0 = empty */
+    uint64_t mask;
+    kvb_hash *key;
+    uint32_t *prev, *next, cap, used;
+} bare_lru;
+
+static uint64_t bare_slot(const bare_lru *c, const kvb_hash *h)
+{
+    uint64_t s = h->lo & c->mask;
+    while (c->slot[s] && (c->key[c->slot[s] - 1].lo != h->lo || c->key[c->slot[s] - 1].hi != h->hi))
+        s = (s + 1) & c->mask;
+    return s;
+}
+static void bare_del(bare_lru *c, uint64_t i) /* backward-shift deletion */
+{
+    for (uint64_t j = i;;) {
+        j = (j + 1) & c->mask;
+        if (!c->slot[j]) break;
+        uint64_t k = c->key[c->slot[j] - 1].lo & c->mask;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        c->slot[i] = c->slot[j];
+        i = j;
+    }
+    c->slot[i] = 0;
+}
+static void bare_unlink(bare_lru *c, uint32_t x) { c->next[c->prev[x]] = c->next[x]; c->prev[c->next[x]] = c->prev[x]; }
+static void bare_push(bare_lru *c, uint32_t x)
+{
+    c->prev[x] = c->prev[c->cap];
+    c->next[x] = c->cap;
+    c->next[c->prev[c->cap]] = x;
+    c->prev[c->cap] = x;
+}
+static void bare_init(bare_lru *c, uint32_t cap)
+{
+    uint64_t slots = 1;
+    while (slots < 2 * (uint64_t)cap) slots <<= 1;
+    *c = (bare_lru){ .slot = calloc(slots, sizeof(uint32_t)), .mask = slots - 1, .key = xmalloc(cap * sizeof(kvb_hash)),
+                     .prev = xmalloc((cap + 1) * sizeof(uint32_t)), .next = xmalloc((cap + 1) * sizeof(uint32_t)),
+                     .cap = cap };
+    if (!c->slot) die("out of memory");
+    c->prev[cap] = c->next[cap] = cap;
+}
+static void bare_free(bare_lru *c) { free(c->slot); free(c->key); free(c->prev); free(c->next); }
+
+static uint64_t bare_request(bare_lru *c, const kvb_hash *h, size_t n)
+{
+    size_t m = 0;
+    while (m < n && c->slot[bare_slot(c, &h[m])]) m++;
+    for (size_t i = 0; i < n; i++) { /* in use by the request: most recent while its misses come in */
+        uint64_t s = bare_slot(c, &h[i]);
+        uint32_t x = c->slot[s] ? c->slot[s] - 1 : UINT32_MAX;
+        if (x == UINT32_MAX) {
+            if (c->used < c->cap) x = c->used++;
+            else {
+                x = c->next[c->cap];
+                bare_unlink(c, x);
+                bare_del(c, bare_slot(c, &c->key[x]));
+                s = bare_slot(c, &h[i]);
+            }
+            c->key[x] = h[i];
+            c->slot[s] = x + 1;
+        } else {
+            bare_unlink(c, x);
+        }
+        bare_push(c, x);
+    }
+    for (size_t i = n; i-- > 0;) { /* released deepest first */
+        uint32_t x = c->slot[bare_slot(c, &h[i])] - 1;
+        bare_unlink(c, x);
+        bare_push(c, x);
+    }
+    return m;
+}
+
+typedef struct replay_bench {
+    replay_trace t;
+    kvb_block *blk;
+    uint64_t hits_lib, hits_bare;
+    kvb_evict_policy policy;
+    int one_call;       /* kvb_request_begin instead of kvb_match + kvb_alloc + kvb_register_hashed */
+} replay_bench;
+
+/* serve_sim --sequential's loop: match, allocate and register the misses, release the whole chain. */
+static double replay_lib_once(void *ctx)
+{
+    replay_bench *b = ctx;
+    kvb_pool_config cfg = { .num_blocks = REPLAY_POOL_BLOCKS, .block_tokens = REPLAY_BLOCK_TOKENS, .eviction = b->policy };
+    kvb_pool *pool;
+    uint64_t hits = 0;
+    expect_ok(kvb_pool_create(&cfg, &pool), "kvb_pool_create (replay)");
+    uint64_t t0 = now_ns();
+    for (size_t q = 0; q < b->t.n; q++) {
+        const kvb_hash *h = b->t.hashes + b->t.off[q];
+        size_t n = b->t.len[q], m = 0;
+        if (!n) continue;
+        if (b->one_call) {
+            expect_ok(kvb_request_begin(pool, h, n, b->blk, &m), "replay: kvb_request_begin");
+            hits += m;
+            expect_ok(kvb_release(pool, b->blk, n, NULL), "replay: kvb_release");
+            continue;
+        }
+        expect_ok(kvb_match(pool, h, n, b->blk, &m), "replay: kvb_match");
+        hits += m;
+        if (m < n) {
+            expect_ok(kvb_alloc(pool, n - m, b->blk + m), "replay: kvb_alloc");
+            expect_ok(kvb_register_hashed(pool, b->blk + m, n - m, h + m, h + m - 1, b->blk + m),
+                      "replay: kvb_register_hashed");
+        }
+        expect_ok(kvb_release(pool, b->blk, n, NULL), "replay: kvb_release");
+    }
+    uint64_t t1 = now_ns();
+    check_pool(pool, "after the replay");
+    kvb_pool_destroy(pool);
+    b->hits_lib = hits;
+    return (double)(t1 - t0) / (double)b->t.blocks;
+}
+
+static double replay_bare_once(void *ctx)
+{
+    replay_bench *b = ctx;
+    bare_lru c;
+    uint64_t hits = 0;
+    bare_init(&c, REPLAY_POOL_BLOCKS);
+    uint64_t t0 = now_ns();
+    for (size_t q = 0; q < b->t.n; q++) hits += bare_request(&c, b->t.hashes + b->t.off[q], b->t.len[q]);
+    uint64_t t1 = now_ns();
+    bare_free(&c);
+    b->hits_bare = hits;
+    return (double)(t1 - t0) / (double)b->t.blocks;
+}
+
+static void bench_replay(results *rs)
+{
+    replay_bench b = { .policy = KVB_EVICT_LRU };
+    double lib, bare, fol, one, bare1;
+    replay_trace_make(&b.t);
+    b.blk = xmalloc(b.t.max_len * sizeof *b.blk);
+    summarize_interleaved(MEDIAN, REPS_REPLAY, replay_lib_once, replay_bare_once, &b, &lib, &bare);
+    if (b.hits_lib != b.hits_bare)
+        die("replay: kvblock.h hit %llu blocks, the bare LRU map %llu", (unsigned long long)b.hits_lib,
+            (unsigned long long)b.hits_bare);
+    uint64_t hits = b.hits_lib;
+    b.one_call = 1;
+    summarize_interleaved(MEDIAN, REPS_REPLAY, replay_lib_once, replay_bare_once, &b, &one, &bare1);
+    if (b.hits_lib != hits) die("replay: kvb_request_begin hit %llu blocks, the separate calls %llu",
+                                (unsigned long long)b.hits_lib, (unsigned long long)hits);
+    b.one_call = 0;
+    b.policy = KVB_EVICT_FOL; /* self-tuning (fol_class_step 0) */
+    fol = summarize_runs(MEDIAN, REPS_REPLAY, replay_lib_once, &b);
+    free(b.blk);
+    free(b.t.hashes);
+    free(b.t.off);
+    free(b.t.len);
+    results_add(rs, "replay_ns_per_block", lib, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "bare_lru_ns_per_block", bare, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "replay_vs_bare_lru", lib / bare, "ratio", GOAL_REPLAY_VS_BARE, GOAL_AT_MOST);
+    results_add(rs, "replay_fol_vs_lru", fol / lib, "ratio", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "replay_request_ns_per_block", one, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "replay_request_vs_bare_lru", one / bare1, "ratio", GOAL_REPLAY_VS_BARE, GOAL_AT_MOST);
 }
 
 /* ---- scheduler step ------------------------------------------------------------------------------ */
@@ -1631,11 +1852,55 @@ static void bench_sched(results *rs)
     results_add(rs, "sched_step_scaling", us4k / us1k, "ratio", GOAL_SCHED_SCALING, GOAL_AT_MOST);
 }
 
+/* Hashing aside, the block-level keys: the cycle at 1k and 1M blocks, the cold match, the router, the
+ * DRAM floor they are measured against. */
+static void bench_core(results *rs, unsigned char *big, size_t big_bytes, uint64_t *rng)
+{
+    progress("block cycle, 1k blocks");
+    double cycle_1k = measure_block_cycle_1k(rng);
+
+    progress("filling 1M blocks");
+    kvb_pool *pool = create_metadata_pool(BIG_POOL_BLOCKS);
+    fill_with_inactive_blocks(pool, BIG_POOL_BLOCKS, rng);
+    progress("block cycle, 1M blocks");
+    double cycle_1m = measure_block_cycle(pool, rng);
+    progress("prefix match, 1M blocks");
+    double match = measure_match(pool, big, big_bytes, rng);
+    check_pool(pool, "after the 1M block cycle and match");
+    kvb_pool_destroy(pool);
+
+    progress("router: 8 workers, 1M hashes");
+    bench_route(rs, big, big_bytes, rng);
+
+    progress("DRAM floor");
+    double dram = measure_dram_floor(big, big_bytes, rng);
+
+    results_add(rs, "block_cycle_ns", cycle_1m, "ns/block", GOAL_BLOCK_CYCLE_NS, GOAL_AT_MOST);
+    results_add(rs, "block_cycle_ns_1k", cycle_1k, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "scaling_1k_to_1m", cycle_1m / cycle_1k, "ratio", GOAL_SCALING_1K_TO_1M, GOAL_AT_MOST);
+    results_add(rs, "match_ns_per_block", match, "ns/block", GOAL_MATCH_NS, GOAL_AT_MOST);
+    results_add(rs, "dram_floor_ns", dram, "ns/read", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "match_vs_dram_floor", match / dram, "ratio", GOAL_MATCH_VS_DRAM, GOAL_AT_MOST);
+}
+
+/* --only a,b: run only the named sections (core gather pipeline disk cancel evict replay sched observe
+ * remote), for iterating on one of them. */
+static const char *only;
+static int want(const char *section)
+{
+    size_t n = strlen(section);
+    for (const char *p = only; p && *p; p += strcspn(p, ",") + (p[strcspn(p, ",")] == ',')) {
+        if (strncmp(p, section, n) == 0 && (p[n] == ',' || p[n] == '\0')) return 1;
+    }
+    return !only;
+}
+
 int main(int argc, char **argv)
 {
     int json = 0;
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--json") == 0) json = 1;
+        else if (strcmp(argv[i], "--only") == 0 && i + 1 < argc) only = argv[++i];
         else if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) { usage(stdout); return 0; }
         else { usage(stderr); return 2; }
     }
@@ -1646,52 +1911,48 @@ int main(int argc, char **argv)
     size_t big_bytes = big_buffer_bytes(&machine);
     unsigned char *big = alloc_touched(big_bytes);
 
-    progress("hashing");
-    bench_hash(&rs, &rng);
-
-    progress("block cycle, 1k blocks");
-    double cycle_1k = measure_block_cycle_1k(&rng);
-
-    progress("filling 1M blocks");
-    kvb_pool *pool = create_metadata_pool(BIG_POOL_BLOCKS);
-    fill_with_inactive_blocks(pool, BIG_POOL_BLOCKS, &rng);
-    progress("block cycle, 1M blocks");
-    double cycle_1m = measure_block_cycle(pool, &rng);
-    progress("prefix match, 1M blocks");
-    double match = measure_match(pool, big, big_bytes, &rng);
-    check_pool(pool, "after the 1M block cycle and match");
-    kvb_pool_destroy(pool);
-
-    progress("router: 8 workers, 1M hashes");
-    bench_route(&rs, big, big_bytes, &rng);
-
-    progress("DRAM floor");
-    double dram = measure_dram_floor(big, big_bytes, &rng);
-
-    results_add(&rs, "block_cycle_ns", cycle_1m, "ns/block", GOAL_BLOCK_CYCLE_NS, GOAL_AT_MOST);
-    results_add(&rs, "block_cycle_ns_1k", cycle_1k, "ns/block", NO_GOAL, GOAL_AT_MOST);
-    results_add(&rs, "scaling_1k_to_1m", cycle_1m / cycle_1k, "ratio", GOAL_SCALING_1K_TO_1M, GOAL_AT_MOST);
-    results_add(&rs, "match_ns_per_block", match, "ns/block", GOAL_MATCH_NS, GOAL_AT_MOST);
-    results_add(&rs, "dram_floor_ns", dram, "ns/read", NO_GOAL, GOAL_AT_MOST);
-    results_add(&rs, "match_vs_dram_floor", match / dram, "ratio", GOAL_MATCH_VS_DRAM, GOAL_AT_MOST);
-
-    progress("memcpy backend, gather/scatter");
-    bench_gather(&rs, big, big_bytes, &rng);
+    if (want("core")) {
+        progress("hashing");
+        bench_hash(&rs, &rng);
+        bench_core(&rs, big, big_bytes, &rng);
+    }
+    if (want("gather")) {
+        progress("memcpy backend, gather/scatter");
+        bench_gather(&rs, big, big_bytes, &rng);
+    }
     free(big);
-    progress("pipeline overhead, poll and threads");
-    bench_pipeline(&rs, &rng);
-    progress("disk backend");
-    bench_disk(&rs, &rng);
-    progress("cancel latency");
-    bench_cancel(&rs, &rng);
-    progress("eviction: LRU vs FOL, 1M blocks");
-    bench_evict(&rs, &rng);
-    progress("scheduler step, 1000 and 4000 decoding requests");
-    bench_sched(&rs);
-    progress("events: publish, log, the scheduler observed");
-    bench_observe(&rs);
-    progress("remote tier (Redis on loopback), 256 blocks of 2 MiB");
-    bench_remote(&rs);
+    if (want("pipeline")) {
+        progress("pipeline overhead, poll and threads");
+        bench_pipeline(&rs, &rng);
+    }
+    if (want("disk")) {
+        progress("disk backend");
+        bench_disk(&rs, &rng);
+    }
+    if (want("cancel")) {
+        progress("cancel latency");
+        bench_cancel(&rs, &rng);
+    }
+    if (want("evict")) {
+        progress("eviction: LRU vs FOL, 1M blocks");
+        bench_evict(&rs, &rng);
+    }
+    if (want("replay")) {
+        progress("replay: a chat trace through kvblock.h and a bare LRU map");
+        bench_replay(&rs);
+    }
+    if (want("sched")) {
+        progress("scheduler step, 1000 and 4000 decoding requests");
+        bench_sched(&rs);
+    }
+    if (want("observe")) {
+        progress("events: publish, log, the scheduler observed");
+        bench_observe(&rs);
+    }
+    if (want("remote")) {
+        progress("remote tier (Redis on loopback), 256 blocks of 2 MiB");
+        bench_remote(&rs);
+    }
 
     if (json) print_json(&rs, &machine);
     else print_table(&rs, &machine);
