@@ -63,6 +63,7 @@ $(BUILD)/test/test_policy_workloads: tests/test_policy_workloads.c examples/work
 CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru" \
   "$(BUILD)/serve_sim --sequential --trace examples/traces/small.jsonl --device-blocks 64 --host-blocks 0 --check-lru --eviction lineage" \
+  "sh tests/eviction_sim.sh" \
   "$(BUILD)/serve_sim --requests 300 --bytes --device-blocks 512 --host-blocks 1024 --disk-blocks 3000" \
   "sh tests/remote_sim.sh" \
   "sh tests/fleet_sim.sh" \

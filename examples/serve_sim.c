@@ -158,6 +158,8 @@ static const named eviction_names[] = {
     {"lineage", KVB_EVICT_LINEAGE},
     {"fol", KVB_EVICT_FOL},
     {"lru", KVB_EVICT_LRU},
+    {"arc", KVB_EVICT_ARC},
+    {"s3fifo", KVB_EVICT_S3FIFO},
     {NULL, 0},
 };
 static const named route_names[] = {
@@ -185,6 +187,8 @@ typedef struct optdef {
 
 #define OPT(field) offsetof(options, field)
 static const optdef optdefs[] = {
+    {"--fol-step", OPT_U32, OPT(fol_step), NULL, "N", "FOL's class step in block references; 0 = self-tuning (default)"},
+    {"--fol-ghost", OPT_U32, OPT(fol_ghost), NULL, "N", "FOL's ghost table (evicted hashes remembered); 0 = default"},
     {"--device-blocks", OPT_U32, OPT(device_blocks), NULL, "N", "device (G1) blocks; default 2048 (synthetic), 1024 (trace)"},
     {"--host-blocks", OPT_U32, OPT(host_blocks), NULL, "N", "host (G2) blocks, 0 = no host tier; default 16384 / 8192"},
     {"--disk-blocks", OPT_U32, OPT(disk_blocks), NULL, "N", "disk (G3) blocks, 0 = no disk tier (default)"},

@@ -126,6 +126,9 @@ void print_text(const workload *w, const options *o, results *r, const fleet_rep
     for (k = 0; k < nk; k++)
         if (r->tr.present[k]) printf(" %s %llu ", tier_names[k], (unsigned long long)r->tr.evictions[k]);
     printf("\n");
+    if (o->eviction == KVB_EVICT_FOL) /* the step in use at the end: chosen online unless --fol-step gave one */
+        printf("%-22s %u block references%s\n", "FOL class step", r->tr.device_step,
+               o->fol_step ? " (--fol-step)" : " (self-tuning)");
     for (k = 0, first = 1; k < nk; k++) {
         char lbl[32];
         if (r->tr.down_from[k] < 0) continue;
@@ -270,6 +273,7 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
     json_num(j, "disk_blocks", o->disk_blocks);
     if (o->remote) cJSON_AddStringToObject(j, "remote", o->remote);
     cJSON_AddStringToObject(j, "eviction", eviction_name(o->eviction));
+    if (o->eviction == KVB_EVICT_FOL) json_num(j, "fol_step_end", (double)r->tr.device_step);
     cJSON_AddStringToObject(j, "offload", offload_name(o->offload));
     cJSON_AddBoolToObject(j, "bytes", o->bytes);
     json_num(j, "requests", (double)r->requests);

@@ -91,6 +91,7 @@ void on_signal(int sig);
 typedef struct options {
     uint32_t device_blocks, host_blocks, disk_blocks, block_tokens, requests;
     uint32_t eviction, offload; /* kvb_evict_policy, kvo_offload_mode; UNSET = default */
+    uint32_t fol_step, fol_ghost; /* --fol-step, --fol-ghost: kvb_pool_config's (0 = its default) */
     uint64_t seed;
     const char *trace, *svg, *remote;
     const char *console, *record, *metrics; /* observability of the scheduler run (NULL: off) */
@@ -173,6 +174,7 @@ typedef struct tiers {
 typedef struct traffic {
     uint64_t down_blocks[TIER_ALL], down_bytes[TIER_ALL], up_blocks[TIER_ALL], up_bytes[TIER_ALL];
     uint64_t evictions[TIER_ALL];
+    uint32_t device_step;    /* FOL: the device pool's class step in use at the end */
     int down_from[TIER_ALL]; /* kind of the tier it is fed from, -1 */
     int present[TIER_ALL];
     kvo_redis_stats redis;  /* --remote: the backend's counters (imported = blocks other runs stored) */

@@ -42,6 +42,8 @@ static kvb_pool *make_pool(const options *o, uint32_t blocks, uint32_t tier, kvb
     pc.num_blocks = blocks;
     pc.block_tokens = o->block_tokens;
     pc.eviction = ev;
+    pc.fol_class_step = o->fol_step;
+    pc.fol_ghost = o->fol_ghost;
     pc.duplicates = dup;
     pc.tier = tier;
     if (storage) {
@@ -189,6 +191,7 @@ void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
         kvb_pool_get_stats(t->pool[i], &ps);
         tr->present[k] = 1;
         tr->evictions[k] = ps.evictions;
+        if (k == TIER_DEVICE) tr->device_step = ps.fol_class_step;
         if (!t->mgr) continue;
         if (i + 1 < t->n && kvo_manager_pipeline(t->mgr, i, 0)) { /* the edge into tier i + 1 */
             int to = t->kind[i + 1];

@@ -1,0 +1,24 @@
+#!/bin/sh
+# serve_sim's eviction options (issue 14): every policy replays the sample trace with its pool checked;
+# --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step it
+# chose; a bad policy name or value exits 2. Ends with "N passed, N failed".
+SIM=${SIM:-build/serve_sim}
+T=examples/traces/small.jsonl
+pass=0 fail=0
+ok() { echo "ok   $1"; pass=$((pass + 1)); }
+bad() { echo "FAIL $1"; fail=$((fail + 1)); }
+for e in lineage lru fol arc s3fifo; do
+    out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction $e --json 2>&1) &&
+        echo "$out" | grep -q "\"eviction\":[[:space:]]*\"$e\"" && ok "--eviction $e" || bad "--eviction $e"
+done
+out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --fol-step 100 --json)
+echo "$out" | grep -q '"fol_step_end":[[:space:]]*100' && ok "--fol-step 100 is the step in use" || bad "--fol-step 100"
+out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol)
+echo "$out" | grep -q "FOL class step .*(self-tuning)" && ok "the self-tuning step is reported" || bad "self-tuning step report"
+a=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --json | grep -o '"hit_blocks":[^,]*')
+b=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --fol-ghost 500 --json | grep -o '"hit_blocks":[^,]*')
+[ -n "$a" ] && [ -n "$b" ] && ok "--fol-ghost accepted ($a / $b)" || bad "--fol-ghost"
+$SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"
+$SIM --sequential --trace $T --fol-step x >/dev/null 2>&1; [ $? -eq 2 ] && ok "bad --fol-step exits 2" || bad "bad --fol-step"
+echo "$pass passed, $fail failed"
+[ "$fail" -eq 0 ]
