@@ -18,6 +18,10 @@ echo "$out" | grep -q "FOL class step .*(self-tuning)" && ok "the self-tuning st
 a=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --json | grep -o '"hit_blocks":[^,]*')
 b=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --fol-ghost 500 --json | grep -o '"hit_blocks":[^,]*')
 [ -n "$a" ] && [ -n "$b" ] && ok "--fol-ghost accepted ($a / $b)" || bad "--fol-ghost"
+svg=$(mktemp /tmp/eviction_sim.XXXXXX)
+$SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --svg "$svg" >/dev/null &&
+    grep -q "FOL class step" "$svg" && ok "--svg draws the FOL step over time" || bad "--svg FOL step"
+rm -f "$svg"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"
 $SIM --sequential --trace $T --fol-step x >/dev/null 2>&1; [ $? -eq 2 ] && ok "bad --fol-step exits 2" || bad "bad --fol-step"
 echo "$pass passed, $fail failed"

@@ -218,7 +218,7 @@ static void fleet_sample(const fleet *f, series *sv, double x)
         prompt += r->prompt_blocks;
     }
     for (k = 0; k < TIER_ALL; k++) occ[k] = have[k] ? (float)(sum[k] / have[k]) : -1.0f;
-    series_add(sv, x, hits, prompt, occ);
+    series_add(sv, x, hits, prompt, occ, tiers_fol_step(engine_tiers(f->e[0]))); /* engine 1's step */
 }
 
 /* The fleet's totals from its engines' (the TTFT and CPU arrays concatenated). */

@@ -56,7 +56,7 @@ void replay(const workload *w, const options *o, results *res, series *sv)
     if (sv) {
         float occ[TIER_ALL];
         tiers_occupancy(&t, occ);
-        series_add(sv, 0, res->tier_hits, 0, occ);
+        series_add(sv, 0, res->tier_hits, 0, occ, tiers_fol_step(&t));
     }
     t0 = wall_now();
     for (q = 0; q < w->n; q++) {
@@ -86,7 +86,7 @@ void replay(const workload *w, const options *o, results *res, series *sv)
         if (sv && (q % every == 0 || q + 1 == w->n)) {
             float occ[TIER_ALL];
             tiers_occupancy(&t, occ);
-            series_add(sv, (double)(q + 1), res->tier_hits, res->prompt_blocks, occ);
+            series_add(sv, (double)(q + 1), res->tier_hits, res->prompt_blocks, occ, tiers_fol_step(&t));
         }
     }
     res->replay_seconds = wall_now() - t0;

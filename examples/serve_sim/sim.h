@@ -190,12 +190,14 @@ int pattern_ok(const tiers *t, kvb_block b, const kvb_hash *h);
 
 /* ---- svg.c -------------------------------------------------------------------------------------- */
 
-typedef struct sample { double x; uint64_t hits[TIER_ALL], prompt; float occ[TIER_ALL]; } sample;
+typedef struct sample { double x; uint64_t hits[TIER_ALL], prompt; float occ[TIER_ALL]; uint32_t step; } sample;
 typedef struct series { sample *s; size_t n, cap; } series;
 
 /* occ[TIER_ALL]: each tier's cached blocks / capacity, -1 where the tier is absent */
 void tiers_occupancy(const tiers *t, float *occ);
-void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ);
+/* step: the device pool's FOL class step (tiers_fol_step; 0 for other policies) */
+void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ, uint32_t step);
+uint32_t tiers_fol_step(const tiers *t);
 
 /* ---- the results of a run ----------------------------------------------------------------------- */
 

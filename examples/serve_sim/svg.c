@@ -20,7 +20,15 @@ void tiers_occupancy(const tiers *t, float *occ)
     }
 }
 
-void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ)
+uint32_t tiers_fol_step(const tiers *t)
+{
+    kvb_pool_stats ps;
+    memset(&ps, 0, sizeof ps);
+    if (t->n) kvb_pool_get_stats(t->pool[0], &ps);
+    return ps.fol_class_step;
+}
+
+void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, const float *occ, uint32_t step)
 {
     sample *s;
     GROW(sv->s, sv->cap, sv->n + 1);
@@ -30,6 +38,7 @@ void series_add(series *sv, double x, const uint64_t *hits, uint64_t prompt, con
     memcpy(s->hits, hits, sizeof s->hits);
     s->prompt = prompt;
     memcpy(s->occ, occ, sizeof s->occ);
+    s->step = step;
 }
 
 /* ---- --svg -------------------------------------------------------------------------------------- */
@@ -195,6 +204,22 @@ int write_svg(const char *path, const series *sv, const fleet_report *fr, const 
             open = 1;
         }
         if (open) fprintf(f, "\" stroke=\"%s\"/>\n", tier_color[k]);
+    }
+    { /* FOL's class step over time (self-tuning), scaled to its largest value, in the occupancy panel */
+        uint32_t most = 0;
+        int open = 0;
+        for (i = 0; i < sv->n; i++)
+            if (sv->s[i].step > most) most = sv->s[i].step;
+        for (i = 0, b = 0; most && b < nb; b++) {
+            const sample *e = bucket_end(sv, &i, b, nb, x0, x1);
+            if (!e) continue;
+            fprintf(f, "%s%.1f,%.1f", open ? " " : "<polyline fill=\"none\" stroke=\"#d62728\" stroke-dasharray=\"2 2\" points=\"",
+                    SX(e->x), SY((double)e->step / most, top1, bot1));
+            open = 1;
+        }
+        if (open)
+            fprintf(f, "\"/>\n<text x=\"%d\" y=\"%.0f\" text-anchor=\"end\" fill=\"#d62728\">FOL class step "
+                       "(dashed; top = %u block references)</text>\n", W - R, top1 - 10, most);
     }
 #undef SX
 #undef SY
