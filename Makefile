@@ -43,6 +43,9 @@ $(BUILD)/tsan/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lm
 
+# test_hash_portable is test_hash.c with KVB_NO_INT128 (the portable multiply): it includes that file
+$(BUILD)/test/test_hash_portable $(BUILD)/tsan/test_hash_portable $(BUILD)/test-single/test_hash_portable: tests/test_hash.c
+
 # the G4 tier (kvremote.h, built with -DKVO_WITH_REDIS in the test) links hiredis; explicit rules win
 # over the patterns above. Its tests start redis-server on loopback (skipped when it is not installed).
 $(BUILD)/test/test_remote: tests/test_remote.c kvremote.h $(TEST_HEADERS) $(HEADERS) | deps

@@ -146,21 +146,35 @@
  *
  * 3. HASHING (fixed; another program can compute the same values)
  *
- * kvb_hash_block(parent, tokens, n, extra, n_extra, salt). Words: tokens are 32-bit little-endian
- * ids packed two per 64-bit word (w = t[2i] | t[2i+1] << 32; an odd last token has zero high half),
- * then each extra key as one word, then L = n | n_extra << 32. M(x, y) = low ^ high half of the 128-bit
- * product x * y. C[0..15] are the constants in kvb__hk below. Words are taken in pairs (x, y), the
- * last pair padded with y = 0; for pair j, k = j & 15:
- *     a = parent.lo ^ salt ^ C[0]               b = parent.hi ^ rotl(salt, 32) ^ C[1]   (before)
- *     a = rotl(a, 29) + M(x ^ C[k], y ^ C[(k + 5) & 15])
- *     b = rotl(b, 37) ^ M(y ^ C[(k + 9) & 15], x ^ C[(k + 3) & 15])
- * then lo = a ^ F(b + C[6]), hi = b ^ F(lo + C[7]), lo = lo ^ F(hi + C[8]) with
- * F(v) = v ^= v >> 32, v *= C[2], v ^= v >> 29, v *= C[4], v ^= v >> 32.
- * Test vectors (no extra keys; checked by tests/test_hash.c):
- *     parent 0, salt 0, tokens {}          lo 0x5ed53f36b77dd8fb  hi 0x36f15e0212bfd3cc
- *     parent 0, salt 0, tokens {0..15}     lo 0x85eed2fee4858a4c  hi 0x7de4593b80f59852   (= H1)
- *     parent 0, salt 7, tokens {0..15}     lo 0xa2162a7d519c2643  hi 0x47ec946ad670ce66
- *     parent H1, salt 0, tokens {0..15}    lo 0xa3fe00e17e8a2202  hi 0xe0b8b099f4579957
+ * kvb_hash_block(parent, tokens, n, extra, n_extra, salt) -> {lo, hi}. Words are unsigned 64-bit,
+ * arithmetic is modulo 2^64, rotl rotates left, and x * y is the full 128-bit product, taken as its
+ * (low, high) halves. C[0..15] are the constants in kvb__hk below.
+ *   Message: the tokens (32-bit ids) packed two per word, w = t[2i] | t[2i+1] << 32 (an odd last token
+ *     has a zero high half), then each extra key as one word, then L = n | n_extra << 32.
+ *   Digest (the parent does not enter): a = salt ^ C[8], b = rotl(salt, 32) ^ C[9]. The message is cut
+ *     into groups of 8 words (the last group may be shorter; when it has an odd count, a 0 word is
+ *     appended). For each group: a = rotl(a, 29), b = rotl(b, 37), then for each pair p = 0, 1, ..
+ *     of the group, x and y its words 2p and 2p + 1:
+ *         x' = x ^ C[2p], y' = y ^ C[2p + 1], (lo, hi) = x' * y', a += lo ^ y', b += hi ^ x'
+ *   Final: x = parent.lo ^ a, y = parent.hi ^ b (the root's parent is {0, 0}), (l, h) = x * C[10],
+ *     h += x * C[11] + y * C[10] (so (l, h) = (x, y) * (C[10], C[11]) modulo 2^128), then
+ *     hash.lo = F(l ^ h, C[12], C[13]) and hash.hi = F(h, C[14], C[15]), where
+ *     F(v, c, d): v ^= v >> 32; v *= c; v ^= v >> 29; v *= d; v ^= v >> 32.
+ * So a 16-token block is two groups: its 8 token words, then (L, 0). Only the final step (about 20
+ * cycles: one multiply layer, then the two F side by side) waits for the parent: in a chain
+ * (kvb_hash_prompt, a sequence's blocks) the CPU digests a block while it still finishes the one
+ * before. For a given message, distinct parents give distinct hashes (the final step is a bijection
+ * of the parent); every output bit depends on every input bit; and each product carries the other
+ * factor (lo ^ y', hi ^ x'), so a zero factor loses nothing.
+ * Test vectors (checked by tests/test_hash.c; H1 and H7 are the second and third):
+ *     parent 0, salt 0, tokens {}                  lo 0x237de0d3c7615ee3  hi 0xde132dd3b565387b
+ *     parent 0, salt 0, tokens {0..15}             lo 0x45e8de8b7c892644  hi 0x8099931b7326f7ac
+ *     parent 0, salt 7, tokens {0..15}             lo 0x4f0aa23360eabece  hi 0x52360e9a53096b1e
+ *     parent H1, salt 0, tokens {0..15}            lo 0xa6427d87e40c323a  hi 0xed54198121b834f2
+ *     parent 0, salt 0, tokens {0..15}, extra {7}  lo 0xaa5eff9efd34af3d  hi 0xc95504eb209cdccd
+ *     parent 0, salt 0, tokens {0..4}              lo 0xfc85a53e2ddd558c  hi 0x14dc44751d20a9ed
+ * The hash changed in 0.2.0 (0.1 chained the parent through every step): hashes computed by 0.1 match
+ * nothing in 0.2.
  * A different hash can be plugged in with kvb_pool_config.hash_fn.
  *
  * 4. CONFIGURATION MACROS (define before the implementation)
@@ -172,6 +186,8 @@
  *                             arrays and tables only grow, to what the workload needs at most, so
  *                             serving it again allocates nothing (tests/test_steady_alloc.c).
  *     KVB_MAX_EXTRA_KEYS      extra hash keys per block (default 8)
+ *     KVB_NO_INT128           hash with the portable 128-bit product (four 32 x 32-bit products) even
+ *                             where the compiler has unsigned __int128: the same values, slower
  *
  * 5. THREAD SAFETY
  * A pool is safe to use from any number of threads: one mutex per pool, taken once per call, so batch
@@ -197,7 +213,7 @@
 #ifndef KVBLOCK_H
 #define KVBLOCK_H
 #define KVBLOCK_VERSION_MAJOR 0
-#define KVBLOCK_VERSION_MINOR 1
+#define KVBLOCK_VERSION_MINOR 2
 #define KVBLOCK_VERSION_PATCH 0
 
 #include <stddef.h>
@@ -738,9 +754,15 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #if defined(__GNUC__) || defined(__clang__)
 #define KVB__PREFETCH(p) __builtin_prefetch(p)
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
+#define KVB__NOINLINE __attribute__((noinline))
+/* v is computed here, in a register; no instruction. Without it GCC defers each product's fold in
+ * kvb__hpair to the end of its group and holds four 128-bit products at once (spills, 15% slower). */
+#define KVB__KEEP(v) __asm__("" : "+r"(v))
 #else
 #define KVB__PREFETCH(p) ((void)(p))
 #define KVB__LIKELY(x) (x)
+#define KVB__NOINLINE
+#define KVB__KEEP(v) ((void)0)
 #endif
 
 #define KVB__NIL UINT32_MAX
@@ -923,72 +945,116 @@ KVB_API const char *kvb_result_string(int result)
 
 static uint64_t kvb__rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
 
-static uint64_t kvb__mum(uint64_t x, uint64_t y)
+/* The 128-bit product x * y: the low half, and the high half in *hi. Without unsigned __int128 (or with
+ * KVB_NO_INT128) from four 32 x 32-bit products: the same result. */
+static uint64_t kvb__mul128(uint64_t x, uint64_t y, uint64_t *hi)
 {
-#if defined(__SIZEOF_INT128__)
+#if defined(__SIZEOF_INT128__) && !defined(KVB_NO_INT128)
     __extension__ typedef unsigned __int128 kvb__u128;
     kvb__u128 p = (kvb__u128)x * y;
-    return (uint64_t)p ^ (uint64_t)(p >> 64);
+    *hi = (uint64_t)(p >> 64);
+    return (uint64_t)p;
 #else
     uint64_t xl = x & 0xffffffffu, xh = x >> 32, yl = y & 0xffffffffu, yh = y >> 32;
-    uint64_t ll = xl * yl, lh = xl * yh, hl = xh * yl, hh = xh * yh;
+    uint64_t ll = xl * yl, lh = xl * yh, hl = xh * yl;
     uint64_t mid = (ll >> 32) + (lh & 0xffffffffu) + (hl & 0xffffffffu);
-    uint64_t lo = (ll & 0xffffffffu) | (mid << 32);
-    uint64_t hi = hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
-    return lo ^ hi;
+    *hi = xh * yh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+    return (ll & 0xffffffffu) | (mid << 32);
 #endif
 }
 
-static uint64_t kvb__fin(uint64_t v)
+/* F of section 3: an avalanche, and a bijection of 64-bit words (c, d odd). */
+static uint64_t kvb__hfin(uint64_t v, uint64_t c, uint64_t d)
 {
     v ^= v >> 32;
-    v *= kvb__hk[2];
+    v *= c;
     v ^= v >> 29;
-    v *= kvb__hk[4];
-    v ^= v >> 32;
-    return v;
+    v *= d;
+    return v ^ (v >> 32);
 }
 
-typedef struct kvb__hstate { uint64_t a, b; size_t j; } kvb__hstate;
-
-static void kvb__hstep(kvb__hstate *s, uint64_t x, uint64_t y)
+/* Pair p (0..3) of a group, added to the group's sums a, b (section 3). Each half of the product
+ * carries the other factor, so a zero factor loses nothing. */
+static inline void kvb__hpair(uint64_t *a, uint64_t *b, uint64_t x, uint64_t y, size_t p)
 {
-    size_t k = s->j++ & 15;
-    s->a = kvb__rotl(s->a, 29) + kvb__mum(x ^ kvb__hk[k], y ^ kvb__hk[(k + 5) & 15]);
-    s->b = kvb__rotl(s->b, 37) ^ kvb__mum(y ^ kvb__hk[(k + 9) & 15], x ^ kvb__hk[(k + 3) & 15]);
+    uint64_t hi, lo;
+    x ^= kvb__hk[2 * p];
+    y ^= kvb__hk[2 * p + 1];
+    lo = kvb__mul128(x, y, &hi) ^ y;
+    hi ^= x;
+    KVB__KEEP(lo);
+    KVB__KEEP(hi);
+    *a += lo;
+    *b += hi;
 }
 
 static uint64_t kvb__tok2(const uint32_t *t) { return (uint64_t)t[0] | ((uint64_t)t[1] << 32); }
 
-/* Word i of the message after the bulk of whole token pairs: remaining tokens, extra keys, length. */
-static uint64_t kvb__tail_word(const uint32_t *tokens, size_t n, const uint64_t *extra, size_t n_extra,
-                               size_t i)
+/* A group of 16 tokens: 8 words, 4 pairs. */
+static inline void kvb__hgroup16(uint64_t *a, uint64_t *b, const uint32_t *t)
+{
+    uint64_t sa = kvb__rotl(*a, 29), sb = kvb__rotl(*b, 37);
+    size_t p;
+    for (p = 0; p < 4; p++) kvb__hpair(&sa, &sb, kvb__tok2(t + 4 * p), kvb__tok2(t + 4 * p + 2), p);
+    *a = sa;
+    *b = sb;
+}
+
+/* Word i of the message: the tokens two by two, then the extra keys, then L. */
+static uint64_t kvb__hword(const uint32_t *tokens, size_t n, const uint64_t *extra, size_t n_extra, size_t i)
 {
     size_t ntw = (n + 1) / 2;
-    if (i < ntw) return (2 * i + 1 < n) ? kvb__tok2(tokens + 2 * i) : (uint64_t)tokens[2 * i];
+    if (i < ntw) return 2 * i + 1 < n ? kvb__tok2(tokens + 2 * i) : (uint64_t)tokens[2 * i];
     if (i < ntw + n_extra) return extra[i - ntw];
-    if (i == ntw + n_extra) return (uint64_t)n | ((uint64_t)n_extra << 32);
-    return 0;
+    return (uint64_t)n | ((uint64_t)n_extra << 32);
+}
+
+/* The one step that waits for the parent: X = parent ^ (a, b), times K modulo 2^128, then F on each
+ * half side by side. */
+static kvb_hash kvb__hfinal(const kvb_hash *parent, uint64_t a, uint64_t b)
+{
+    kvb_hash h;
+    uint64_t x = (parent ? parent->lo : 0) ^ a, y = (parent ? parent->hi : 0) ^ b, hi;
+    uint64_t lo = kvb__mul128(x, kvb__hk[10], &hi);
+    hi += x * kvb__hk[11] + y * kvb__hk[10];
+    h.lo = kvb__hfin(lo ^ hi, kvb__hk[12], kvb__hk[13]);
+    h.hi = kvb__hfin(hi, kvb__hk[14], kvb__hk[15]);
+    return h;
+}
+
+/* Any block: its whole groups of 16 tokens, then the remaining words in groups of 8. Out of line, so
+ * that the common case below keeps its registers. */
+static KVB__NOINLINE kvb_hash kvb__hash_any(const kvb_hash *parent, const uint32_t *tokens, size_t n_tokens,
+                                            const uint64_t *extra, size_t n_extra, uint64_t salt)
+{
+    uint64_t a = salt ^ kvb__hk[8], b = kvb__rotl(salt, 32) ^ kvb__hk[9];
+    size_t m = (n_tokens + 1) / 2 + n_extra + 1, i, k, g;
+    for (i = 0; i + 16 <= n_tokens; i += 16) kvb__hgroup16(&a, &b, tokens + i);
+    for (i /= 2; i < m; i += g) {
+        uint64_t w[8] = {0}, sa = kvb__rotl(a, 29), sb = kvb__rotl(b, 37);
+        g = m - i < 8 ? m - i : 8;
+        for (k = 0; k < g; k++) w[k] = kvb__hword(tokens, n_tokens, extra, n_extra, i + k);
+        for (k = 0; 2 * k < g; k++) kvb__hpair(&sa, &sb, w[2 * k], w[2 * k + 1], k);
+        a = sa;
+        b = sb;
+    }
+    return kvb__hfinal(parent, a, b);
 }
 
 KVB_API kvb_hash kvb_hash_block(const kvb_hash *parent, const uint32_t *tokens, size_t n_tokens,
                                 const uint64_t *extra, size_t n_extra, uint64_t salt)
 {
-    kvb__hstate s;
-    kvb_hash h;
-    size_t bulk = n_tokens / 4, nwords, i;
-    s.a = (parent ? parent->lo : 0) ^ salt ^ kvb__hk[0];
-    s.b = (parent ? parent->hi : 0) ^ kvb__rotl(salt, 32) ^ kvb__hk[1];
-    s.j = 0;
-    for (i = 0; i < bulk; i++) kvb__hstep(&s, kvb__tok2(tokens + 4 * i), kvb__tok2(tokens + 4 * i + 2));
-    nwords = (n_tokens + 1) / 2 + n_extra + 1;
-    for (i = 2 * bulk; i < nwords; i += 2)
-        kvb__hstep(&s, kvb__tail_word(tokens, n_tokens, extra, n_extra, i),
-                   kvb__tail_word(tokens, n_tokens, extra, n_extra, i + 1));
-    h.lo = s.a ^ kvb__fin(s.b + kvb__hk[6]);
-    h.hi = s.b ^ kvb__fin(h.lo + kvb__hk[7]);
-    h.lo ^= kvb__fin(h.hi + kvb__hk[8]);
-    return h;
+    uint64_t a, b;
+    size_t i;
+    if (n_extra || n_tokens % 16) return kvb__hash_any(parent, tokens, n_tokens, extra, n_extra, salt);
+    /* the common shape: whole groups of 16 tokens, then a last group of one pair (L, 0) */
+    a = salt ^ kvb__hk[8];
+    b = kvb__rotl(salt, 32) ^ kvb__hk[9];
+    for (i = 0; i < n_tokens; i += 16) kvb__hgroup16(&a, &b, tokens + i);
+    a = kvb__rotl(a, 29);
+    b = kvb__rotl(b, 37);
+    kvb__hpair(&a, &b, (uint64_t)n_tokens, 0, 0);
+    return kvb__hfinal(parent, a, b);
 }
 
 KVB_API kvb_result kvb_hash_prompt(const uint32_t *tokens, size_t n_tokens, uint32_t block_tokens,

@@ -111,7 +111,7 @@
 #ifndef KVCUDA_H
 #define KVCUDA_H
 #define KVCUDA_VERSION_MAJOR 0
-#define KVCUDA_VERSION_MINOR 1
+#define KVCUDA_VERSION_MINOR 2
 #define KVCUDA_VERSION_PATCH 0
 
 #include <stddef.h>

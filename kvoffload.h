@@ -104,7 +104,7 @@
 #ifndef KVOFFLOAD_H
 #define KVOFFLOAD_H
 #define KVOFFLOAD_VERSION_MAJOR 0
-#define KVOFFLOAD_VERSION_MINOR 1
+#define KVOFFLOAD_VERSION_MINOR 2
 #define KVOFFLOAD_VERSION_PATCH 0
 
 #include "kvblock.h"
@@ -863,7 +863,14 @@ KVO_API void kvo_queue_close(kvo_queue *queue)
     pthread_mutex_unlock(&queue->lock);
 }
 
-/* ---- checksum (kvb__mum: kvblock.h's multiply-fold) ---------------------------------------------- */
+/* ---- checksum ----------------------------------------------------------------------------------- */
+
+/* Low ^ high half of the 128-bit product (kvblock.h's kvb__mul128). */
+static uint64_t kvo__mum(uint64_t x, uint64_t y)
+{
+    uint64_t hi, lo = kvb__mul128(x, y, &hi);
+    return lo ^ hi;
+}
 
 static uint64_t kvo__le64(const unsigned char *p)
 {
@@ -881,10 +888,10 @@ KVO_API uint64_t kvo_checksum(const void *data, size_t len)
     uint64_t a[4] = {k[0], k[1], k[2], k[3]}, h;
     size_t i = 0, j;
     for (; i + 32 <= len; i += 32)
-        for (j = 0; j < 4; j++) a[j] += kvb__mum(kvo__le64(p + i + 8 * j) ^ k[j], k[(j + 1) & 3] + (uint64_t)i);
+        for (j = 0; j < 4; j++) a[j] += kvo__mum(kvo__le64(p + i + 8 * j) ^ k[j], k[(j + 1) & 3] + (uint64_t)i);
     h = a[0] ^ (a[1] << 1 | a[1] >> 63) ^ (a[2] << 2 | a[2] >> 62) ^ (a[3] << 3 | a[3] >> 61);
-    for (; i < len; i++) h = kvb__mum(h ^ p[i], k[i & 3]);
-    return kvb__mum(h ^ (uint64_t)len, k[0]);
+    for (; i < len; i++) h = kvo__mum(h ^ p[i], k[i & 3]);
+    return kvo__mum(h ^ (uint64_t)len, k[0]);
 }
 
 /* ---- copying pages between pools ---------------------------------------------------------------- */

@@ -46,7 +46,8 @@
  *
  * 3. KEYS AND VALUES
  * Key:   <namespace_prefix>:<salt as 16 hex digits>:<hash.hi as 16 hex><hash.lo as 16 hex>
- *        e.g. kvcache:0000000000000007:7de4593b80f5985285eed2fee4858a4c (kvo_redis_format_key).
+ *        e.g. kvcache:0000000000000007:52360e9a53096b1e4f0aa23360eabece (kvo_redis_format_key; the
+ *        hash is H7 of kvblock.h section 3).
  * Value: a 64-byte header, then the block bytes in canonical order (layer by layer, K then V, one page
  *        each), so pools of either layout read and write the same values. Header, little-endian:
  *        0 magic "KVR1"  4 u16 format version (1)  6 u16 flags (0)  8 u32 layers  12 u32 parts
@@ -112,7 +113,7 @@
 #ifndef KVREMOTE_H
 #define KVREMOTE_H
 #define KVREMOTE_VERSION_MAJOR 0
-#define KVREMOTE_VERSION_MINOR 1
+#define KVREMOTE_VERSION_MINOR 2
 #define KVREMOTE_VERSION_PATCH 0
 
 #include "kvoffload.h"

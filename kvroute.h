@@ -98,7 +98,7 @@
 #ifndef KVROUTE_H
 #define KVROUTE_H
 #define KVROUTE_VERSION_MAJOR 0
-#define KVROUTE_VERSION_MINOR 1
+#define KVROUTE_VERSION_MINOR 2
 #define KVROUTE_VERSION_PATCH 0
 
 #include "kvsched.h"

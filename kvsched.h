@@ -148,7 +148,7 @@
 #ifndef KVSCHED_H
 #define KVSCHED_H
 #define KVSCHED_VERSION_MAJOR 0
-#define KVSCHED_VERSION_MINOR 1
+#define KVSCHED_VERSION_MINOR 2
 #define KVSCHED_VERSION_PATCH 0
 
 #include "kvoffload.h"
