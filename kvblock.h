@@ -174,7 +174,8 @@
  *     parent 0, salt 0, tokens {0..15}, extra {7}  lo 0xaa5eff9efd34af3d  hi 0xc95504eb209cdccd
  *     parent 0, salt 0, tokens {0..4}              lo 0xfc85a53e2ddd558c  hi 0x14dc44751d20a9ed
  * The hash changed in 0.2.0 (0.1 chained the parent through every step): hashes computed by 0.1 match
- * nothing in 0.2.
+ * nothing in 0.2. What is keyed by them outside a process is versioned so that old entries are only
+ * misses (kvoffload.h's disk slots and kvremote.h's values, format 2).
  * A different hash can be plugged in with kvb_pool_config.hash_fn.
  *
  * 4. CONFIGURATION MACROS (define before the implementation)

@@ -210,7 +210,8 @@
  *     parent 0, salt 0, tokens {0..15}, extra {7}  lo 0xaa5eff9efd34af3d  hi 0xc95504eb209cdccd
  *     parent 0, salt 0, tokens {0..4}              lo 0xfc85a53e2ddd558c  hi 0x14dc44751d20a9ed
  * The hash changed in 0.2.0 (0.1 chained the parent through every step): hashes computed by 0.1 match
- * nothing in 0.2.
+ * nothing in 0.2. What is keyed by them outside a process is versioned so that old entries are only
+ * misses (kvoffload.h's disk slots and kvremote.h's values, format 2).
  * A different hash can be plugged in with kvb_pool_config.hash_fn.
  *
  * 4. CONFIGURATION MACROS (define before the implementation)
@@ -3737,7 +3738,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
  *           log callback). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
  *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
- *           never wrong data. A job of several blocks is written by two threads: one prepares the
+ *           never wrong data. Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote
+ *           holds only misses. A job of several blocks is written by two threads: one prepares the
  *           next slot (gathers it when needed, computes its checksum) while the other writes the last,
  *           so the checksum stays off the disk's critical path.
  *
@@ -4193,7 +4195,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 #define KVO__SLOT_ALIGN 4096u
 #define KVO__HEADER_BYTES 4096u
 #define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */
-#define KVO__DISK_VERSION 1u
+#define KVO__DISK_VERSION 2u /* 2 since 0.2, whose block hashes differ: a slot 0.1 wrote never verifies */
 
 KVO_API const char *kvo_result_string(int result)
 {
@@ -6648,14 +6650,18 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *        hash is H7 of kvblock.h section 3).
  * Value: a 64-byte header, then the block bytes in canonical order (layer by layer, K then V, one page
  *        each), so pools of either layout read and write the same values. Header, little-endian:
- *        0 magic "KVR1"  4 u16 format version (1)  6 u16 flags (0)  8 u32 layers  12 u32 parts
+ *        0 magic "KVR1"  4 u16 format version (2)  6 u16 flags (0)  8 u32 layers  12 u32 parts
  *        16 u64 page bytes  24 u64 block bytes  32 u64 hash.lo  40 u64 hash.hi
  *        48 u64 kvo_checksum(data)  56 u64 kvo_checksum(header bytes 0..55)
  *        Layers, parts and page bytes are the layout code: a reader with another layout sees a miss.
  * Every read checks the whole header and the data checksum: a mismatch fails that copy with
  * KVO_ECHECKSUM (a miss), counts a checksum error, and never lets wrong bytes through (a destination
  * block that received them is never registered). A damaged entry is deleted; an intact one written
- * with another layout is left alone.
+ * with another layout or format version is left alone.
+ * Version 1 was kvcache 0.1, whose block hashes (kvblock.h section 3) differ from 0.2's: a 0.2 engine
+ * never asks for 0.1's keys (its hashes of the same prompt are other values), and a value of the other
+ * version reads as a miss even under the same key; entries 0.1 left age out under Redis's maxmemory
+ * policy. Engines that should share blocks run the same version.
  *
  * 4. REDIS CLUSTER
  * `servers` is a seed list "host:port,host:port" (a leading "redis://" is accepted). At create the first
@@ -6994,7 +7000,7 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
 #endif
 
 #define KVO__R_MAGIC 0x3152564bu /* "KVR1" */
-#define KVO__R_VERSION 1u
+#define KVO__R_VERSION 2u /* 2 since 0.2, whose block hashes differ (manual section 3) */
 #define KVO__R_PENDING 1
 #define KVO__R_NO_NODE 0xffffu
 #define KVO__R_SLOTS 16384
@@ -7738,13 +7744,14 @@ static void kvo__rvalue(kvo__rop *op, size_t i, const unsigned char *hdr, size_t
         op->delta.gets++;
         return;
     }
-    /* a damaged value is deleted; a whole one of another layout or hash (same length as it says) is
-     * only a miss */
+    /* a damaged value is deleted; a whole one of another layout, format version or hash (same length as
+     * it says) is only a miss */
     it->corrupt = !whole || mine || len != KVO_REDIS_HEADER_BYTES + kvo__rget(hdr + 24, 8);
     if (it->corrupt)
         kvo__rmsg(msg, sizeof msg, "redis: %s failed its header or checksum check (a miss; entry deleted)", it->key);
     else
-        kvo__rmsg(msg, sizeof msg, "redis: %s holds a block of another layout or hash (a miss)", it->key);
+        kvo__rmsg(msg, sizeof msg, "redis: %s holds a block of another layout, format version or hash (a miss)",
+                  it->key);
     op->delta.checksum_errors++;
     kvo__rlog(r, msg);
     kvo__rfail(op, it, KVO_ECHECKSUM, msg);
@@ -8749,6 +8756,10 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * record before a truncated or corrupt one and says where the damage is. kvs_replay feeds a log's
  * inputs to a fresh scheduler and checks it makes the same decisions (metadata-only pools are enough;
  * with lower tiers, use poll-mode pipelines and a fake clock so loads finish at the same steps).
+ * Block events carry the hashes of the version that wrote the log: those of kvcache 0.1 match nothing
+ * 0.2 computes (kvblock.h section 3). Replay recomputes hashes from the recorded tokens, so a 0.1 log
+ * still replays; where a policy samples blocks by hash (FOL's self-tuning) its decisions may differ,
+ * and replay says where.
  *
  * Hooks and breakpoints: kvs_bus_set_hook sees every scheduler and connector call before and after it
  * runs. A breakpoint (a call, a slot state, a request, or a combination) stops the thread that reaches

@@ -63,7 +63,8 @@
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
  *           log callback). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
  *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
- *           never wrong data. A job of several blocks is written by two threads: one prepares the
+ *           never wrong data. Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote
+ *           holds only misses. A job of several blocks is written by two threads: one prepares the
  *           next slot (gathers it when needed, computes its checksum) while the other writes the last,
  *           so the checksum stays off the disk's critical path.
  *
@@ -519,7 +520,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 #define KVO__SLOT_ALIGN 4096u
 #define KVO__HEADER_BYTES 4096u
 #define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */
-#define KVO__DISK_VERSION 1u
+#define KVO__DISK_VERSION 2u /* 2 since 0.2, whose block hashes differ: a slot 0.1 wrote never verifies */
 
 KVO_API const char *kvo_result_string(int result)
 {

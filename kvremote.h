@@ -50,14 +50,18 @@
  *        hash is H7 of kvblock.h section 3).
  * Value: a 64-byte header, then the block bytes in canonical order (layer by layer, K then V, one page
  *        each), so pools of either layout read and write the same values. Header, little-endian:
- *        0 magic "KVR1"  4 u16 format version (1)  6 u16 flags (0)  8 u32 layers  12 u32 parts
+ *        0 magic "KVR1"  4 u16 format version (2)  6 u16 flags (0)  8 u32 layers  12 u32 parts
  *        16 u64 page bytes  24 u64 block bytes  32 u64 hash.lo  40 u64 hash.hi
  *        48 u64 kvo_checksum(data)  56 u64 kvo_checksum(header bytes 0..55)
  *        Layers, parts and page bytes are the layout code: a reader with another layout sees a miss.
  * Every read checks the whole header and the data checksum: a mismatch fails that copy with
  * KVO_ECHECKSUM (a miss), counts a checksum error, and never lets wrong bytes through (a destination
  * block that received them is never registered). A damaged entry is deleted; an intact one written
- * with another layout is left alone.
+ * with another layout or format version is left alone.
+ * Version 1 was kvcache 0.1, whose block hashes (kvblock.h section 3) differ from 0.2's: a 0.2 engine
+ * never asks for 0.1's keys (its hashes of the same prompt are other values), and a value of the other
+ * version reads as a miss even under the same key; entries 0.1 left age out under Redis's maxmemory
+ * policy. Engines that should share blocks run the same version.
  *
  * 4. REDIS CLUSTER
  * `servers` is a seed list "host:port,host:port" (a leading "redis://" is accepted). At create the first
@@ -396,7 +400,7 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
 #endif
 
 #define KVO__R_MAGIC 0x3152564bu /* "KVR1" */
-#define KVO__R_VERSION 1u
+#define KVO__R_VERSION 2u /* 2 since 0.2, whose block hashes differ (manual section 3) */
 #define KVO__R_PENDING 1
 #define KVO__R_NO_NODE 0xffffu
 #define KVO__R_SLOTS 16384
@@ -1140,13 +1144,14 @@ static void kvo__rvalue(kvo__rop *op, size_t i, const unsigned char *hdr, size_t
         op->delta.gets++;
         return;
     }
-    /* a damaged value is deleted; a whole one of another layout or hash (same length as it says) is
-     * only a miss */
+    /* a damaged value is deleted; a whole one of another layout, format version or hash (same length as
+     * it says) is only a miss */
     it->corrupt = !whole || mine || len != KVO_REDIS_HEADER_BYTES + kvo__rget(hdr + 24, 8);
     if (it->corrupt)
         kvo__rmsg(msg, sizeof msg, "redis: %s failed its header or checksum check (a miss; entry deleted)", it->key);
     else
-        kvo__rmsg(msg, sizeof msg, "redis: %s holds a block of another layout or hash (a miss)", it->key);
+        kvo__rmsg(msg, sizeof msg, "redis: %s holds a block of another layout, format version or hash (a miss)",
+                  it->key);
     op->delta.checksum_errors++;
     kvo__rlog(r, msg);
     kvo__rfail(op, it, KVO_ECHECKSUM, msg);

@@ -112,6 +112,10 @@
  * record before a truncated or corrupt one and says where the damage is. kvs_replay feeds a log's
  * inputs to a fresh scheduler and checks it makes the same decisions (metadata-only pools are enough;
  * with lower tiers, use poll-mode pipelines and a fake clock so loads finish at the same steps).
+ * Block events carry the hashes of the version that wrote the log: those of kvcache 0.1 match nothing
+ * 0.2 computes (kvblock.h section 3). Replay recomputes hashes from the recorded tokens, so a 0.1 log
+ * still replays; where a policy samples blocks by hash (FOL's self-tuning) its decisions may differ,
+ * and replay says where.
  *
  * Hooks and breakpoints: kvs_bus_set_hook sees every scheduler and connector call before and after it
  * runs. A breakpoint (a call, a slot state, a request, or a combination) stops the thread that reaches

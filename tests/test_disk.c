@@ -1,6 +1,6 @@
 /* The disk tier of kvoffload.h: a byte-for-byte round trip G1 -> G2 -> G3 (disk) -> G1 for both
  * layouts with blocks at scattered indices; a corrupted slot (data or header) is a miss plus a checksum
- * error, never wrong data; file errors (missing directory, preallocation refused, writes refused by
+ * error, never wrong data, and so is a whole slot of kvcache 0.1's format; file errors (missing directory, preallocation refused, writes refused by
  * the kernel) give clear errors and Failed transfers with nothing lost above; the O_DIRECT fallback
  * is said once. File errors are provoked for real with RLIMIT_FSIZE (writes past it fail with EFBIG). */
 #define KVBLOCK_IMPLEMENTATION
@@ -300,10 +300,59 @@ static void test_corrupted_slot_is_a_miss(void)
     disk_close(&d);
 }
 
+/* A slot written by kvcache 0.1 (slot format 1: its block hashes differ from 0.2's) is a miss even
+ * when it is whole and names the hash asked for. */
+static void test_old_format_version_is_a_miss(void)
+{
+    disk d;
+    kvb_hash h[2];
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    unsigned char hdr[48];
+    if (!disk_open(&d, 0)) return;
+    of_chain(32, 2, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_register(g2, h, 2, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 2).transferred, 2);
+    uint64_t at = kvo_disk_slot_offset(d.backend, disk_index_of(d.pool, h[1]));
+    int fd = open(d.path, O_RDWR);
+    KVT_CHECK(fd >= 0);
+    if (fd >= 0) { /* version 1, the header's own checksum (bytes 40..47, over 0..39) made right again */
+        KVT_EQ(pread(fd, hdr, sizeof hdr, (off_t)at), (ssize_t)sizeof hdr);
+        hdr[4] = 1;
+        hdr[5] = 0;
+        uint64_t sum = kvo_checksum(hdr, 40);
+        for (int i = 0; i < 8; i++) hdr[40 + i] = (unsigned char)(sum >> (8 * i));
+        KVT_EQ(pwrite(fd, hdr, sizeof hdr, (off_t)at), (ssize_t)sizeof hdr);
+        KVT_EQ(fsync(fd), 0);
+        close(fd);
+    }
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    kvo_transfer_info info = load(d.pool, g1, d.backend, &h[1], 1, got, &ngot);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(ngot, 0);
+    KVT_CHECK(!of_has(g1, h[1]));
+    KVT_EQ(disk_stats(&d).checksum_errors, 1);
+    info = load(d.pool, g1, d.backend, &h[0], 1, got, &ngot); /* the slot beside it, version 2 */
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(ngot, 1);
+    if (ngot == 1) KVT_CHECK(of_bytes_ok(g1, got[0], h[0]));
+    release_all(g1, got, ngot);
+    OF_CHECK_POOL(g1);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
+/* The checksum is stored (disk slots, Redis values): its values are fixed. */
 static void test_checksum_function(void)
 {
     const char a[] = "kv block bytes", b[] = "kv block bytez";
-    KVT_EQ(kvo_checksum(a, sizeof a), kvo_checksum(a, sizeof a));
+    unsigned char bytes[1000];
+    for (int i = 0; i < 1000; i++) bytes[i] = (unsigned char)(i * 37 + 11);
+    KVT_EQ(kvo_checksum(a, sizeof a), UINT64_C(0xf3c5f263144cf655));
+    KVT_EQ(kvo_checksum(bytes, 1000), UINT64_C(0x6dc8f1bb05ddbc44));
+    KVT_EQ(kvo_checksum(bytes, 77), UINT64_C(0x92361f5297146046));
     KVT_CHECK(kvo_checksum(a, sizeof a) != kvo_checksum(b, sizeof b));
     KVT_CHECK(kvo_checksum(a, sizeof a - 1) != kvo_checksum(a, sizeof a));
 }
@@ -548,6 +597,7 @@ int main(void)
     KVT_RUN(test_round_trip_contiguous);
     KVT_RUN(test_round_trip_layer_separate);
     KVT_RUN(test_corrupted_slot_is_a_miss);
+    KVT_RUN(test_old_format_version_is_a_miss);
     KVT_RUN(test_checksum_function);
     KVT_RUN(test_bad_paths_and_config);
     KVT_RUN(test_preallocation_no_space);

@@ -7,7 +7,8 @@
  * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
- *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses;
+ *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses; a whole value
+ *   of the other format version (kvcache 0.1) is a miss left in place;
  * - tenants with different salts do not see each other's blocks;
  * - AUTH: no password and a wrong one fail create with KVO_EAUTH and a clear message that never holds
  *   the password; the right one from an environment variable works.
@@ -830,6 +831,58 @@ out:
     rf_stop(&s);
 }
 
+/* A value written by kvcache 0.1 (format version 1, whose hashes differ) under a key a 0.2 engine asks
+ * for: a miss, never its bytes, and left in place (it is whole: an older engine may still read it). */
+static void test_other_format_version(void)
+{
+    rf_server s;
+    char addr[64], k1[KVO_REDIS_KEY_MAX];
+    kvb_hash h[2];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(8), *dst = NULL;
+    kvo_backend *b = redis_open(addr, g4, 0);
+    if (!b) goto out;
+    of_chain(12, 2, h);
+    of_register(g1, h, 2, NULL, NULL);
+    KVT_EQ(offload(g1, g4, b, h, 2).transferred, 2);
+    kvo_redis_key(b, &h[1], k1, sizeof k1);
+    redisReply *v = rf_cmd(s.port, NULL, "GET %s", k1);
+    KVT_CHECK(v && v->type == REDIS_REPLY_STRING && v->len > KVO_REDIS_HEADER_BYTES);
+    if (v && v->type == REDIS_REPLY_STRING && v->len > KVO_REDIS_HEADER_BYTES) {
+        unsigned char *val = (unsigned char *)v->str;
+        uint64_t sum;
+        val[4] = 1; /* format version 1, header checksum made right again */
+        val[5] = 0;
+        sum = kvo_checksum(val, 56);
+        for (int i = 0; i < 8; i++) val[56 + i] = (unsigned char)(sum >> (8 * i));
+        redisReply *set = rf_cmd(s.port, NULL, "SET %s %b", k1, v->str, v->len);
+        KVT_CHECK(set && set->type == REDIS_REPLY_STATUS);
+        if (set) freeReplyObject(set);
+    }
+    if (v) freeReplyObject(v);
+    dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    kvo_transfer_info info = load(g4, dst, b, h, 2, got, &ngot);
+    KVT_EQ(info.transferred, 1);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(of_holds(dst, h[0]), 1);
+    KVT_EQ(of_has(dst, h[1]), 0);
+    KVT_CHECK(log_has("format version"));
+    KVT_EQ(exists(s.port, k1), 1);
+    OF_CHECK_POOL(dst);
+out:
+    kvo_backend_destroy(b);
+    kvb_pool_destroy(dst);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
 typedef struct job_wait {
     pthread_mutex_t mu;
     int done, result;
@@ -1089,6 +1142,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_cluster);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
+    KVT_RUN(test_other_format_version);
     KVT_RUN(test_server_eviction);
     KVT_RUN(test_auth);
     rf_kill_all();
