@@ -847,6 +847,7 @@ typedef struct kvb__ring {
     size_t head;
     uint32_t live;      /* inactive blocks at this level */
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
+    size_t leafless_to; /* entries before it are stale or not leaves: a leaf search resumes there */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
@@ -1389,13 +1390,21 @@ static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void
 
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
+/* A cached block turned into a leaf: its ring's leaf search must look at its entry again. */
+static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
+{
+    const kvb__meta *m = &p->meta[idx];
+    if (m->flags & KVB__F_INACTIVE) p->rings[(uint32_t)m->prio * KVB__CLASSES + m->cls].leafless_to = 0;
+}
+
 /* Count a registered child in (+1) or out (-1) of its parent. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
-    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX;
-    else if (delta > 0) kvb__orphans_add(p, parent, 1);
+    if ((holder = kvb__find(p, parent)) != KVB__NIL) {
+        if ((p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX) == 0) kvb__became_leaf(p, holder);
+    } else if (delta > 0) kvb__orphans_add(p, parent, 1);
     else kvb__orphans_drop(p, parent);
 }
 
@@ -1427,6 +1436,7 @@ static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
         if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
+    r->leafless_to = 0;
     r->held = (uint32_t)(w - r->live);
 }
 
@@ -1488,20 +1498,29 @@ static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
         KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
 }
 
-/* The oldest block of a ring (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
- * KVB__NIL. Stale entries at the head are dropped on the way. */
+/* The oldest block of a ring (want_leaf: the oldest leaf, passing at most KVB__LEAF_SCAN_LIMIT other
+ * blocks in one call), or KVB__NIL. Stale entries at the head are dropped on the way. */
 static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     uint32_t seen = 0;
     while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
-    for (i = r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
+    if (!want_leaf) {
+        for (i = r->head; i < len; i++)
+            if (kvb__ring_valid(p, &r->e[i])) return r->e[i].idx;
+        return KVB__NIL;
+    }
+    /* Parents whose children are cached stay where they are until one turns into a leaf
+     * (kvb__became_leaf), so a search resumes where the last one stopped instead of passing them again
+     * on every eviction (FOL keeps shared prefixes in their own class rings, in front of their children). */
+    for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
         if (!kvb__ring_valid(p, &r->e[i])) continue;
-        if (!want_leaf || kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
+        if (kvb__is_leaf(p, r->e[i].idx)) break;
         seen++;
     }
-    return KVB__NIL;
+    r->leafless_to = i;
+    return i < len && seen < KVB__LEAF_SCAN_LIMIT ? r->e[i].idx : KVB__NIL;
 }
 
 /* FOL: how far block v is from eviction in its class: age minus W[class]; larger goes first. Ages are
@@ -2350,6 +2369,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
         m->flags |= KVB__F_DUP;
         m->dup_next = p->meta[old].dup_next;
         p->meta[old].dup_next = idx;
+        kvb__became_leaf(p, old); /* a block with a duplicate behind it is a leaf */
     }
     if (kvb__two_lists(p)) kvb__two_lists_insert(p, idx);
     return idx;
@@ -2549,6 +2569,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].head = 0;
         pool->rings[i].live = 0;
         pool->rings[i].held = 0;
+        pool->rings[i].leafless_to = 0;
     }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
