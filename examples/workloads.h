@@ -400,7 +400,7 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
 static kvb_hash wl__block_hash(uint64_t id)
 {
     kvb_hash h;
-    h.lo = id;
+    h.lo = wl__mix(id); /* ids are odd: the low bits an index uses must vary */
     h.hi = wl__mix(id ^ UINT64_C(0x6a09e667f3bcc909));
     return h;
 }
