@@ -18,6 +18,14 @@
  *          model's call and the tool's result each time, seconds apart
  *   burst  chat traffic with bursts of cold batch jobs (long unique prompts) that sweep the cache
  *   mixed  chat 40%, api 30%, agent 15%, docs 15% of the sessions, on one timeline
+ *   longchat  long-context chat, where reuse is far apart: many concurrent conversations, half of them
+ *          short-lived (minutes apart, a third go on), half long-running (ten minutes apart, four in five
+ *          go on); 60% open with a document (median 10k tokens), 40% of those a popular shared one (Zipf
+ *          over 10,000); system prompts Zipf over 100. A small pool keeps little by recency: what pays is
+ *          keeping the documents and conversations that come back (frequency), as on public chat traces
+ *   templates  API and tool traffic behind long per-application templates (system prompt Zipf over 20,
+ *          template Zipf 0.7 over 5,000, median 5k tokens), a unique query each, sessions that call
+ *          again after about two minutes half the time
  * Lengths are scaled by `token_scale` (1 for 512-token blocks; smaller keeps 16-token workloads short).
  * Deterministic for a seed: the same call gives the same workload on every machine.
  */
@@ -32,7 +40,7 @@
 #define WL_FN static
 #endif
 
-typedef enum wl_shape { WL_CHAT, WL_API, WL_DOCS, WL_AGENT, WL_BURST, WL_MIXED, WL__COUNT } wl_shape;
+typedef enum wl_shape { WL_CHAT, WL_API, WL_DOCS, WL_AGENT, WL_BURST, WL_MIXED, WL_LONGCHAT, WL_TEMPLATES, WL__COUNT } wl_shape;
 
 typedef struct wl_req {
     double t;                 /* arrival, seconds */
@@ -70,7 +78,7 @@ WL_FN double wl_replay(const wl_trace *w, const kvb_pool_config *cfg, kvb_pool_s
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const wl__names[WL__COUNT] = {"chat", "api", "docs", "agent", "burst", "mixed"};
+static const char *const wl__names[WL__COUNT] = {"chat", "api", "docs", "agent", "burst", "mixed", "longchat", "templates"};
 
 WL_FN const char *wl_shape_name(wl_shape s) { return (unsigned)s < WL__COUNT ? wl__names[s] : "?"; }
 
@@ -139,7 +147,7 @@ typedef struct wl__gen {
     wl__pending *req;
     size_t nreq, capreq;
     uint64_t next_id;         /* unique segment ids */
-    wl__zipf sys, apps, tools, docsys;
+    wl__zipf sys, apps, tools, docsys, lsys, ldocs, tsys, tmpl;
     int fail;
 } wl__gen;
 
@@ -267,6 +275,49 @@ static void wl__agent_session(wl__gen *g, double t)
     free(c.s);
 }
 
+/* Turns of a conversation on context c: each adds the user's turn, runs, then adds the answer; after a
+ * think time (lognormal) it goes on with probability p_more. */
+static void wl__turns(wl__gen *g, wl__ctx *c, double t, double user_median, double think_median, double think_sigma,
+                      double p_more)
+{
+    do {
+        uint32_t out = wl__len(g, 350, 0.8, 4000);
+        wl__ctx_add(g, c, wl__fresh(g), wl__len(g, user_median, 1.2, 30000));
+        wl__emit(g, t, c, out);
+        wl__ctx_add(g, c, wl__fresh(g), out);
+        t += wl__lognormal(&g->rng, think_median, think_sigma);
+    } while (!g->fail && c->n < 400 && wl__unit(&g->rng) < p_more);
+}
+
+static void wl__longchat_session(wl__gen *g, double t)
+{
+    wl__ctx c = {0};
+    uint32_t sys = wl__zipf_draw(&g->lsys, &g->rng);
+    int long_running = wl__unit(&g->rng) < 0.5;
+    wl__ctx_add(g, &c, WL__SHARED(7, sys), wl__shared_len(g, WL__SHARED(7, sys), 800, 0.8));
+    if (wl__unit(&g->rng) < 0.6) {
+        if (wl__unit(&g->rng) < 0.4) {
+            uint32_t d = wl__zipf_draw(&g->ldocs, &g->rng);
+            wl__ctx_add(g, &c, WL__SHARED(8, d), wl__shared_len(g, WL__SHARED(8, d), 10000, 0.9));
+        } else {
+            wl__ctx_add(g, &c, wl__fresh(g), wl__len(g, 10000, 0.9, 120000));
+        }
+    }
+    if (long_running) wl__turns(g, &c, t, 300, 600.0, 0.8, 0.8);
+    else wl__turns(g, &c, t, 300, 300.0, 1.2, 0.35);
+    free(c.s);
+}
+
+static void wl__templates_session(wl__gen *g, double t)
+{
+    wl__ctx c = {0};
+    uint32_t sys = wl__zipf_draw(&g->tsys, &g->rng), tmpl = wl__zipf_draw(&g->tmpl, &g->rng);
+    wl__ctx_add(g, &c, WL__SHARED(9, sys), wl__shared_len(g, WL__SHARED(9, sys), 1000, 0.8));
+    wl__ctx_add(g, &c, WL__SHARED(10, tmpl), wl__shared_len(g, WL__SHARED(10, tmpl), 5000, 0.9));
+    wl__turns(g, &c, t, 600, 120.0, 1.2, 0.5);
+    free(c.s);
+}
+
 static void wl__cold_request(wl__gen *g, double t)
 {
     wl__ctx c = {0};
@@ -295,6 +346,8 @@ static void wl__sessions(wl__gen *g, wl_shape shape, uint32_t requests)
         case WL_API: t += wl__exp(&g->rng, 0.25); wl__api_request(g, t); break;
         case WL_DOCS: t += wl__exp(&g->rng, 0.5); wl__docs_session(g, t); break;
         case WL_AGENT: t += wl__exp(&g->rng, 5.0); wl__agent_session(g, t); break;
+        case WL_LONGCHAT: t += wl__exp(&g->rng, 1.0); wl__longchat_session(g, t); break;
+        case WL_TEMPLATES: t += wl__exp(&g->rng, 0.5); wl__templates_session(g, t); break;
         case WL_BURST:
             t += wl__exp(&g->rng, 1.0);
             wl__chat_session(g, t);
@@ -349,9 +402,13 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
     g.rng.s = wl__mix(seed * 0x2545f4914f6cdd1dULL + (uint64_t)shape * 7919 + 1);
     g.scale = token_scale;
     if (wl__zipf_make(&g.sys, 2000, 0.9) || wl__zipf_make(&g.apps, 20000, 0.8) || wl__zipf_make(&g.tools, 20, 1.0) ||
+        wl__zipf_make(&g.lsys, 100, 1.0) || wl__zipf_make(&g.ldocs, 10000, 0.9) || wl__zipf_make(&g.tsys, 20, 1.0) ||
+        wl__zipf_make(&g.tmpl, 5000, 0.7) ||
         wl__zipf_make(&g.docsys, 10, 1.0))
         g.fail = 1;
-    if (!g.fail) wl__sessions(&g, shape, requests);
+    /* Sessions start until twice the requests exist; the earliest `requests` by arrival are kept, so the
+     * trace is a window of steady traffic, not its ramp-down (the last sessions' later turns, hours on). */
+    if (!g.fail) wl__sessions(&g, shape, requests > UINT32_MAX / 2 ? UINT32_MAX : 2 * requests);
     if (!g.fail) qsort(g.req, g.nreq, sizeof *g.req, wl__cmp_pending);
     if (!g.fail && g.nreq > requests) g.nreq = requests;
     for (i = 0; i < g.nreq && !g.fail; i++) total += wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, NULL);
@@ -389,6 +446,10 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
     free(g.apps.cdf);
     free(g.tools.cdf);
     free(g.docsys.cdf);
+    free(g.lsys.cdf);
+    free(g.ldocs.cdf);
+    free(g.tsys.cdf);
+    free(g.tmpl.cdf);
     if (g.fail) {
         wl_free(out);
         return -1;

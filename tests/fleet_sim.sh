@@ -55,7 +55,7 @@ for seed in 1 2 3; do
     done
 done
 if [ -x "$WORKLOADS" ]; then
-    for shape in chat api docs agent burst mixed; do
+    for shape in chat api docs agent burst mixed longchat templates; do
         if ! "$WORKLOADS" --write $shape "$dir/$shape.jsonl" --requests 1000 >/dev/null 2>&1; then
             bad "$WORKLOADS --write $shape failed"
             continue
