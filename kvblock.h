@@ -89,7 +89,7 @@
  * pool's size, rate = min(1, KVB_FOL_SHADOW_BLOCKS / C): every shadow holds 4,096 blocks, all of a
  * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
  * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
- * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 4
+ * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 8
  * turnovers. The live pool starts at step C/2 (before its first eviction no step can be judged; on
  * real traffic a step pays more often than not, and the fall-back below bounds the cost where it does
  * not) and takes the best candidate's step when (1) its lead
@@ -97,8 +97,10 @@
  * blocks one of the two hit and the other missed), (2) some candidate has led so for a quarter of a
  * turnover, and (3) the best one is still gaining (a lead a burst earned in the past does not count).
  * A switch costs: the live pool does not have the shadow's contents. So the pool also counts its own
- * hits on the sampled blocks, and when they fall clearly behind the LRU-order shadow's it goes back to
- * LRU order and waits twice as long before the next switch (the wait decays again). The shadows cost
+ * hits on the sampled blocks, and when, a turnover or more after its last switch (the time a new step
+ * takes to fill the pool), they fall clearly behind the LRU-order shadow's (the same paired test, with
+ * the noise of whole requests: a request's blocks hit or miss together), it goes back to LRU order and
+ * waits twice as long before the next switch (the wait decays again). The shadows cost
  * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600) and about 6 MiB of memory for a pool of 4,096 blocks or more (less for a
  * smaller one), taken from the pool's allocator when it is created; nothing per reference.
@@ -781,7 +783,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__TUNE_START 2    /* the candidate used until the shadows know better: step C/2 */
 #endif
 #ifndef KVB__TUNE_MEMORY
-#define KVB__TUNE_MEMORY 4   /* scores halve every 4 turnovers of a shadow */
+#define KVB__TUNE_MEMORY 8   /* scores halve every 8 turnovers of a shadow */
 #endif
 #ifndef KVB__TUNE_MIN_CAP
 #define KVB__TUNE_MIN_CAP 1024 /* .. counted as for a shadow of at least 1,024 blocks: small pools turn over
@@ -892,6 +894,7 @@ typedef struct kvb__tuner {
     uint32_t cap, gcap, nodes; /* a shadow's blocks, ghosts and nodes */
     uint32_t current;          /* the candidate whose step the pool uses */
     uint64_t lead_for;         /* sampled blocks for which some candidate has been clearly ahead of it */
+    uint64_t since_switch;     /* sampled blocks since the live pool last changed its step */
     void *mem;
     size_t mem_bytes;
 } kvb__tuner;
@@ -1766,6 +1769,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     kvb__tuner *t = &p->tune;
     uint32_t k, now = p->clock, hit, live;
     size_t i, sampled = 0;
+    double live_lead = 0; /* the live pool's hits less LRU order's, in this request */
     for (i = n; i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
@@ -1784,8 +1788,11 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
             t->sh[k].differ += (double)(((hit >> k) ^ (hit >> t->current)) & 1u);
         live = m->cnt != 0; /* the live pool had it cached: touched before, not registered by this request */
         t->live += (double)live;
-        t->live_differ += (double)(live ^ (hit & 1u));
+        live_lead += (double)live - (double)(hit & 1u);
     }
+    /* A request's blocks hit or miss together (a prefix), so the live pool's comparison with LRU order
+     * takes the noise of whole requests: the sum of their squared differences. */
+    t->live_differ += live_lead * live_lead;
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
@@ -1825,6 +1832,7 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
     for (j = 0; j < KVB__TUNE_K; j++) t->sh[j].differ = 0; /* differences from the new current, from now on */
     t->current = k;
     t->lead_for = 0;
+    t->since_switch = 0;
     p->fol_step = t->sh[k].step;
 }
 
@@ -1833,6 +1841,8 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
 static int kvb__tune_fall_back(kvb_pool *p)
 {
     kvb__tuner *t = &p->tune;
+    double turnover = (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    if ((double)t->since_switch < turnover) return 0; /* a new step needs a turnover to fill the pool */
     if (!t->current || !kvb__tune_clear_lead(t->sh[0].score, t->live, t->live_differ)) return 0;
     kvb__tune_take(p, 0);
     t->caution = t->caution * KVB__TUNE_CAUTION < 16.0 ? t->caution * KVB__TUNE_CAUTION : 16.0;
@@ -1869,6 +1879,7 @@ static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t
     size_t sampled = kvb__tune_feed(p, idx, n, tail);
     if (!sampled) return;
     kvb__tune_decay(&p->tune, sampled);
+    p->tune.since_switch += sampled;
     if (!kvb__tune_fall_back(p)) kvb__tune_choose(p, sampled);
 }
 
