@@ -8,7 +8,8 @@
  *       replays every shape through kvblock.h pools of each capacity, one request at a time, prompts only
  *       (as serve_sim --sequential does), and prints the block hit rate of each policy: LRU, FOL's
  *       self-tuning default, FOL at fixed steps 1k/3k/10k/30k/100k (and the best of them), ARC, S3-FIFO,
- *       then the share of the best fixed step's gain over LRU that the default keeps
+ *       the offline optimum (Belady's rule: the block used again last goes), then the share of the best
+ *       fixed step's gain over LRU that the default keeps
  *   build/workloads --list    the shapes with their request and block counts
  * Shapes: chat api docs agent burst mixed longchat templates (examples/workloads.h says what each is).
  *
@@ -57,22 +58,142 @@ static double replay(const wl_trace *w, kvb_evict_policy ev, uint32_t step, uint
     return rate;
 }
 
+/* ---- the offline optimum: Belady's rule with the prefix replay's hits ---------------------------- */
+
+/* Dense ids for the trace's block identities (first seen first), and for each reference the request
+ * that uses the same block next (UINT32_MAX for none). */
+typedef struct future { uint32_t *id, *next_use; size_t *first; uint32_t ids; } future;
+
+static void future_make(const wl_trace *w, future *f)
+{
+    size_t mask = 1, q, i, r = 0;
+    uint64_t *keys;
+    uint32_t *vals, *seen;
+    while (mask < 2 * w->total_blocks + 2) mask <<= 1;
+    keys = (uint64_t *)calloc(mask, sizeof *keys);
+    vals = (uint32_t *)calloc(mask, sizeof *vals);
+    f->id = (uint32_t *)malloc((w->total_blocks + 1) * sizeof *f->id);
+    f->next_use = (uint32_t *)malloc((w->total_blocks + 1) * sizeof *f->next_use);
+    f->first = (size_t *)malloc((w->n + 1) * sizeof *f->first);
+    if (!keys || !vals || !f->id || !f->next_use || !f->first) die("out of memory");
+    mask--;
+    f->ids = 0;
+    for (q = 0; q < w->n; q++) {
+        f->first[q] = r;
+        for (i = 0; i < w->req[q].num_blocks; i++, r++) {
+            size_t s = (size_t)(w->req[q].blocks[i] & mask);
+            while (keys[s] && keys[s] != w->req[q].blocks[i]) s = (s + 1) & mask;
+            if (!keys[s]) {
+                keys[s] = w->req[q].blocks[i];
+                vals[s] = f->ids++;
+            }
+            f->id[r] = vals[s];
+        }
+    }
+    f->first[w->n] = r;
+    if (!(seen = (uint32_t *)malloc((f->ids + 1) * sizeof *seen))) die("out of memory");
+    memset(seen, 0xff, (f->ids + 1) * sizeof *seen);
+    for (q = w->n; q-- > 0;)
+        for (r = f->first[q]; r < f->first[q + 1]; r++) {
+            f->next_use[r] = seen[f->id[r]];
+            seen[f->id[r]] = (uint32_t)q;
+        }
+    free(seen);
+    free(keys);
+    free(vals);
+}
+
+static void future_free(future *f)
+{
+    free(f->id);
+    free(f->next_use);
+    free(f->first);
+}
+
+/* A max-heap of (next use, depth) keys, entries made stale by a newer one for the same block. */
+typedef struct opt_entry { uint64_t key; uint32_t id, version; } opt_entry;
+
+static void opt_push(opt_entry *h, size_t *n, opt_entry e)
+{
+    size_t i = (*n)++;
+    while (i && h[(i - 1) / 2].key < e.key) {
+        h[i] = h[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    h[i] = e;
+}
+
+static opt_entry opt_pop(opt_entry *h, size_t *n)
+{
+    opt_entry top = h[0], last = h[--*n];
+    size_t i = 0, c;
+    while ((c = 2 * i + 1) < *n) {
+        if (c + 1 < *n && h[c + 1].key > h[c].key) c++;
+        if (h[c].key <= last.key) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+/* Belady's offline optimum for the replay wl_replay does: each request hits its longest cached prefix
+ * (at most the pool's size) and leaves all its blocks cached; then, while the pool holds too many,
+ * the block used again last goes (never again first; ties: the deeper one, so no block outlives its
+ * parent, which a child's use always uses too). */
+static double optimum(const wl_trace *w, const future *f, uint32_t cap)
+{
+    uint8_t *cached = (uint8_t *)calloc(f->ids + 1, 1);
+    uint32_t *version = (uint32_t *)calloc(f->ids + 1, sizeof *version);
+    opt_entry *heap = (opt_entry *)malloc((f->first[w->n] + 1) * sizeof *heap);
+    size_t heap_n = 0, held = 0, q, i;
+    uint64_t hits = 0;
+    if (!cached || !version || !heap) die("out of memory");
+    for (q = 0; q < w->n; q++) {
+        size_t n = w->req[q].num_blocks < cap ? w->req[q].num_blocks : cap, m = 0;
+        const uint32_t *id = f->id + f->first[q], *next = f->next_use + f->first[q];
+        while (m < n && cached[id[m]]) m++;
+        hits += m;
+        for (i = 0; i < n; i++) {
+            opt_entry e;
+            held += !cached[id[i]];
+            cached[id[i]] = 1;
+            e.key = ((uint64_t)next[i] << 16) | (i < 0xffff ? i : 0xffff);
+            e.id = id[i];
+            e.version = ++version[id[i]];
+            opt_push(heap, &heap_n, e);
+        }
+        while (held > cap) {
+            opt_entry e = opt_pop(heap, &heap_n);
+            if (e.version != version[e.id] || !cached[e.id]) continue;
+            cached[e.id] = 0;
+            held--;
+        }
+    }
+    free(cached);
+    free(version);
+    free(heap);
+    return w->total_blocks ? (double)hits / (double)w->total_blocks : 0.0;
+}
+
 static void sweep(const sweep_opts *o)
 {
     int s;
-    printf(o->markdown ? "| workload | blocks | LRU | FOL default (step at end) | best fixed step | ARC | S3-FIFO | kept |\n"
-                         "|---|---|---|---|---|---|---|---|\n"
-                       : "%-6s %7s %8s %8s %8s %8s %8s %8s %8s %6s\n",
-           "shape", "blocks", "LRU", "default", "(step)", "best", "(step)", "ARC", "S3-FIFO", "kept");
+    printf(o->markdown ? "| workload | blocks | LRU | FOL default (step at end) | best fixed step | ARC | S3-FIFO | optimum | kept |\n"
+                         "|---|---|---|---|---|---|---|---|---|\n"
+                       : "%-9s %7s %8s %8s %8s %8s %8s %8s %8s %8s %6s\n",
+           "shape", "blocks", "LRU", "default", "(step)", "best", "(step)", "ARC", "S3-FIFO", "optimum", "kept");
     for (s = 0; s < WL__COUNT; s++) {
         wl_trace w;
         uint32_t c;
         if (!o->shapes[s]) continue;
+        future f;
         if (wl_generate((wl_shape)s, o->block_tokens, o->requests, o->scale, o->seed, &w)) die("out of memory");
+        future_make(&w, &f);
         for (c = 0; c < o->ncaps; c++) {
             uint32_t cap = o->caps[c], dstep = 0, k, best_step = 0;
             double lru = replay(&w, KVB_EVICT_LRU, 0, cap, NULL), def = replay(&w, KVB_EVICT_FOL, 0, cap, &dstep);
-            double best = -1, kept, arc, s3;
+            double best = -1, kept, arc, s3, opt = optimum(&w, &f, cap);
             for (k = 0; k < N_FIXED; k++) {
                 double v = replay(&w, KVB_EVICT_FOL, fixed_steps[k], cap, NULL);
                 if (v > best) {
@@ -84,13 +205,14 @@ static void sweep(const sweep_opts *o)
             s3 = replay(&w, KVB_EVICT_S3FIFO, 0, cap, NULL);
             kept = best - lru > 1e-4 ? (def - lru) / (best - lru) : 1.0;
             if (o->markdown)
-                printf("| %s | %u | %.4f | %.4f (%u) | %.4f (%u) | %.4f | %.4f | %.0f%% |\n", wl_shape_name((wl_shape)s), cap,
-                       lru, def, dstep, best, best_step, arc, s3, 100 * kept);
+                printf("| %s | %u | %.4f | %.4f (%u) | %.4f (%u) | %.4f | %.4f | %.4f | %.0f%% |\n", wl_shape_name((wl_shape)s),
+                       cap, lru, def, dstep, best, best_step, arc, s3, opt, 100 * kept);
             else
-                printf("%-6s %7u %8.4f %8.4f %8u %8.4f %8u %8.4f %8.4f %5.0f%%\n", wl_shape_name((wl_shape)s), cap, lru, def,
-                       dstep, best, best_step, arc, s3, 100 * kept);
+                printf("%-9s %7u %8.4f %8.4f %8u %8.4f %8u %8.4f %8.4f %8.4f %5.0f%%\n", wl_shape_name((wl_shape)s), cap, lru,
+                       def, dstep, best, best_step, arc, s3, opt, 100 * kept);
             fflush(stdout);
         }
+        future_free(&f);
         wl_free(&w);
     }
 }
