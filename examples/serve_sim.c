@@ -414,7 +414,7 @@ int main(int argc, char **argv)
     if (o.sequential) {
         replay(&w, &o, &res, o.svg ? &sv : NULL);
         if (o.check_lru) {
-            res.lru_rate = reference_lru(&w, o.device_blocks);
+            res.lru_rate = reference_lru(&w, o.device_blocks, &res.lru_seconds);
             res.lru_checked = 1;
             lru_failed = fabs(ratio(res.hit_blocks, res.prompt_blocks) - res.lru_rate) > 0.005;
         }

@@ -170,6 +170,10 @@ void print_text(const workload *w, const options *o, results *r, const fleet_rep
             double pool = ratio(r->hit_blocks, r->prompt_blocks), diff = fabs(pool - r->lru_rate);
             printf("%-22s %.4f, pool (%s) %.4f: difference %.4f, %s\n", "LRU reference", r->lru_rate,
                    eviction_name(o->eviction), pool, diff, diff <= 0.005 ? "match (<= 0.005)" : "MISMATCH (> 0.005)");
+            printf("%-22s %.6f s: %.1f ns per block; the pool's replay loop took %.2f times as long\n",
+                   "reference loop", r->lru_seconds,
+                   r->prompt_blocks ? r->lru_seconds * 1e9 / (double)r->prompt_blocks : 0.0,
+                   r->lru_seconds > 0 ? r->replay_seconds / r->lru_seconds : 0.0);
         }
     } else {
         summary a = ttft_summary(r->ttft, r->nttft), b = ttft_summary(r->ttft_nocache, r->nttft_nocache);
@@ -331,6 +335,9 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
         json_num(j, "replay_ns_per_block", r->prompt_blocks ? r->replay_seconds * 1e9 / (double)r->prompt_blocks : 0);
         if (r->lru_checked) {
             json_num(j, "lru_reference_hit_rate", r->lru_rate);
+            json_num(j, "lru_reference_ns_per_block",
+                     r->prompt_blocks ? r->lru_seconds * 1e9 / (double)r->prompt_blocks : 0);
+            json_num(j, "replay_vs_lru_reference", r->lru_seconds > 0 ? r->replay_seconds / r->lru_seconds : 0);
             cJSON_AddBoolToObject(j, "lru_match", fabs(ratio(r->hit_blocks, r->prompt_blocks) - r->lru_rate) <= 0.005);
         }
     } else {

@@ -218,6 +218,7 @@ typedef struct results {
     uint64_t verified, mismatches;
     traffic tr;
     double lru_rate;         /* --check-lru */
+    double lru_seconds;      /* .. and the time the reference's loop took */
     int lru_checked;
     char *metrics;           /* --metrics: the Prometheus text at the end of the run */
     char disk_note[160];
@@ -226,7 +227,7 @@ typedef struct results {
 /* ---- replay.c ----------------------------------------------------------------------------------- */
 
 void replay(const workload *w, const options *o, results *res, series *sv);
-double reference_lru(const workload *w, uint32_t cap);
+double reference_lru(const workload *w, uint32_t cap, double *out_seconds); /* its loop's wall time */
 
 /* ---- engine.c: one engine (a scheduler on its own tiers) with its own clock ---------------------- */
 
