@@ -104,12 +104,12 @@
  * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 3-11 times one through LRU in pools
  * of 1,000-30,000 blocks, and the cycle of a full pool of a million about 1.3-1.7 times LRU's (kvbench
- * evict_fol_vs_lru; README, Eviction). Memory: about
- * 6 MiB for a pool of 4,096 blocks or more (less for a smaller one), taken from the pool's allocator
- * when it is created; nothing per reference. A fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades
- * their accuracy for their cost. kvb_pool_stats.fol_class_step reports the step in use. Measured on
- * production-like workloads (examples/workloads.h): never more than 0.002 below LRU, and most of the
- * best fixed step's gain where one gains (tests/test_policy_workloads.c, README).
+ * evict_fol_vs_lru; README, Eviction). Memory: about 6 MiB for a pool of 4,096 blocks or more (less
+ * for a smaller one), taken from the pool's allocator when it is created; nothing per reference. A
+ * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
+ * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads
+ * (examples/workloads.h): never more than 0.002 below LRU, and most of the best fixed step's gain where
+ * one gains (tests/test_policy_workloads.c, README).
  *
  * KVB_EVICT_ARC, the adaptive replacement cache (Megiddo and Modha, FAST 2003; what vLLM offers for its
  * CPU offload tier): T1 holds blocks seen once recently, T2 blocks seen again (a kvb_match, kvb_upgrade

@@ -125,7 +125,7 @@
  * pool's size, rate = min(1, KVB_FOL_SHADOW_BLOCKS / C): every shadow holds 4,096 blocks, all of a
  * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
  * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
- * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 4
+ * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 8
  * turnovers. The live pool starts at step C/2 (before its first eviction no step can be judged; on
  * real traffic a step pays more often than not, and the fall-back below bounds the cost where it does
  * not) and takes the best candidate's step when (1) its lead
@@ -133,13 +133,19 @@
  * blocks one of the two hit and the other missed), (2) some candidate has led so for a quarter of a
  * turnover, and (3) the best one is still gaining (a lead a burst earned in the past does not count).
  * A switch costs: the live pool does not have the shadow's contents. So the pool also counts its own
- * hits on the sampled blocks, and when they fall clearly behind the LRU-order shadow's it goes back to
- * LRU order and waits twice as long before the next switch (the wait decays again). The shadows cost
+ * hits on the sampled blocks, and when, a turnover or more after its last switch (the time a new step
+ * takes to fill the pool), they fall clearly behind the LRU-order shadow's (the same paired test, with
+ * the noise of whole requests: a request's blocks hit or miss together), it goes back to LRU order and
+ * waits twice as long before the next switch (the wait decays again). The shadows cost
  * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
- * at 40,960, 0.01 at 409,600) and about 6 MiB of memory for a pool of 4,096 blocks or more (less for a
- * smaller one), taken from the pool's allocator when it is created; nothing per reference.
- * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads (examples/workloads.h): never more than 0.002 below LRU,
- * and most of the best fixed step's gain where one gains (tests/test_policy_workloads.c, README).
+ * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 3-11 times one through LRU in pools
+ * of 1,000-30,000 blocks, and the cycle of a full pool of a million about 1.3-1.7 times LRU's (kvbench
+ * evict_fol_vs_lru; README, Eviction). Memory: about 6 MiB for a pool of 4,096 blocks or more (less
+ * for a smaller one), taken from the pool's allocator when it is created; nothing per reference. A
+ * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
+ * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads
+ * (examples/workloads.h): never more than 0.002 below LRU, and most of the best fixed step's gain where
+ * one gains (tests/test_policy_workloads.c, README).
  *
  * KVB_EVICT_ARC, the adaptive replacement cache (Megiddo and Modha, FAST 2003; what vLLM offers for its
  * CPU offload tier): T1 holds blocks seen once recently, T2 blocks seen again (a kvb_match, kvb_upgrade
@@ -817,7 +823,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__TUNE_START 2    /* the candidate used until the shadows know better: step C/2 */
 #endif
 #ifndef KVB__TUNE_MEMORY
-#define KVB__TUNE_MEMORY 4   /* scores halve every 4 turnovers of a shadow */
+#define KVB__TUNE_MEMORY 8   /* scores halve every 8 turnovers of a shadow */
 #endif
 #ifndef KVB__TUNE_MIN_CAP
 #define KVB__TUNE_MIN_CAP 1024 /* .. counted as for a shadow of at least 1,024 blocks: small pools turn over
@@ -883,6 +889,7 @@ typedef struct kvb__ring {
     size_t head;
     uint32_t live;      /* inactive blocks at this level */
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
+    size_t leafless_to; /* entries before it are stale or not leaves: a leaf search resumes there */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
@@ -927,6 +934,7 @@ typedef struct kvb__tuner {
     uint32_t cap, gcap, nodes; /* a shadow's blocks, ghosts and nodes */
     uint32_t current;          /* the candidate whose step the pool uses */
     uint64_t lead_for;         /* sampled blocks for which some candidate has been clearly ahead of it */
+    uint64_t since_switch;     /* sampled blocks since the live pool last changed its step */
     void *mem;
     size_t mem_bytes;
 } kvb__tuner;
@@ -1425,13 +1433,21 @@ static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void
 
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
+/* A cached block turned into a leaf: its ring's leaf search must look at its entry again. */
+static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
+{
+    const kvb__meta *m = &p->meta[idx];
+    if (m->flags & KVB__F_INACTIVE) p->rings[(uint32_t)m->prio * KVB__CLASSES + m->cls].leafless_to = 0;
+}
+
 /* Count a registered child in (+1) or out (-1) of its parent. */
 static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
-    if ((holder = kvb__find(p, parent)) != KVB__NIL) p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX;
-    else if (delta > 0) kvb__orphans_add(p, parent, 1);
+    if ((holder = kvb__find(p, parent)) != KVB__NIL) {
+        if ((p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX) == 0) kvb__became_leaf(p, holder);
+    } else if (delta > 0) kvb__orphans_add(p, parent, 1);
     else kvb__orphans_drop(p, parent);
 }
 
@@ -1463,6 +1479,7 @@ static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
         if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
+    r->leafless_to = 0;
     r->held = (uint32_t)(w - r->live);
 }
 
@@ -1524,20 +1541,29 @@ static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
         KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
 }
 
-/* The oldest block of a ring (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
- * KVB__NIL. Stale entries at the head are dropped on the way. */
+/* The oldest block of a ring (want_leaf: the oldest leaf, passing at most KVB__LEAF_SCAN_LIMIT other
+ * blocks in one call), or KVB__NIL. Stale entries at the head are dropped on the way. */
 static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     uint32_t seen = 0;
     while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
-    for (i = r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
+    if (!want_leaf) {
+        for (i = r->head; i < len; i++)
+            if (kvb__ring_valid(p, &r->e[i])) return r->e[i].idx;
+        return KVB__NIL;
+    }
+    /* Parents whose children are cached stay where they are until one turns into a leaf
+     * (kvb__became_leaf), so a search resumes where the last one stopped instead of passing them again
+     * on every eviction (FOL keeps shared prefixes in their own class rings, in front of their children). */
+    for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
         if (!kvb__ring_valid(p, &r->e[i])) continue;
-        if (!want_leaf || kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
+        if (kvb__is_leaf(p, r->e[i].idx)) break;
         seen++;
     }
-    return KVB__NIL;
+    r->leafless_to = i;
+    return i < len && seen < KVB__LEAF_SCAN_LIMIT ? r->e[i].idx : KVB__NIL;
 }
 
 /* FOL: how far block v is from eviction in its class: age minus W[class]; larger goes first. Ages are
@@ -1783,6 +1809,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     kvb__tuner *t = &p->tune;
     uint32_t k, now = p->clock, hit, live;
     size_t i, sampled = 0;
+    double live_lead = 0; /* the live pool's hits less LRU order's, in this request */
     for (i = n; i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
@@ -1801,8 +1828,11 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
             t->sh[k].differ += (double)(((hit >> k) ^ (hit >> t->current)) & 1u);
         live = m->cnt != 0; /* the live pool had it cached: touched before, not registered by this request */
         t->live += (double)live;
-        t->live_differ += (double)(live ^ (hit & 1u));
+        live_lead += (double)live - (double)(hit & 1u);
     }
+    /* A request's blocks hit or miss together (a prefix), so the live pool's comparison with LRU order
+     * takes the noise of whole requests: the sum of their squared differences. */
+    t->live_differ += live_lead * live_lead;
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
@@ -1842,6 +1872,7 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
     for (j = 0; j < KVB__TUNE_K; j++) t->sh[j].differ = 0; /* differences from the new current, from now on */
     t->current = k;
     t->lead_for = 0;
+    t->since_switch = 0;
     p->fol_step = t->sh[k].step;
 }
 
@@ -1850,6 +1881,8 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
 static int kvb__tune_fall_back(kvb_pool *p)
 {
     kvb__tuner *t = &p->tune;
+    double turnover = (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    if ((double)t->since_switch < turnover) return 0; /* a new step needs a turnover to fill the pool */
     if (!t->current || !kvb__tune_clear_lead(t->sh[0].score, t->live, t->live_differ)) return 0;
     kvb__tune_take(p, 0);
     t->caution = t->caution * KVB__TUNE_CAUTION < 16.0 ? t->caution * KVB__TUNE_CAUTION : 16.0;
@@ -1886,6 +1919,7 @@ static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t
     size_t sampled = kvb__tune_feed(p, idx, n, tail);
     if (!sampled) return;
     kvb__tune_decay(&p->tune, sampled);
+    p->tune.since_switch += sampled;
     if (!kvb__tune_fall_back(p)) kvb__tune_choose(p, sampled);
 }
 
@@ -2386,6 +2420,7 @@ static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *has
         m->flags |= KVB__F_DUP;
         m->dup_next = p->meta[old].dup_next;
         p->meta[old].dup_next = idx;
+        kvb__became_leaf(p, old); /* a block with a duplicate behind it is a leaf */
     }
     if (kvb__two_lists(p)) kvb__two_lists_insert(p, idx);
     return idx;
@@ -2585,6 +2620,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].head = 0;
         pool->rings[i].live = 0;
         pool->rings[i].held = 0;
+        pool->rings[i].leafless_to = 0;
     }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
