@@ -2685,15 +2685,25 @@ KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t req
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
-typedef struct kvs__req { /* what every step reads first (one cache line), the rest after */
+/* A request. Its first cache line holds everything planning, completing and appending a decoding step
+ * read and write (token counts in 32 bits to fit), so a decoding request costs the scheduler one line
+ * per step, plus the line its new token goes to; the rest is read at admission, preemption and the ends
+ * of blocks. */
+typedef struct kvs__req {
     uint64_t id;
-    uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
-    kvb_seq *seq;
-    size_t computed, in_seq;   /* tokens computed; tokens appended to seq */
-    size_t registered_blocks;
+    uint32_t *tokens;          /* prompt then generated tokens: len of cap used */
+    const kvb_block *table;    /* seq's block table (num_blocks) as of the last push (kvs__synced) */
+    uint64_t planned;          /* the step that scheduled it (kvs__scheduled) */
+    uint32_t len, cap;
+    uint32_t computed;         /* tokens computed */
+    uint32_t in_seq;           /* tokens appended to seq (the rest wait: kvs__must_push) */
+    uint32_t end;              /* len at which it finishes (prompt + max_new_tokens); UINT32_MAX: never */
+    uint32_t num_blocks;
+    uint32_t item;             /* while planned: its index in the step's prefill or decode items */
     kvs_slot_state state;
-    int scheduled;
-    uint32_t max_new, generated;
+    /* second line on */
+    kvb_seq *seq;
+    size_t registered_blocks;
     uint64_t arrival;
     int32_t priority;
     uint32_t preemptions;
@@ -2703,9 +2713,12 @@ typedef struct kvs__req { /* what every step reads first (one cache line), the r
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
     int swapped, drop_after_step;
+    int released;              /* by kvs_sched_release while its blocks wait for the step to complete */
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
+    void *block;               /* what KVB_MALLOC returned: the struct starts at a cache line inside it */
 } kvs__req;
+typedef char kvs__req_hot_part_is_one_line[offsetof(kvs__req, seq) <= 64 ? 1 : -1];
 
 struct kvs_sched {
     kvs_sched_config cfg;
@@ -2714,6 +2727,7 @@ struct kvs_sched {
     uint32_t block_tokens, device_blocks;
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
+    kvs__req **spare;          /* stb_ds: released requests, kept with their token buffers for the next */
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
     /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
@@ -2726,6 +2740,7 @@ struct kvs_sched {
     int in_step;
     size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
+    kvs__req **planned[2];     /* stb_ds: the request of each prefill [0] and decode [1] item */
     uint64_t *preempted;
     kvs_sched_stats stats;
 };
@@ -2743,7 +2758,7 @@ static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
     e.request = r->id;
     e.u.slot.from = (uint32_t)from;
     e.u.slot.to = (uint32_t)r->state;
-    e.u.slot.tokens = stbds_arrlenu(r->tokens);
+    e.u.slot.tokens = r->len;
     e.u.slot.computed = r->computed;
     kvs_bus_publish(s->cfg.bus, &e);
 }
@@ -2871,26 +2886,73 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
     kvb_seq_destroy(r->seq);
     r->seq = NULL;
-    r->in_seq = 0;
+    r->in_seq = r->num_blocks = 0;
+    r->table = NULL;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
 static void kvs__req_free(kvs__req *r)
 {
-    stbds_arrfree(r->tokens);
-    KVB_FREE(r);
+    KVB_FREE(r->tokens);
+    KVB_FREE(r->block);
+}
+
+/* Room for `need` tokens in r->tokens (at least doubling). 0 when out of memory (nothing changed). */
+static int kvs__reserve(kvs__req *r, size_t need)
+{
+    uint32_t *t;
+    size_t cap = (size_t)r->cap * 2 > need ? (size_t)r->cap * 2 : need;
+    if (need <= r->cap) return 1;
+    if (cap > UINT32_MAX) cap = UINT32_MAX;
+    if (!(t = (uint32_t *)KVB_REALLOC(r->tokens, cap * sizeof *t))) return 0;
+    r->tokens = t;
+    r->cap = (uint32_t)cap;
+    return 1;
+}
+
+/* A request struct, aligned to a cache line: a released one (its token buffer kept) or a new one. */
+static kvs__req *kvs__req_new(kvs_sched *s)
+{
+    kvs__req *r;
+    void *block;
+    if (stbds_arrlen(s->spare)) {
+        uint32_t *tokens;
+        uint32_t cap;
+        r = stbds_arrpop(s->spare);
+        block = r->block;
+        tokens = r->tokens;
+        cap = r->cap;
+        memset(r, 0, sizeof *r);
+        r->tokens = tokens;
+        r->cap = cap;
+    } else {
+        if (!(block = KVB_MALLOC(sizeof *r + 63))) return NULL;
+        r = (kvs__req *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
+        memset(r, 0, sizeof *r);
+    }
+    r->block = block;
+    return r;
 }
 
 KVS_API void kvs_sched_destroy(kvs_sched *sched)
 {
     size_t i;
     if (!sched) return;
+    for (i = 0; sched->in_step && i < stbds_arrlenu(sched->planned[0]) + stbds_arrlenu(sched->planned[1]); i++) {
+        size_t n0 = stbds_arrlenu(sched->planned[0]);
+        kvs__req *r = i < n0 ? sched->planned[0][i] : sched->planned[1][i - n0];
+        if (!r->released || !r->drop_after_step) continue; /* released during the step, blocks not given back */
+        kvs__drop_blocks(sched, r);
+        kvs__req_free(r);
+    }
     for (i = 0; i < stbds_arrlenu(sched->all); i++) {
         kvs__drop_blocks(sched, sched->all[i]);
         kvs__req_free(sched->all[i]);
     }
     kvs__id_free(&sched->reqs);
     stbds_arrfree(sched->all);
+    while (stbds_arrlen(sched->spare)) kvs__req_free(stbds_arrpop(sched->spare));
+    stbds_arrfree(sched->spare);
     stbds_arrfree(sched->order);
     stbds_arrfree(sched->batch);
     stbds_arrfree(sched->batch_seqs);
@@ -2902,6 +2964,8 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->onboarding);
     stbds_arrfree(sched->prefill);
     stbds_arrfree(sched->decode);
+    stbds_arrfree(sched->planned[0]);
+    stbds_arrfree(sched->planned[1]);
     stbds_arrfree(sched->preempted);
     kvs_connector_destroy(sched->conn);
     KVB_FREE(sched);
@@ -2940,20 +3004,25 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
         return KVS_EINVAL;
     if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
-    if (need > sched->device_blocks) return KVS_ETOOBIG;
-    r = (kvs__req *)KVB_MALLOC(sizeof *r);
-    if (!r) return KVS_ENOMEM;
-    memset(r, 0, sizeof *r);
+    if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
+        return KVS_ETOOBIG;
+    if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
+    /* room for the tokens it may generate when that is a modest number: decoding never reallocates */
+    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens <= 4096 ? request->max_new_tokens : 0))) {
+        kvs__req_free(r);
+        return KVS_ENOMEM;
+    }
     r->id = sched->next_id++;
     r->arrival = sched->next_arrival++;
     r->state = KVS_SLOT_INITIALIZED;
     r->priority = request->priority;
     r->num_prompt = request->num_prompt;
-    r->max_new = request->max_new_tokens;
+    r->end = request->max_new_tokens ? (uint32_t)(request->num_prompt + request->max_new_tokens) : UINT32_MAX;
     r->salt = request->salt;
     r->num_extra = request->num_extra;
     if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
-    memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
+    memcpy(r->tokens, request->prompt, request->num_prompt * sizeof *r->tokens);
+    r->len = (uint32_t)request->num_prompt;
     if (!kvs__id_put(&sched->reqs, r->id, r)) {
         sched->next_id--;
         sched->next_arrival--;
@@ -2982,24 +3051,39 @@ static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
     return NULL;
 }
 
+/* Whether r has an item in the step being planned (or, between step and complete, in the step). */
+static int kvs__scheduled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id + (s->in_step ? 0 : 1);
+}
+
+/* Which list of the step r's item is in: 0 prefill, 1 decode. r is scheduled. */
+static int kvs__item_list(const kvs_sched *s, const kvs__req *r)
+{
+    return !(r->item < stbds_arrlenu(s->planned[0]) && s->planned[0][r->item] == r);
+}
+
 /* Take a request's item out of the step being planned and give its budget back. */
 static void kvs__unschedule(kvs_sched *s, kvs__req *v)
 {
-    kvs_sched_item **arrs[2];
-    size_t a, i;
-    arrs[0] = &s->prefill;
-    arrs[1] = &s->decode;
-    if (!v->scheduled) return;
-    for (a = 0; a < 2; a++)
-        for (i = 0; i < stbds_arrlenu(*arrs[a]); i++)
-            if ((*arrs[a])[i].request == v->id) {
-                s->tokens_left += (*arrs[a])[i].num_new;
-                s->seqs_left++;
-                memmove(&(*arrs[a])[i], &(*arrs[a])[i + 1], (stbds_arrlenu(*arrs[a]) - 1 - i) * sizeof **arrs[a]);
-                stbds_header(*arrs[a])->length--;
-                break;
-            }
-    v->scheduled = 0;
+    kvs_sched_item **items;
+    kvs__req **reqs;
+    size_t i, n;
+    int a;
+    if (!kvs__scheduled(s, v)) return;
+    a = kvs__item_list(s, v);
+    items = a ? &s->decode : &s->prefill;
+    reqs = s->planned[a];
+    i = v->item;
+    n = stbds_arrlenu(reqs);
+    s->tokens_left += (*items)[i].num_new;
+    s->seqs_left++;
+    memmove(&(*items)[i], &(*items)[i + 1], (n - 1 - i) * sizeof **items);
+    memmove(&reqs[i], &reqs[i + 1], (n - 1 - i) * sizeof *reqs);
+    stbds_header(*items)->length--;
+    stbds_header(reqs)->length--;
+    for (; i + 1 < n; i++) reqs[i]->item = (uint32_t)i;
+    v->planned = 0;
 }
 
 /* Swap: its registered blocks go to G2 first (synchronously, whatever the offload mode), so they come
@@ -3026,7 +3110,8 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     kvs__queue_remove(s->running, v);
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
-    v->computed = v->cached = v->registered_blocks = 0; /* recomputed (or reloaded) from scratch */
+    v->computed = 0; /* recomputed (or reloaded) from scratch */
+    v->cached = v->registered_blocks = 0;
     kvs__set_state(s, v, KVS_SLOT_PREEMPTED);
     v->preemptions++;
     v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
@@ -3044,25 +3129,46 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
 {
     kvs_sched_item it;
     it.request = r->id;
-    kvb_seq_blocks(r->seq, &it.blocks, &it.num_blocks);
+    it.blocks = r->table;
+    it.num_blocks = r->num_blocks;
     it.num_computed = num_computed;
     it.num_new = num_new;
     it.tokens = r->tokens;
-    it.num_tokens = stbds_arrlenu(r->tokens);
-    r->scheduled = 1;
+    it.num_tokens = r->len;
+    r->planned = s->step_id + 1;
+    r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
+    stbds_arrput(s->planned[decode], r);
     if (decode) stbds_arrput(s->decode, it);
     else stbds_arrput(s->prefill, it);
+}
+
+/* r's sequence has all of its tokens: its table as the step's items show it. */
+static void kvs__synced(kvs__req *r)
+{
+    const kvb_block *table = NULL;
+    size_t n = 0;
+    kvb_seq_blocks(r->seq, &table, &n);
+    r->in_seq = r->len;
+    r->table = table;
+    r->num_blocks = (uint32_t)n;
+}
+
+/* Whether r's new tokens go to its sequence now: they need a new block, or fill the last one (which
+ * the step's commit registers). Otherwise they wait in r->tokens, and planning and completing the step
+ * touch neither the sequence nor the pool: a decoding request reaches the pool once per block. */
+static int kvs__must_push(const kvs_sched *s, const kvs__req *r)
+{
+    return (uint64_t)r->len >= (uint64_t)r->num_blocks * s->block_tokens;
 }
 
 /* Bring the sequence up to the request's tokens (sampled tokens since the last step), preempting
  * others when blocks run out. 0 when r itself had to go. */
 static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
-    size_t have = r->in_seq;
-    while (have < stbds_arrlenu(r->tokens)) {
+    while (r->in_seq < r->len) {
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) {
-            r->in_seq = stbds_arrlenu(r->tokens);
+        if (kvb_seq_append(r->seq, r->tokens + r->in_seq, r->len - r->in_seq, NULL) == KVB_OK) {
+            kvs__synced(r);
             return 1;
         }
         v = kvs__victim(s, preempt_below, NULL);
@@ -3072,12 +3178,12 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
     return 1;
 }
 
-/* Schedule what `r` computes next within the budget: 1 when it got a share. */
-static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
+/* Schedule what `r` computes next within the budget (a decode must get all of its tokens): 1 when it
+ * got a share. */
+static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, int decode)
 {
     size_t *tokens_left = &s->tokens_left, *seqs_left = &s->seqs_left;
-    size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
-    int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
+    size_t len = r->len, from = r->computed, n;
     if (from >= len) return 0;
     n = len - from;
     if (!*seqs_left || !*tokens_left || (decode && n > *tokens_left)) return 0;
@@ -3095,50 +3201,61 @@ static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int gro
         kvs__preempt(s, r);
         return;
     }
-    if (kvs__schedule_compute(s, r))
+    if (kvs__schedule_compute(s, r, decoding))
         kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
     else
         kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
 }
 
 /* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
-static int kvs__wants_growth(const kvs__req *r, int decode_pass)
+static int kvs__wants_growth(const kvs_sched *s, const kvs__req *r, int decode_pass)
 {
     int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
     if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
-    if (decoding != decode_pass || r->scheduled) return 0;
-    return !(decoding && stbds_arrlenu(r->tokens) <= r->computed); /* waiting for its sampled token */
+    if (decoding != decode_pass || kvs__scheduled(s, r)) return 0;
+    return !(decoding && r->len <= r->computed); /* waiting for its sampled token */
 }
 
-/* The decoding requests from order[from] on that grow in this pass, appended in one batch (one lock of
- * the device pool): as many as succeed in a row are scheduled; the first that fails takes the slow path
- * (preempting others), exactly where the one-by-one loop would have. Returns where the pass goes on. */
+/* Decoding requests planned per batch of sequence appends: few enough that their lines stay in L1
+ * between gathering the batch and scheduling them. */
+#define KVS__WINDOW 64
+
+/* The decoding requests from order[from] on that grow in this pass, a window at a time: those whose
+ * tokens must go to their sequence now (kvs__must_push) are appended in one batch (one lock of the
+ * device pool), then the window is scheduled in order up to the first append that failed, which takes
+ * the slow path (preempting others) exactly where the one-by-one loop would have. Returns where the pass
+ * goes on. */
 static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, size_t n)
 {
-    size_t i, k, done = 0;
+    size_t end, i, j = 0, k, done = 0;
     KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
     KVB__ARR_SHRINK(s->batch_tokens, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (i = from; i < n && kvs__wants_growth(order[i], 1); i++) {
-        kvs__req *r = order[i];
-        if (i + 8 < n) KVB__PREFETCH(order[i + 8]);
-        if (i + 4 < n) KVB__PREFETCH(order[i + 4]->tokens + order[i + 4]->in_seq);
+    for (end = from; end < n && end - from < KVS__WINDOW && kvs__wants_growth(s, order[end], 1); end++) {
+        kvs__req *r = order[end];
+        if (end + 8 < n) KVB__PREFETCH(order[end + 8]);
+        if (!kvs__must_push(s, r)) continue;
         stbds_arrput(s->batch, r);
         stbds_arrput(s->batch_seqs, r->seq);
         stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
-        stbds_arrput(s->batch_counts, stbds_arrlenu(r->tokens) - r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
     }
+    if (end == from) return from + 1; /* order[from] does not grow in this pass */
     k = stbds_arrlenu(s->batch);
-    if (!k) return from + 1; /* order[from] does not grow in this pass */
-    kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
-    for (i = 0; i < done; i++) {
-        s->batch[i]->in_seq = stbds_arrlenu(s->batch[i]->tokens);
-        kvs__schedule_grown(s, s->batch[i], 1, 1);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = from; i < end; i++) {
+        kvs__req *r = order[i];
+        if (j < k && s->batch[j] == r) {
+            if (j == done) break;
+            kvs__synced(r);
+            j++;
+        }
+        kvs__schedule_grown(s, r, 1, 1);
     }
-    if (done == k) return from + k;
-    kvs__schedule_grown(s, s->batch[done], 1, kvs__grow(s, s->batch[done], (int64_t)INT32_MAX + 1));
-    return from + done + 1;
+    if (i == end) return end;
+    kvs__schedule_grown(s, order[i], 1, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    return i + 1;
 }
 
 static void kvs__schedule_running(kvs_sched *s)
@@ -3151,7 +3268,7 @@ static void kvs__schedule_running(kvs_sched *s)
     n = stbds_arrlenu(order);
     for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
     for (i = 0; i < n; i++) /* then prefills */
-        if (kvs__wants_growth(order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+        if (kvs__wants_growth(s, order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -3173,7 +3290,7 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
-    size_t nh = stbds_arrlenu(r->tokens) / s->block_tokens, dev = 0, ext = 0;
+    size_t nh = r->len / s->block_tokens, dev = 0, ext = 0;
     int async = 0;
     r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
@@ -3200,7 +3317,7 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADMIT;
     e.request = r->id;
-    e.u.admit.prompt_tokens = stbds_arrlenu(r->tokens);
+    e.u.admit.prompt_tokens = r->len;
     e.u.admit.lower_hit_tokens = r->lower_hit < cached ? r->lower_hit : cached;
     e.u.admit.device_hit_tokens = cached - e.u.admit.lower_hit_tokens;
     e.u.admit.priority = r->priority;
@@ -3220,10 +3337,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
                 * computes at least one token (for its logits) in a block of its own, as in vLLM */
         kvs__req *v;
-        size_t len = stbds_arrlenu(r->tokens);
+        size_t len = r->len;
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
             if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
-                r->in_seq = len;
+                kvs__synced(r);
                 break;
             }
             kvb_seq_truncate(r->seq, 0);
@@ -3237,7 +3354,8 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         kvs__preempt(s, v);
     }
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
-    r->computed = r->cached = cached;
+    r->computed = (uint32_t)cached;
+    r->cached = cached;
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
@@ -3246,7 +3364,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_INITIALIZED);
     kvs__set_state(s, r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
-    if (!kvs__schedule_compute(s, r)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
+    if (!kvs__schedule_compute(s, r, 0)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
     return 1;
 }
 
@@ -3254,7 +3372,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
-    size_t need = (stbds_arrlenu(r->tokens) + s->block_tokens - 1) / s->block_tokens;
+    size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
     return need <= (size_t)st.free_blocks + st.inactive_blocks;
 }
@@ -3362,7 +3480,6 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
 
 static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
 {
-    size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RUN_STEP)) {
@@ -3375,7 +3492,8 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->prefill, 0);
     KVB__ARR_SHRINK(sched->decode, 0);
     KVB__ARR_SHRINK(sched->preempted, 0);
-    for (i = 0; i < stbds_arrlenu(sched->running); i++) sched->running[i]->scheduled = 0;
+    KVB__ARR_SHRINK(sched->planned[0], 0);
+    KVB__ARR_SHRINK(sched->planned[1], 0);
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
     kvs__collect_loads(sched);
@@ -3399,46 +3517,67 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     return KVS_OK;
 }
 
-/* After an item's tokens were committed: counts, and in eager mode the newly registered blocks go to the
- * connector. */
-static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
+/* r's blocks registered up to its computed tokens go to the connector (eager mode stores them). */
+static void kvs__note_registered(kvs_sched *s, kvs__req *r)
 {
-    const kvb_block *table = NULL;
-    size_t n = 0;
-    if (done > r->computed) {
-        s->stats.computed_tokens += done - r->computed;
-        r->computed = done;
-    }
-    if (s->conn && r->computed / s->block_tokens > r->registered_blocks) {
-        kvb_seq_blocks(r->seq, &table, &n);
-        kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
-                                      r->computed / s->block_tokens - r->registered_blocks);
-    }
-    if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
-    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
+    size_t full = r->computed / s->block_tokens;
+    if (full <= r->registered_blocks) return;
+    if (s->conn) kvs_connector_note_registered(s->conn, r->id, r->table + r->registered_blocks, full - r->registered_blocks);
+    r->registered_blocks = full;
 }
 
-/* Commit what the step's items computed: every sequence in one batch (one lock of the device pool),
- * then each request's counts and connector notes, in the step's order. */
+/* After an item's tokens were committed: counts, and the blocks that filled go to the connector. */
+static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
+{
+    size_t before = r->computed / s->block_tokens;
+    if (done > r->computed) {
+        s->stats.computed_tokens += done - r->computed;
+        r->computed = (uint32_t)done;
+    }
+    if (r->computed / s->block_tokens > before) kvs__note_registered(s, r);
+    if (r->state == KVS_SLOT_PREFILLING && r->computed >= r->len) kvs__set_state(s, r, KVS_SLOT_DECODING);
+}
+
+/* The request of a step's item, NULL when it was aborted or released during the step. */
+static kvs__req *kvs__item_req(kvs__req *r)
+{
+    return r && r->seq && r->state != KVS_SLOT_FINISHED ? r : NULL;
+}
+
+/* Whether an item's tokens fill a block: only then has its commit anything to register. */
+static int kvs__fills_block(const kvs_sched *s, const kvs_sched_item *it)
+{
+    return (it->num_computed + it->num_new) / s->block_tokens > it->num_computed / s->block_tokens;
+}
+
+/* Commit what the step's items computed: the sequences where a block filled in one batch (one lock of
+ * the device pool; for the others a commit would change nothing), then each request's counts and
+ * connector notes, in the step's order. */
 static void kvs__commit_items(kvs_sched *s)
 {
     size_t a, i, k;
-    KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
     for (a = 0; a < 2; a++) {
         const kvs_sched_item *items = a ? s->decode : s->prefill;
         for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(s, items[i].request);
-            if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) continue; /* aborted during the step */
-            stbds_arrput(s->batch, r);
+            kvs__req *r;
+            size_t done = items[i].num_computed + items[i].num_new;
+            if (!kvs__fills_block(s, &items[i]) || !(r = kvs__item_req(s->planned[a][i]))) continue;
             stbds_arrput(s->batch_seqs, r->seq);
-            stbds_arrput(s->batch_counts, items[i].num_computed + items[i].num_new);
+            stbds_arrput(s->batch_counts, done < r->in_seq ? done : r->in_seq); /* the full blocks are in seq */
         }
     }
-    k = stbds_arrlenu(s->batch);
+    k = stbds_arrlenu(s->batch_seqs);
     if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
-    for (i = 0; i < k; i++) kvs__committed(s, s->batch[i], s->batch_counts[i]);
+    for (a = 0; a < 2; a++) {
+        const kvs_sched_item *items = a ? s->decode : s->prefill;
+        for (i = 0; i < stbds_arrlenu(items); i++) {
+            kvs__req *r = kvs__item_req(s->planned[a][i]);
+            if (i + 8 < stbds_arrlenu(items) && s->planned[a][i + 8]) KVB__PREFETCH(s->planned[a][i + 8]);
+            if (r) kvs__committed(s, r, items[i].num_computed + items[i].num_new);
+        }
+    }
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -3456,13 +3595,13 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
     kvs__commit_items(sched);
     sched->in_step = 0;
     for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
-        kvs_sched_item *items = a ? sched->decode : sched->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(sched, items[i].request);
+        for (i = 0; i < stbds_arrlenu(sched->planned[a]); i++) {
+            kvs__req *r = sched->planned[a][i];
             if (r && r->drop_after_step) {
                 r->drop_after_step = 0;
                 sched->drops--;
                 kvs__drop_blocks(sched, r);
+                if (r->released) stbds_arrput(sched->spare, r);
             }
         }
     }
@@ -3475,7 +3614,7 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
     if (res != KVS_OK) return res;
     kvs__unqueue(s, r);
-    if (s->in_step && r->scheduled) { /* the engine holds its block table */
+    if (s->in_step && kvs__scheduled(s, r)) { /* the engine holds its block table */
         r->drop_after_step = 1;
         s->drops++;
     }
@@ -3501,11 +3640,13 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
-    if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
+    if (r->len > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
-    memcpy(stbds_arraddnptr(r->tokens, n), tokens, n * sizeof *tokens);
-    r->generated += (uint32_t)n;
-    if (r->max_new && r->generated >= r->max_new) return kvs__end(sched, r, 0);
+    if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
+    if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
+    memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
+    r->len += (uint32_t)n;
+    if (r->len >= r->end) return kvs__end(sched, r, 0); /* max_new_tokens generated */
     return KVS_OK;
 }
 
@@ -3534,11 +3675,11 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
-    if (r->drop_after_step) sched->drops--;
     (void)kvs__id_del(&sched->reqs, request);
     stbds_arrdelswap(sched->all, r->at);
     if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
-    kvs__req_free(r);
+    if (r->drop_after_step) r->released = 1; /* the engine holds its block table until the step completes */
+    else stbds_arrput(sched->spare, r);
     return KVS_OK;
 }
 
@@ -3595,11 +3736,11 @@ KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_sl
     memset(out, 0, sizeof *out);
     out->state = r->state;
     out->priority = r->priority;
-    out->num_tokens = stbds_arrlenu(r->tokens);
+    out->num_tokens = r->len;
     out->num_computed = r->computed;
     out->num_cached = r->cached;
     out->num_lower_hit_tokens = r->lower_hit;
-    out->generated = r->generated;
+    out->generated = (uint32_t)(r->len - r->num_prompt);
     out->preemptions = r->preemptions;
     out->pending_transfers = r->state == KVS_SLOT_ONBOARD_STAGED || r->state == KVS_SLOT_ONBOARDING;
     return KVS_OK;
