@@ -736,7 +736,13 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
-#define KVB__PREFETCH(p) __builtin_prefetch(p)
+/* The empty volatile asm keeps a helper that only prefetches from being taken for a pure function:
+ * gcc deletes calls to those whose result is unused, prefetches and all. */
+#define KVB__PREFETCH(p)                 \
+    do {                                 \
+        __builtin_prefetch(p);           \
+        __asm__ __volatile__("");        \
+    } while (0)
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
 #else
 #define KVB__PREFETCH(p) ((void)(p))
