@@ -596,6 +596,15 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 /* Release every block (deepest first) and free the sequence. NULL is a no-op. */
 KVB_API void kvb_seq_destroy(kvb_seq *seq);
 
+/* Release every block as kvb_seq_destroy does and start over, empty, with `config` (may be NULL),
+ * keeping the sequence's memory: whoever reuses sequences allocates nothing once they are large enough.
+ * KVB_EINVAL / KVB_ERANGE as kvb_seq_create (nothing changed). Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config);
+
+/* Make room in the sequence's arrays for num_tokens tokens in all (with their blocks and hashes):
+ * appends up to there do not grow them. KVB_EINVAL for NULL. Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
+
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
@@ -3175,20 +3184,32 @@ struct kvb_seq { /* what an append or a commit reads first (one cache line), the
     int in_batch;      /* scratch: seen in the batch being checked */
 };
 
+static kvb_result kvb__seq_config_check(const kvb_seq_config *config)
+{
+    if (config && !config->extra && config->n_extra) return KVB_EINVAL;
+    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    return KVB_OK;
+}
+
+/* Salt and extra keys of an empty sequence. */
+static void kvb__seq_configure(kvb_seq *s, const kvb_seq_config *config)
+{
+    s->salt = config ? config->salt : 0;
+    s->n_extra = config ? config->n_extra : 0;
+    if (s->n_extra) memcpy(s->extra, config->extra, s->n_extra * sizeof *s->extra);
+}
+
 KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
 {
     kvb_seq *s;
-    if (!pool || !out || (config && !config->extra && config->n_extra)) return KVB_EINVAL;
-    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    kvb_result r;
+    if (!pool || !out) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
     s = (kvb_seq *)KVB_MALLOC(sizeof *s);
     if (!s) return KVB_ENOMEM;
     memset(s, 0, sizeof *s);
     s->pool = pool;
-    if (config) {
-        s->salt = config->salt;
-        s->n_extra = config->n_extra;
-        if (config->n_extra) memcpy(s->extra, config->extra, config->n_extra * sizeof *s->extra);
-    }
+    kvb__seq_configure(s, config);
     *out = s;
     return KVB_OK;
 }
@@ -3218,6 +3239,32 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq)
     stbds_arrfree(seq->table);
     stbds_arrfree(seq->hashes);
     KVB_FREE(seq);
+}
+
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
+{
+    kvb_result r;
+    if (!seq) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_drop_tail(seq, 0, 1);
+    kvb__unlock(seq->pool);
+    KVB__ARR_SHRINK(seq->tokens, 0);
+    KVB__ARR_SHRINK(seq->hashes, 0);
+    seq->computed = seq->cached = seq->len0 = seq->nh0 = 0;
+    kvb__seq_configure(seq, config);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens)
+{
+    size_t bt;
+    if (!seq) return KVB_EINVAL;
+    bt = seq->pool->cfg.block_tokens;
+    if (num_tokens > stbds_arrcap(seq->tokens)) stbds_arrsetcap(seq->tokens, num_tokens);
+    if (num_tokens / bt > stbds_arrcap(seq->hashes)) stbds_arrsetcap(seq->hashes, num_tokens / bt);
+    if ((num_tokens + bt - 1) / bt > stbds_arrcap(seq->table)) stbds_arrsetcap(seq->table, (num_tokens + bt - 1) / bt);
+    return KVB_OK;
 }
 
 static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)
