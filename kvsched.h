@@ -56,7 +56,8 @@
  * disk, then Redis, importing what other processes stored; loads from G4 go through the same
  * onboarding pipelines as host and disk. A load that fails or finds its entry gone (a Redis node lost,
  * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
- * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block;
+ * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block
+ * (start_stores makes one offer of all the bound stores: each event finishes when that transfer does);
  * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
  * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
@@ -2223,6 +2224,7 @@ struct kvs_connector {
     kvs__active_load *loads;
     kvs__active_store *stores;
     kvs__idmap offloaded;      /* transfer ids reported by the manager (a set: the value is the connector) */
+    kvb_block *offer;          /* scratch of start_stores */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -2308,6 +2310,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
+    stbds_arrfree(c->offer);
     kvs__id_free(&c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
@@ -2471,27 +2474,31 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
     return KVS_OK;
 }
 
+/* One offer for all the bound stores (the pipeline's cost per transfer is paid once per step, not once
+ * per request); each event finishes when that transfer does. */
 static kvs_result kvs__conn_start_stores(kvs_connector *c)
 {
-    size_t i = 0, j;
+    size_t i, n;
+    kvo_transfer t;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    while (i < stbds_arrlenu(c->bound_stores)) { /* one offer per event */
-        kvb_block *blocks = NULL;
+    n = stbds_arrlenu(c->bound_stores);
+    KVB__ARR_SHRINK(c->offer, 0);
+    for (i = 0; i < n; i++) stbds_arrput(c->offer, c->bound_stores[i].block);
+    t.id = 0;
+    if (n) {
+        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
+        kvo_manager_offer(c->cfg.tiers, 0, c->offer, n, &t);
+        pthread_mutex_lock(&c->lock);
+    }
+    for (i = 0; i < n; i++) {
         kvs__active_store a;
-        for (j = i; j < stbds_arrlenu(c->bound_stores) && c->bound_stores[j].event == c->bound_stores[i].event; j++)
-            stbds_arrput(blocks, c->bound_stores[j].block);
+        if (i && c->bound_stores[i].event == c->bound_stores[i - 1].event) continue;
         a.event = c->bound_stores[i].event;
         a.request = c->bound_stores[i].request;
-        a.done = 0;
-        a.t.id = 0;
-        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
-        kvo_manager_offer(c->cfg.tiers, 0, blocks, stbds_arrlenu(blocks), &a.t);
-        pthread_mutex_lock(&c->lock);
-        a.done = a.t.id == 0;
+        a.t = t;
+        a.done = t.id == 0;
         stbds_arrput(c->stores, a);
-        stbds_arrfree(blocks);
-        i = j;
     }
     KVB__ARR_SHRINK(c->bound_stores, 0);
     pthread_mutex_unlock(&c->lock);
@@ -2529,6 +2536,7 @@ static int kvs__offloaded(kvs_connector *c, uint64_t id)
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
 {
     size_t i, w;
+    uint64_t fin = 0; /* a transfer seen finished: its other events finish with it */
     if (!c || !out) return KVS_EINVAL;
     kvo_manager_poll(c->cfg.tiers);
     pthread_mutex_lock(&c->lock);
@@ -2537,10 +2545,14 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
     for (i = w = 0; i < stbds_arrlenu(c->loads); i++)
         if (!kvs__load_over(c, &c->loads[i])) c->loads[w++] = c->loads[i];
     KVB__ARR_SHRINK(c->loads, w);
-    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) {
+    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) { /* the events of one transfer are neighbours */
         kvs__active_store *s = &c->stores[i];
-        if (s->done || kvs__offloaded(c, s->t.id)) stbds_arrput(c->fin_stores, s->event);
-        else c->stores[w++] = *s;
+        if (s->done || (s->t.id && s->t.id == fin) || kvs__offloaded(c, s->t.id)) {
+            fin = s->t.id;
+            stbds_arrput(c->fin_stores, s->event);
+        } else {
+            c->stores[w++] = *s;
+        }
     }
     KVB__ARR_SHRINK(c->stores, w);
     if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
