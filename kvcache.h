@@ -9001,7 +9001,8 @@ typedef struct kvs_sched kvs_sched;
 KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **out);
 /* Aborts every request, frees everything. */
 KVS_API void kvs_sched_destroy(kvs_sched *sched);
-/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit. */
+/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit (a request
+ * holds fewer than 2^32 tokens). */
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id);
 /* Plan the next step. The arrays in *out are valid until the next call. KVS_ESTEP when the previous
  * step was not completed. */
@@ -9009,8 +9010,9 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
  * eager mode, offered to the lower tiers), slots advance. */
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
-/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step). A
- * request that reaches max_new_tokens finishes. */
+/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
+ * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
+ * finishes; KVS_ETOOBIG at 2^32 - 1 tokens. */
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n);
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
@@ -11331,6 +11333,7 @@ typedef struct kvs__req {
     kvs_slot_state state;
     /* second line on */
     kvb_seq *seq;
+    kvb_seq *kept_seq;         /* an empty sequence kept for the next admission (its memory reused) */
     size_t registered_blocks;
     uint64_t arrival;
     int32_t priority;
@@ -11369,6 +11372,7 @@ struct kvs_sched {
     size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
     kvs__req **planned[2];     /* stb_ds: the request of each prefill [0] and decode [1] item */
+    size_t next_append;        /* the decode item whose request is expected to append next */
     uint64_t *preempted;
     kvs_sched_stats stats;
 };
@@ -11391,10 +11395,9 @@ static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
-static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+static kvs_result kvs__change_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
 {
     kvs_slot_state from = r->state;
-    if (from == to) return KVS_OK;
     if (!kvs_slot_transition_allowed(from, to)) return KVS_ESTATE;
     r->state = to;
     if (kvs__wants(s->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(s, r, from);
@@ -11406,6 +11409,12 @@ static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
         kvs__checkpoint(s->cfg.bus, &at);
     }
     return KVS_OK;
+}
+
+/* r -> to (no change when r is there already: a decoding request stays Decoding step after step). */
+static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+{
+    return r->state == to ? KVS_OK : kvs__change_state(s, r, to);
 }
 
 /* An input event (a scheduler call) with `words` following in TOKENS events, for replay. */
@@ -11509,11 +11518,39 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     return KVS_OK;
 }
 
+/* r's sequence, empty, with its salt, extra keys and room for r's token buffer: the one r kept from
+ * before (its memory reused) or a new one. */
+static int kvs__seq_open(kvs_sched *s, kvs__req *r)
+{
+    kvb_seq_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.salt = r->salt;
+    sc.extra = r->extra;
+    sc.n_extra = r->num_extra;
+    if (r->kept_seq && kvb_seq_reset(r->kept_seq, &sc) == KVB_OK) {
+        r->seq = r->kept_seq;
+        r->kept_seq = NULL;
+    } else if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) {
+        return 0;
+    }
+    kvb_seq_reserve(r->seq, r->cap);
+    return 1;
+}
+
+/* r's blocks go back (as kvb_seq_destroy gives them back); the sequence is kept for its next admission,
+ * or the next request that reuses r's struct. */
+static void kvs__seq_close(kvs__req *r)
+{
+    if (!r->seq) return;
+    if (r->kept_seq || kvb_seq_reset(r->seq, NULL) != KVB_OK) kvb_seq_destroy(r->seq);
+    else r->kept_seq = r->seq;
+    r->seq = NULL;
+}
+
 /* Give back a request's device blocks and its connector state (its counts stay readable). */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_destroy(r->seq);
-    r->seq = NULL;
+    kvs__seq_close(r);
     r->in_seq = r->num_blocks = 0;
     r->table = NULL;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
@@ -11521,6 +11558,7 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 
 static void kvs__req_free(kvs__req *r)
 {
+    kvb_seq_destroy(r->kept_seq);
     KVB_FREE(r->tokens);
     KVB_FREE(r->block);
 }
@@ -11546,13 +11584,16 @@ static kvs__req *kvs__req_new(kvs_sched *s)
     if (stbds_arrlen(s->spare)) {
         uint32_t *tokens;
         uint32_t cap;
+        kvb_seq *kept;
         r = stbds_arrpop(s->spare);
         block = r->block;
         tokens = r->tokens;
         cap = r->cap;
+        kept = r->kept_seq;
         memset(r, 0, sizeof *r);
         r->tokens = tokens;
         r->cap = cap;
+        r->kept_seq = kept;
     } else {
         if (!(block = KVB_MALLOC(sizeof *r + 63))) return NULL;
         r = (kvs__req *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
@@ -11635,9 +11676,11 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
         return KVS_ETOOBIG;
     if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
-    /* room for the tokens it may generate when that is a modest number: decoding never reallocates */
-    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens <= 4096 ? request->max_new_tokens : 0))) {
-        kvs__req_free(r);
+    /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
+     * does not reallocate step after step */
+    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096
+                                                    ? request->max_new_tokens : 256))) {
+        stbds_arrput(sched->spare, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;
     }
     r->id = sched->next_id++;
@@ -11654,7 +11697,7 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (!kvs__id_put(&sched->reqs, r->id, r)) {
         sched->next_id--;
         sched->next_arrival--;
-        kvs__req_free(r);
+        stbds_arrput(sched->spare, r);
         return KVS_ENOMEM;
     }
     r->at = stbds_arrlenu(sched->all);
@@ -11755,19 +11798,17 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
 
 static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num_new, int decode)
 {
-    kvs_sched_item it;
-    it.request = r->id;
-    it.blocks = r->table;
-    it.num_blocks = r->num_blocks;
-    it.num_computed = num_computed;
-    it.num_new = num_new;
-    it.tokens = r->tokens;
-    it.num_tokens = r->len;
+    kvs_sched_item *it = decode ? stbds_arraddnptr(s->decode, 1) : stbds_arraddnptr(s->prefill, 1);
+    it->request = r->id;
+    it->blocks = r->table;
+    it->num_blocks = r->num_blocks;
+    it->num_computed = num_computed;
+    it->num_new = num_new;
+    it->tokens = r->tokens;
+    it->num_tokens = r->len;
     r->planned = s->step_id + 1;
     r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
     stbds_arrput(s->planned[decode], r);
-    if (decode) stbds_arrput(s->decode, it);
-    else stbds_arrput(s->prefill, it);
 }
 
 /* r's sequence has all of its tokens: its table as the step's items show it. */
@@ -11862,7 +11903,7 @@ static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, siz
     KVB__ARR_SHRINK(s->batch_counts, 0);
     for (end = from; end < n && end - from < KVS__WINDOW && kvs__wants_growth(s, order[end], 1); end++) {
         kvs__req *r = order[end];
-        if (end + 8 < n) KVB__PREFETCH(order[end + 8]);
+        if (end + 16 < n) KVB__PREFETCH(order[end + 16]);
         if (!kvs__must_push(s, r)) continue;
         stbds_arrput(s->batch, r);
         stbds_arrput(s->batch_seqs, r->seq);
@@ -11956,12 +11997,8 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
 static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_config sc;
     size_t cached = 0;
-    sc.salt = r->salt;
-    sc.extra = r->extra;
-    sc.n_extra = r->num_extra;
-    if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) return 0;
+    if (!kvs__seq_open(s, r)) return 0;
     for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
                 * computes at least one token (for its logits) in a block of its own, as in vLLM */
         kvs__req *v;
@@ -11975,8 +12012,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         }
         v = kvs__victim(s, r->priority, r);
         if (!v) {
-            kvb_seq_destroy(r->seq);
-            r->seq = NULL;
+            kvs__seq_close(r);
             return 0;
         }
         kvs__preempt(s, v);
@@ -12122,6 +12158,7 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->preempted, 0);
     KVB__ARR_SHRINK(sched->planned[0], 0);
     KVB__ARR_SHRINK(sched->planned[1], 0);
+    sched->next_append = 0;
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
     kvs__collect_loads(sched);
@@ -12166,10 +12203,10 @@ static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
     if (r->state == KVS_SLOT_PREFILLING && r->computed >= r->len) kvs__set_state(s, r, KVS_SLOT_DECODING);
 }
 
-/* The request of a step's item, NULL when it was aborted or released during the step. */
+/* The request of a step's item, NULL when it ended during the step (its first line only). */
 static kvs__req *kvs__item_req(kvs__req *r)
 {
-    return r && r->seq && r->state != KVS_SLOT_FINISHED ? r : NULL;
+    return r && r->table && r->state != KVS_SLOT_FINISHED ? r : NULL;
 }
 
 /* Whether an item's tokens fill a block: only then has its commit anything to register. */
@@ -12202,7 +12239,7 @@ static void kvs__commit_items(kvs_sched *s)
         const kvs_sched_item *items = a ? s->decode : s->prefill;
         for (i = 0; i < stbds_arrlenu(items); i++) {
             kvs__req *r = kvs__item_req(s->planned[a][i]);
-            if (i + 8 < stbds_arrlenu(items) && s->planned[a][i + 8]) KVB__PREFETCH(s->planned[a][i + 8]);
+            if (i + 16 < stbds_arrlenu(items)) KVB__PREFETCH(s->planned[a][i + 16]);
             if (r) kvs__committed(s, r, items[i].num_computed + items[i].num_new);
         }
     }
@@ -12229,7 +12266,10 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
                 r->drop_after_step = 0;
                 sched->drops--;
                 kvs__drop_blocks(sched, r);
-                if (r->released) stbds_arrput(sched->spare, r);
+                if (r->released) {
+                    r->id = 0;
+                    stbds_arrput(sched->spare, r);
+                }
             }
         }
     }
@@ -12253,11 +12293,35 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     return KVS_OK;
 }
 
+/* An engine appends the step's sampled tokens in about the order of the step's decode items. The request
+ * at s->next_append is tried before the id map (a sequential read instead of a random probe): a struct
+ * is never freed while the scheduler lives, and a released one has id 0 until it is reused. */
+static kvs__req *kvs__find_appended(kvs_sched *s, uint64_t id)
+{
+    size_t i = s->next_append;
+    if (!s->in_step && i < stbds_arrlenu(s->planned[1]) && s->planned[1][i]->id == id) return s->planned[1][i];
+    return kvs__find(s, id);
+}
+
+/* After r's append: the next append is expected for the item after r's; the requests of the items a
+ * little further on, and the token slots of those nearer, are fetched now. */
+static void kvs__expect_appends(kvs_sched *s, const kvs__req *r)
+{
+    size_t i = r->item, n = stbds_arrlenu(s->planned[1]);
+    if (r->planned != s->step_id || i >= n || s->planned[1][i] != r) return; /* not a decode of the last step */
+    s->next_append = i + 1;
+    if (i + 16 < n) KVB__PREFETCH(s->planned[1][i + 16]);
+    if (i + 8 < n) {
+        const kvs__req *next = s->planned[1][i + 8];
+        KVB__PREFETCH(next->tokens + next->len);
+    }
+}
+
 static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
 {
     kvs__req *r;
     if (!sched || (n && !tokens)) return KVS_EINVAL;
-    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (!(r = kvs__find_appended(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_APPEND)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
@@ -12272,8 +12336,10 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
     if (!n) return KVS_OK;
     if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
     if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
-    memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
+    if (n == 1) r->tokens[r->len] = *tokens;
+    else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
     r->len += (uint32_t)n;
+    kvs__expect_appends(sched, r);
     if (r->len >= r->end) return kvs__end(sched, r, 0); /* max_new_tokens generated */
     return KVS_OK;
 }
@@ -12306,8 +12372,12 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     (void)kvs__id_del(&sched->reqs, request);
     stbds_arrdelswap(sched->all, r->at);
     if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
-    if (r->drop_after_step) r->released = 1; /* the engine holds its block table until the step completes */
-    else stbds_arrput(sched->spare, r);
+    if (r->drop_after_step) {
+        r->released = 1; /* the engine holds its block table until the step completes */
+    } else {
+        r->id = 0;
+        stbds_arrput(sched->spare, r);
+    }
     return KVS_OK;
 }
 
