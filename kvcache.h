@@ -11372,6 +11372,8 @@ struct kvs_sched {
     size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
     kvs__req **planned[2];     /* stb_ds: the request of each prefill [0] and decode [1] item */
+    kvs__req **commits[2];     /* stb_ds: those of them whose item fills a block, in the same order */
+    size_t *prefills;          /* stb_ds: where in kvs__schedule_running's order the prefill pass looks */
     size_t next_append;        /* the decode item whose request is expected to append next */
     uint64_t *preempted;
     kvs_sched_stats stats;
@@ -11635,6 +11637,9 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->decode);
     stbds_arrfree(sched->planned[0]);
     stbds_arrfree(sched->planned[1]);
+    stbds_arrfree(sched->commits[0]);
+    stbds_arrfree(sched->commits[1]);
+    stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
     kvs_connector_destroy(sched->conn);
     KVB_FREE(sched);
@@ -11754,6 +11759,11 @@ static void kvs__unschedule(kvs_sched *s, kvs__req *v)
     stbds_header(*items)->length--;
     stbds_header(reqs)->length--;
     for (; i + 1 < n; i++) reqs[i]->item = (uint32_t)i;
+    for (i = stbds_arrlenu(s->commits[a]); i-- > 0;)
+        if (s->commits[a][i] == v) {
+            stbds_arrdel(s->commits[a], i);
+            break;
+        }
     v->planned = 0;
 }
 
@@ -11796,6 +11806,24 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     stbds_arrput(s->preempted, v->id);
 }
 
+/* Whether r's new tokens go to its sequence now: they need a new block. Otherwise they wait in
+ * r->tokens, and planning the step touches neither the sequence nor the pool; tokens that fill the last
+ * block go to the sequence when the step completes, just before its commit registers the block (one
+ * visit of the sequence, not two). A decoding request reaches the pool twice per block. */
+static int kvs__must_push(const kvs_sched *s, const kvs__req *r)
+{
+    return (uint64_t)r->len > (uint64_t)r->num_blocks * s->block_tokens;
+}
+
+/* Whether the item of r (computing [num_computed, num_computed + num_new)) fills a block. A decode whose
+ * tokens wait stays within its last block (the earlier ones are full, and its computed tokens reach
+ * into the last), so it fills that block exactly when its tokens do. */
+static int kvs__item_fills(const kvs_sched *s, const kvs__req *r, size_t num_computed, size_t num_new, int decode)
+{
+    if (decode && r->in_seq < r->len) return (uint64_t)r->len == (uint64_t)r->num_blocks * s->block_tokens;
+    return (num_computed + num_new) / s->block_tokens > num_computed / s->block_tokens;
+}
+
 static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num_new, int decode)
 {
     kvs_sched_item *it = decode ? stbds_arraddnptr(s->decode, 1) : stbds_arraddnptr(s->prefill, 1);
@@ -11809,6 +11837,7 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
     r->planned = s->step_id + 1;
     r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
     stbds_arrput(s->planned[decode], r);
+    if (kvs__item_fills(s, r, num_computed, num_new, decode)) stbds_arrput(s->commits[decode], r);
 }
 
 /* r's sequence has all of its tokens: its table as the step's items show it. */
@@ -11820,14 +11849,6 @@ static void kvs__synced(kvs__req *r)
     r->in_seq = r->len;
     r->table = table;
     r->num_blocks = (uint32_t)n;
-}
-
-/* Whether r's new tokens go to its sequence now: they need a new block, or fill the last one (which
- * the step's commit registers). Otherwise they wait in r->tokens, and planning and completing the step
- * touch neither the sequence nor the pool: a decoding request reaches the pool once per block. */
-static int kvs__must_push(const kvs_sched *s, const kvs__req *r)
-{
-    return (uint64_t)r->len >= (uint64_t)r->num_blocks * s->block_tokens;
 }
 
 /* Bring the sequence up to the request's tokens (sampled tokens since the last step), preempting
@@ -11903,14 +11924,17 @@ static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, siz
     KVB__ARR_SHRINK(s->batch_counts, 0);
     for (end = from; end < n && end - from < KVS__WINDOW && kvs__wants_growth(s, order[end], 1); end++) {
         kvs__req *r = order[end];
-        if (end + 16 < n) KVB__PREFETCH(order[end + 16]);
+        if (end + 32 < n) KVB__PREFETCH(order[end + 32]);
         if (!kvs__must_push(s, r)) continue;
         stbds_arrput(s->batch, r);
         stbds_arrput(s->batch_seqs, r->seq);
         stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
         stbds_arrput(s->batch_counts, r->len - r->in_seq);
     }
-    if (end == from) return from + 1; /* order[from] does not grow in this pass */
+    if (end == from) { /* order[from] does not grow in this pass: the prefill pass looks at it */
+        if (kvs__wants_growth(s, order[from], 0)) stbds_arrput(s->prefills, from);
+        return from + 1;
+    }
     k = stbds_arrlenu(s->batch);
     if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
     for (i = from; i < end; i++) {
@@ -11935,9 +11959,12 @@ static void kvs__schedule_running(kvs_sched *s)
     if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
     order = s->order;
     n = stbds_arrlenu(order);
+    KVB__ARR_SHRINK(s->prefills, 0);
     for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
-    for (i = 0; i < n; i++) /* then prefills */
-        if (kvs__wants_growth(s, order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    for (i = 0; i < stbds_arrlenu(s->prefills); i++) { /* then prefills: the decode pass saw where they are */
+        kvs__req *r = order[s->prefills[i]];
+        if (kvs__wants_growth(s, r, 0)) kvs__schedule_grown(s, r, 0, kvs__grow(s, r, (int64_t)INT32_MAX + 1));
+    }
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -12158,6 +12185,8 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->preempted, 0);
     KVB__ARR_SHRINK(sched->planned[0], 0);
     KVB__ARR_SHRINK(sched->planned[1], 0);
+    KVB__ARR_SHRINK(sched->commits[0], 0);
+    KVB__ARR_SHRINK(sched->commits[1], 0);
     sched->next_append = 0;
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
@@ -12209,39 +12238,55 @@ static kvs__req *kvs__item_req(kvs__req *r)
     return r && r->table && r->state != KVS_SLOT_FINISHED ? r : NULL;
 }
 
-/* Whether an item's tokens fill a block: only then has its commit anything to register. */
-static int kvs__fills_block(const kvs_sched *s, const kvs_sched_item *it)
+/* The tokens that fill the last block of a decoding request (kvs__must_push) go to its sequence: in one
+ * batch, before the commit. The block is there and partial: nothing to allocate. */
+static void kvs__push_fills(kvs_sched *s)
 {
-    return (it->num_computed + it->num_new) / s->block_tokens > it->num_computed / s->block_tokens;
+    size_t i, k, done = 0;
+    KVB__ARR_SHRINK(s->batch, 0);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_tokens, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (i = 0; i < stbds_arrlenu(s->commits[1]); i++) {
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
+        if (!r || r->in_seq == r->len) continue;
+        stbds_arrput(s->batch, r);
+        stbds_arrput(s->batch_seqs, r->seq);
+        stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
+    }
+    k = stbds_arrlenu(s->batch);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = 0; i < done; i++) kvs__synced(s->batch[i]); /* one that failed is committed as far as its seq goes */
 }
 
-/* Commit what the step's items computed: the sequences where a block filled in one batch (one lock of
- * the device pool; for the others a commit would change nothing), then each request's counts and
- * connector notes, in the step's order. */
+/* Commit what the step's items computed: the sequences where a block filled (kvs_sched.commits; for the
+ * others a commit would change nothing) in one batch, one lock of the device pool, in the step's order;
+ * then each request's counts and connector notes, in the step's order. A decode item computes all of its
+ * request's tokens, so that pass reads the requests, not the items. */
 static void kvs__commit_items(kvs_sched *s)
 {
-    size_t a, i, k;
+    size_t a, i, k, n;
+    kvs__push_fills(s);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (a = 0; a < 2; a++) {
-        const kvs_sched_item *items = a ? s->decode : s->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r;
-            size_t done = items[i].num_computed + items[i].num_new;
-            if (!kvs__fills_block(s, &items[i]) || !(r = kvs__item_req(s->planned[a][i]))) continue;
+    for (a = 0; a < 2; a++)
+        for (i = 0; i < stbds_arrlenu(s->commits[a]); i++) {
+            kvs__req *r = kvs__item_req(s->commits[a][i]);
+            if (!r) continue;
             stbds_arrput(s->batch_seqs, r->seq);
-            stbds_arrput(s->batch_counts, done < r->in_seq ? done : r->in_seq); /* the full blocks are in seq */
+            stbds_arrput(s->batch_counts, a ? r->in_seq : s->prefill[r->item].num_computed + s->prefill[r->item].num_new);
         }
-    }
     k = stbds_arrlenu(s->batch_seqs);
     if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
-    for (a = 0; a < 2; a++) {
-        const kvs_sched_item *items = a ? s->decode : s->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__item_req(s->planned[a][i]);
-            if (i + 16 < stbds_arrlenu(items)) KVB__PREFETCH(s->planned[a][i + 16]);
-            if (r) kvs__committed(s, r, items[i].num_computed + items[i].num_new);
-        }
+    for (i = 0; i < stbds_arrlenu(s->prefill); i++) {
+        kvs__req *r = kvs__item_req(s->planned[0][i]);
+        if (r) kvs__committed(s, r, s->prefill[i].num_computed + s->prefill[i].num_new);
+    }
+    for (i = 0, n = stbds_arrlenu(s->planned[1]); i < n; i++) {
+        kvs__req *r = kvs__item_req(s->planned[1][i]);
+        if (i + 32 < n) KVB__PREFETCH(s->planned[1][i + 32]);
+        if (r) kvs__committed(s, r, r->len);
     }
 }
 
