@@ -2218,6 +2218,9 @@ struct kvs_connector {
     uint32_t block_tokens;
     uint64_t next_event, step;
     kvs__plan *plans;          /* stb_ds */
+    kvs__plan *spare_plans;    /* stb_ds: dropped plans, their arrays kept for the next */
+    uint8_t *tier_of;          /* stb_ds scratch of get_num_new_matched_tokens (scheduler side) */
+    kvb_block *got;            /* stb_ds scratch of kvs__load_over (worker side) */
     kvs_store *noted;          /* stores waiting for build_meta */
     kvs_load *meta_loads;      /* the last built meta */
     kvs_store *meta_stores;
@@ -2238,14 +2241,38 @@ static kvs__plan *kvs__plan_of(kvs_connector *c, uint64_t request)
     return NULL;
 }
 
+/* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new). Locked. */
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
     if (stbds_arrlen(p->loaded)) kvb_release(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded), NULL);
+    KVB__ARR_SHRINK(p->loaded, 0);
+    KVB__ARR_SHRINK(p->hashes, 0);
+    KVB__ARR_SHRINK(p->runs, 0);
+    stbds_arrput(c->spare_plans, *p);
+    stbds_arrdelswap(c->plans, at);
+}
+
+/* An empty plan for `request` (the arrays of a dropped one when there is one), not yet in c->plans. */
+static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
+{
+    kvs__plan p;
+    if (stbds_arrlen(c->spare_plans)) {
+        p = stbds_arrpop(c->spare_plans);
+    } else {
+        memset(&p, 0, sizeof p);
+    }
+    p.request = request;
+    p.accepted = 0;
+    p.loads_active = 0;
+    return p;
+}
+
+static void kvs__plan_free(kvs__plan *p)
+{
     stbds_arrfree(p->loaded);
     stbds_arrfree(p->hashes);
     stbds_arrfree(p->runs);
-    stbds_arrdelswap(c->plans, at);
 }
 
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
@@ -2305,6 +2332,10 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     }
     while (stbds_arrlen(c->plans)) kvs__plan_drop(c, &c->plans[0]);
     stbds_arrfree(c->plans);
+    for (i = 0; i < stbds_arrlenu(c->spare_plans); i++) kvs__plan_free(&c->spare_plans[i]);
+    stbds_arrfree(c->spare_plans);
+    stbds_arrfree(c->tier_of);
+    stbds_arrfree(c->got);
     stbds_arrfree(c->noted);
     stbds_arrfree(c->meta_loads);
     stbds_arrfree(c->meta_stores);
@@ -2333,15 +2364,14 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     *out_async = 0;
     first = num_computed / c->block_tokens;
     if (first >= num_hashes) return KVS_OK;
-    tier_of = (uint8_t *)KVB_MALLOC(num_hashes);
-    if (!tier_of) return KVS_ENOMEM;
+    KVB__ARR_SHRINK(c->tier_of, 0);
+    tier_of = stbds_arraddnptr(c->tier_of, num_hashes);
     if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     pthread_mutex_lock(&c->lock);
     if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
     if (found > first) {
-        memset(&fresh, 0, sizeof fresh);
-        fresh.request = request;
+        fresh = kvs__plan_new(c, request);
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
         for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
             kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
@@ -2363,7 +2393,6 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         *out_async = stbds_arrlen(fresh.runs) > 0;
     }
     pthread_mutex_unlock(&c->lock);
-    KVB_FREE(tier_of);
     return KVS_OK;
 }
 
@@ -2518,12 +2547,12 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         size_t n = 0;
         if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
         if (info.status < KVO_STATUS_COMPLETE) return 0;
-        got = (kvb_block *)KVB_MALLOC((info.blocks ? info.blocks : 1) * sizeof *got);
-        if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
+        KVB__ARR_SHRINK(c->got, 0);
+        got = stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1);
+        if (info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
             if (p) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
             else if (n) kvb_release(c->cfg.device, got, n, NULL);
         }
-        KVB_FREE(got);
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }
     if (p && p->loads_active && --p->loads_active == 0) stbds_arrput(c->fin_loads, p->request);
@@ -2759,6 +2788,8 @@ struct kvs_sched {
     kvs__req **commits[2];     /* stb_ds: those of them whose item fills a block, in the same order */
     size_t *prefills;          /* stb_ds: where in kvs__schedule_running's order the prefill pass looks */
     size_t next_append;        /* the decode item whose request is expected to append next */
+    kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
+    uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
 };
@@ -3023,6 +3054,8 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->planned[1]);
     stbds_arrfree(sched->commits[0]);
     stbds_arrfree(sched->commits[1]);
+    stbds_arrfree(sched->hashes);
+    stbds_arrfree(sched->words);
     stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
     kvs_connector_destroy(sched->conn);
@@ -3033,9 +3066,10 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
 static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
 {
     kvs_event e;
-    uint32_t *words = (uint32_t *)KVB_MALLOC((2 * rq->num_extra + rq->num_prompt) * sizeof *words);
+    uint32_t *words;
     size_t i;
-    if (!words) return;
+    KVB__ARR_SHRINK(s->words, 0);
+    words = stbds_arraddnptr(s->words, 2 * rq->num_extra + rq->num_prompt);
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADD;
     e.request = s->next_id;
@@ -3050,7 +3084,6 @@ static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
     }
     memcpy(words + 2 * rq->num_extra, rq->prompt, rq->num_prompt * sizeof *words);
     kvs__emit_input(s, &e, words, 2 * rq->num_extra + rq->num_prompt);
-    KVB_FREE(words);
 }
 
 static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
@@ -3374,12 +3407,11 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     int async = 0;
     r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
-    hashes = (kvb_hash *)KVB_MALLOC(nh * sizeof *hashes);
-    if (!hashes) return 0;
+    KVB__ARR_SHRINK(s->hashes, 0);
+    hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);
     kvb_lookup(s->cfg.device, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
-    KVB_FREE(hashes);
     if (!async) {
         kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
         return 0;
