@@ -3435,11 +3435,19 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     return r;
 }
 
-/* A batch walks many sequences: their structs, then the ends of their arrays, then the metadata of
- * their last blocks are fetched a few sequences ahead, so the misses overlap instead of adding up. */
+/* A batch walks many sequences: their structs (kvb__seqs_one_pool touched them first), the headers of
+ * their arrays, then the ends of the arrays, then the metadata of their last blocks are fetched a few
+ * sequences ahead, each stage from what the one before brought in, so the misses overlap instead of
+ * adding up. */
 static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
 {
     if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
+    if (i + 6 < n) {
+        const kvb_seq *s = seqs[i + 6];
+        if (s->tokens) KVB__PREFETCH(stbds_header(s->tokens));
+        if (s->table) KVB__PREFETCH(stbds_header(s->table));
+        if (s->hashes) KVB__PREFETCH(stbds_header(s->hashes));
+    }
     if (i + 4 < n) {
         const kvb_seq *s = seqs[i + 4];
         size_t nb = stbds_arrlenu(s->table);
@@ -3458,6 +3466,7 @@ static int kvb__seqs_one_pool(kvb_seq *const *seqs, size_t n)
 {
     size_t i, ok = 1;
     for (i = 0; i < n && ok; i++) {
+        if (i + 8 < n && seqs[i + 8]) KVB__PREFETCH(seqs[i + 8]);
         ok = seqs[i] && seqs[i]->pool == seqs[0]->pool && !seqs[i]->in_batch;
         if (ok) seqs[i]->in_batch = 1;
     }
