@@ -1611,6 +1611,7 @@ struct kvo_pipeline {
     kvo__batch **spare_bs;
     kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
+    uint8_t *present;         /* scratch of kvo__evaluate */
     kvo__note *spare_notes;
     kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
@@ -1924,6 +1925,7 @@ static void kvo__free_spares(kvo_pipeline *pl)
     stbds_arrfree(pl->spare_notes);
     stbds_arrfree(pl->batcher_cs);
     stbds_arrfree(pl->stage_cs);
+    stbds_arrfree(pl->present);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -1988,20 +1990,22 @@ static void kvo__sweep_all(kvo_pipeline *pl)
 }
 
 /* PolicyEvaluator, one block. Returns the block's new state. */
-static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now)
+/* A new block's hash and parent from the source (0 when it is gone or not registered: dropped). */
+static int kvo__identify_block(kvo_pipeline *pl, kvo__container *c, size_t i)
+{
+    kvb_block_info info;
+    if (kvb_block_get_info(pl->cfg.src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED) return 0;
+    c->hashes[i] = info.hash;
+    c->parents[i] = info.parent;
+    return 1;
+}
+
+/* PolicyEvaluator, one block, its hash known (`present`: in the destination). Returns its new state. */
+static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now, uint8_t present)
 {
     const kvo_pipeline_config *cfg = &pl->cfg;
-    uint8_t present = 0;
-    if (c->state[i] == KVO__B_NEW) {
-        kvb_block_info info;
-        if (kvb_block_get_info(cfg->src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED)
-            return KVO__B_DROPPED;
-        c->hashes[i] = info.hash;
-        c->parents[i] = info.parent;
-        if (cfg->min_frequency) kvo__count_add(&pl->freq, &info.hash, 1);
-    }
+    if (c->state[i] == KVO__B_NEW && cfg->min_frequency) kvo__count_add(&pl->freq, &c->hashes[i], 1);
     if (cfg->presence >= 0) {
-        kvb_presence(cfg->dst, &c->hashes[i], 1, &present, NULL);
         if (present || kvo__count_get(&pl->inflight, &c->hashes[i])) return KVO__B_SKIP;
     }
     if (cfg->min_frequency && kvo__count_get(&pl->freq, &c->hashes[i]) < cfg->min_frequency) return KVO__B_SKIP;
@@ -2030,9 +2034,17 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
     size_t i, offered = 0;
     int pending = 0;
+    uint8_t *present = NULL;
+    for (i = 0; i < c->n; i++)
+        if (c->state[i] == KVO__B_NEW && !kvo__identify_block(pl, c, i)) c->state[i] = KVO__B_DROPPED;
+    if (pl->cfg.presence >= 0 && c->n) { /* the destination asked once for the whole container */
+        KVB__ARR_SHRINK(pl->present, 0);
+        present = stbds_arraddnptr(pl->present, c->n);
+        if (kvb_presence(pl->cfg.dst, c->hashes, c->n, present, NULL) != KVB_OK) memset(present, 0, c->n);
+    }
     for (i = 0; i < c->n; i++) {
         if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
-            c->state[i] = kvo__evaluate_block(pl, c, i, now);
+            c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : 0);
             if (c->state[i] == KVO__B_EVAL) pending = 1;
         }
     }
