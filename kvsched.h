@@ -2760,9 +2760,9 @@ typedef struct kvs__req {
     int released;              /* by kvs_sched_release while its blocks wait for the step to complete */
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
-    void *block;               /* what KVB_MALLOC returned: the struct starts at a cache line inside it */
 } kvs__req;
 typedef char kvs__req_hot_part_is_one_line[offsetof(kvs__req, seq) <= 64 ? 1 : -1];
+#define KVS__SLAB 64
 
 struct kvs_sched {
     kvs_sched_config cfg;
@@ -2772,6 +2772,9 @@ struct kvs_sched {
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
     kvs__req **spare;          /* stb_ds: released requests, kept with their token buffers for the next */
+    void **slabs;              /* stb_ds: where the requests live, KVS__SLAB to a slab */
+    kvs__req *slab_next;
+    size_t slab_left;
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
     /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
@@ -2788,6 +2791,7 @@ struct kvs_sched {
     kvs__req **commits[2];     /* stb_ds: those of them whose item fills a block, in the same order */
     size_t *prefills;          /* stb_ds: where in kvs__schedule_running's order the prefill pass looks */
     size_t next_append;        /* the decode item whose request is expected to append next */
+    size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
     kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
     uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
@@ -2799,6 +2803,52 @@ static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
     return (kvs__req *)kvs__id_get(&s->reqs, id);
 }
 
+/* Whether r has an item in the step being planned (or, between step and complete, in the step). */
+static int kvs__scheduled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id + (s->in_step ? 0 : 1);
+}
+
+/* Which list of the step r's item is in: 0 prefill, 1 decode. r is scheduled. */
+static int kvs__item_list(const kvs_sched *s, const kvs__req *r)
+{
+    return !(r->item < stbds_arrlenu(s->planned[0]) && s->planned[0][r->item] == r);
+}
+
+/* Whether r was a decode item of the step just completed and nothing has touched it since. complete
+ * does not visit those (a decode computes all of its request's tokens, and at 4,000 requests that pass
+ * missed the cache once a request): r->computed still has the count before the step, r->len the count
+ * after it, until kvs__settle writes it down. */
+static int kvs__unsettled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id && !s->in_step && r->state == KVS_SLOT_DECODING;
+}
+
+static size_t kvs__computed(const kvs_sched *s, const kvs__req *r)
+{
+    return kvs__unsettled(s, r) ? r->len : r->computed;
+}
+
+/* Before anything reads or changes r's counts. */
+static void kvs__settle(kvs_sched *s, kvs__req *r)
+{
+    if (!kvs__unsettled(s, r)) return;
+    r->computed = r->len;
+    r->planned = 0;
+}
+
+/* Take r out of the step's commits (list a); 0 when it was not there. */
+static int kvs__drop_commit(kvs_sched *s, int a, const kvs__req *r)
+{
+    size_t i;
+    for (i = stbds_arrlenu(s->commits[a]); i-- > 0;)
+        if (s->commits[a][i] == r) {
+            stbds_arrdel(s->commits[a], i);
+            return 1;
+        }
+    return 0;
+}
+
 static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
 {
     kvs_event e;
@@ -2808,7 +2858,7 @@ static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
     e.u.slot.from = (uint32_t)from;
     e.u.slot.to = (uint32_t)r->state;
     e.u.slot.tokens = r->len;
-    e.u.slot.computed = r->computed;
+    e.u.slot.computed = kvs__computed(s, r);
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
@@ -2977,7 +3027,6 @@ static void kvs__req_free(kvs__req *r)
 {
     kvb_seq_destroy(r->kept_seq);
     KVB_FREE(r->tokens);
-    KVB_FREE(r->block);
 }
 
 /* Room for `need` tokens in r->tokens (at least doubling). 0 when out of memory (nothing changed). */
@@ -2993,17 +3042,16 @@ static int kvs__reserve(kvs__req *r, size_t need)
     return 1;
 }
 
-/* A request struct, aligned to a cache line: a released one (its token buffer kept) or a new one. */
+/* A request struct, aligned to a cache line: a released one (its token buffer and sequence kept) or a
+ * new one from the current slab. */
 static kvs__req *kvs__req_new(kvs_sched *s)
 {
     kvs__req *r;
-    void *block;
     if (stbds_arrlen(s->spare)) {
         uint32_t *tokens;
         uint32_t cap;
         kvb_seq *kept;
         r = stbds_arrpop(s->spare);
-        block = r->block;
         tokens = r->tokens;
         cap = r->cap;
         kept = r->kept_seq;
@@ -3012,11 +3060,17 @@ static kvs__req *kvs__req_new(kvs_sched *s)
         r->cap = cap;
         r->kept_seq = kept;
     } else {
-        if (!(block = KVB_MALLOC(sizeof *r + 63))) return NULL;
-        r = (kvs__req *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
+        if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
+            void *block = KVB_MALLOC(KVS__SLAB * sizeof *r + 63);
+            if (!block) return NULL;
+            stbds_arrput(s->slabs, block);
+            s->slab_next = (kvs__req *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
+            s->slab_left = KVS__SLAB;
+        }
+        r = s->slab_next++;
+        s->slab_left--;
         memset(r, 0, sizeof *r);
     }
-    r->block = block;
     return r;
 }
 
@@ -3039,6 +3093,8 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->all);
     while (stbds_arrlen(sched->spare)) kvs__req_free(stbds_arrpop(sched->spare));
     stbds_arrfree(sched->spare);
+    for (i = 0; i < stbds_arrlenu(sched->slabs); i++) KVB_FREE(sched->slabs[i]);
+    stbds_arrfree(sched->slabs);
     stbds_arrfree(sched->order);
     stbds_arrfree(sched->batch);
     stbds_arrfree(sched->batch_seqs);
@@ -3144,24 +3200,12 @@ static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
     return NULL;
 }
 
-/* Whether r has an item in the step being planned (or, between step and complete, in the step). */
-static int kvs__scheduled(const kvs_sched *s, const kvs__req *r)
-{
-    return r->planned == s->step_id + (s->in_step ? 0 : 1);
-}
-
-/* Which list of the step r's item is in: 0 prefill, 1 decode. r is scheduled. */
-static int kvs__item_list(const kvs_sched *s, const kvs__req *r)
-{
-    return !(r->item < stbds_arrlenu(s->planned[0]) && s->planned[0][r->item] == r);
-}
-
 /* Take a request's item out of the step being planned and give its budget back. */
 static void kvs__unschedule(kvs_sched *s, kvs__req *v)
 {
     kvs_sched_item **items;
     kvs__req **reqs;
-    size_t i, n;
+    size_t i, n, num_new;
     int a;
     if (!kvs__scheduled(s, v)) return;
     a = kvs__item_list(s, v);
@@ -3169,18 +3213,15 @@ static void kvs__unschedule(kvs_sched *s, kvs__req *v)
     reqs = s->planned[a];
     i = v->item;
     n = stbds_arrlenu(reqs);
-    s->tokens_left += (*items)[i].num_new;
+    num_new = (*items)[i].num_new;
+    s->tokens_left += num_new;
     s->seqs_left++;
     memmove(&(*items)[i], &(*items)[i + 1], (n - 1 - i) * sizeof **items);
     memmove(&reqs[i], &reqs[i + 1], (n - 1 - i) * sizeof *reqs);
     stbds_header(*items)->length--;
     stbds_header(reqs)->length--;
     for (; i + 1 < n; i++) reqs[i]->item = (uint32_t)i;
-    for (i = stbds_arrlenu(s->commits[a]); i-- > 0;)
-        if (s->commits[a][i] == v) {
-            stbds_arrdel(s->commits[a], i);
-            break;
-        }
+    if (!kvs__drop_commit(s, a, v) && a) s->decode_tokens -= num_new; /* counted in bulk (kvs__item) */
     v->planned = 0;
 }
 
@@ -3255,6 +3296,7 @@ static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num
     r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
     stbds_arrput(s->planned[decode], r);
     if (kvs__item_fills(s, r, num_computed, num_new, decode)) stbds_arrput(s->commits[decode], r);
+    else if (decode) s->decode_tokens += num_new;
 }
 
 /* r's sequence has all of its tokens: its table as the step's items show it. */
@@ -3315,9 +3357,10 @@ static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int gro
 }
 
 /* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
-static int kvs__wants_growth(const kvs_sched *s, const kvs__req *r, int decode_pass)
+static int kvs__wants_growth(kvs_sched *s, kvs__req *r, int decode_pass)
 {
     int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+    kvs__settle(s, r);
     if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
     if (decoding != decode_pass || kvs__scheduled(s, r)) return 0;
     return !(decoding && r->len <= r->computed); /* waiting for its sampled token */
@@ -3603,6 +3646,7 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->planned[1], 0);
     KVB__ARR_SHRINK(sched->commits[0], 0);
     KVB__ARR_SHRINK(sched->commits[1], 0);
+    sched->decode_tokens = 0;
     sched->next_append = 0;
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
@@ -3678,8 +3722,8 @@ static void kvs__push_fills(kvs_sched *s)
 
 /* Commit what the step's items computed: the sequences where a block filled (kvs_sched.commits; for the
  * others a commit would change nothing) in one batch, one lock of the device pool, in the step's order;
- * then each request's counts and connector notes, in the step's order. A decode item computes all of its
- * request's tokens, so that pass reads the requests, not the items. */
+ * then the counts and connector notes of the prefills and of the decodes that filled a block, in the
+ * step's order. The other decodes are not visited (kvs__unsettled); their tokens are counted at once. */
 static void kvs__commit_items(kvs_sched *s)
 {
     size_t a, i, k, n;
@@ -3699,11 +3743,12 @@ static void kvs__commit_items(kvs_sched *s)
         kvs__req *r = kvs__item_req(s->planned[0][i]);
         if (r) kvs__committed(s, r, s->prefill[i].num_computed + s->prefill[i].num_new);
     }
-    for (i = 0, n = stbds_arrlenu(s->planned[1]); i < n; i++) {
-        kvs__req *r = kvs__item_req(s->planned[1][i]);
-        if (i + 32 < n) KVB__PREFETCH(s->planned[1][i + 32]);
+    for (i = 0, n = stbds_arrlenu(s->commits[1]); i < n; i++) { /* the other decodes: kvs__unsettled */
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
         if (r) kvs__committed(s, r, r->len);
     }
+    s->stats.computed_tokens += s->decode_tokens;
+    s->decode_tokens = 0;
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -3740,12 +3785,14 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
 /* Finishing -> Finished: blocks released (they stay cached), connector told. */
 static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
 {
-    kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
-    if (res != KVS_OK) return res;
+    kvs_result res;
+    kvs__settle(s, r);
+    if ((res = kvs__set_state(s, r, KVS_SLOT_FINISHING)) != KVS_OK) return res;
     kvs__unqueue(s, r);
     if (s->in_step && kvs__scheduled(s, r)) { /* the engine holds its block table */
         r->drop_after_step = 1;
         s->drops++;
+        if (kvs__item_list(s, r) && !kvs__drop_commit(s, 1, r)) s->decode_tokens -= s->decode[r->item].num_new;
     }
     else kvs__drop_blocks(s, r);
     kvs__set_state(s, r, KVS_SLOT_FINISHED);
@@ -3793,6 +3840,8 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
+    kvs__expect_appends(sched, r);
+    kvs__settle(sched, r);
     if (r->len > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
     if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
@@ -3800,7 +3849,6 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
     if (n == 1) r->tokens[r->len] = *tokens;
     else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
     r->len += (uint32_t)n;
-    kvs__expect_appends(sched, r);
     if (r->len >= r->end) return kvs__end(sched, r, 0); /* max_new_tokens generated */
     return KVS_OK;
 }
@@ -3896,7 +3944,7 @@ KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_sl
     out->state = r->state;
     out->priority = r->priority;
     out->num_tokens = r->len;
-    out->num_computed = r->computed;
+    out->num_computed = kvs__computed(sched, r);
     out->num_cached = r->cached;
     out->num_lower_hit_tokens = r->lower_hit;
     out->generated = (uint32_t)(r->len - r->num_prompt);
