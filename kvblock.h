@@ -619,6 +619,15 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 /* Release every block (deepest first) and free the sequence. NULL is a no-op. */
 KVB_API void kvb_seq_destroy(kvb_seq *seq);
 
+/* Release every block as kvb_seq_destroy does and start over, empty, with `config` (may be NULL),
+ * keeping the sequence's memory: whoever reuses sequences allocates nothing once they are large enough.
+ * KVB_EINVAL / KVB_ERANGE as kvb_seq_create (nothing changed). Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config);
+
+/* Make room in the sequence's arrays for num_tokens tokens in all (with their blocks and hashes):
+ * appends up to there do not grow them. KVB_EINVAL for NULL. Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
+
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
@@ -759,7 +768,13 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
-#define KVB__PREFETCH(p) __builtin_prefetch(p)
+/* The empty volatile asm keeps a helper that only prefetches from being taken for a pure function:
+ * gcc deletes calls to those whose result is unused, prefetches and all. */
+#define KVB__PREFETCH(p)                 \
+    do {                                 \
+        __builtin_prefetch(p);           \
+        __asm__ __volatile__("");        \
+    } while (0)
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
 #define KVB__NOINLINE __attribute__((noinline))
 /* v is computed here, in a register; no instruction. Without it GCC defers each product's fold in
@@ -3272,20 +3287,32 @@ struct kvb_seq { /* what an append or a commit reads first (one cache line), the
     int in_batch;      /* scratch: seen in the batch being checked */
 };
 
+static kvb_result kvb__seq_config_check(const kvb_seq_config *config)
+{
+    if (config && !config->extra && config->n_extra) return KVB_EINVAL;
+    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    return KVB_OK;
+}
+
+/* Salt and extra keys of an empty sequence. */
+static void kvb__seq_configure(kvb_seq *s, const kvb_seq_config *config)
+{
+    s->salt = config ? config->salt : 0;
+    s->n_extra = config ? config->n_extra : 0;
+    if (s->n_extra) memcpy(s->extra, config->extra, s->n_extra * sizeof *s->extra);
+}
+
 KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
 {
     kvb_seq *s;
-    if (!pool || !out || (config && !config->extra && config->n_extra)) return KVB_EINVAL;
-    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    kvb_result r;
+    if (!pool || !out) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
     s = (kvb_seq *)KVB_MALLOC(sizeof *s);
     if (!s) return KVB_ENOMEM;
     memset(s, 0, sizeof *s);
     s->pool = pool;
-    if (config) {
-        s->salt = config->salt;
-        s->n_extra = config->n_extra;
-        if (config->n_extra) memcpy(s->extra, config->extra, config->n_extra * sizeof *s->extra);
-    }
+    kvb__seq_configure(s, config);
     *out = s;
     return KVB_OK;
 }
@@ -3315,6 +3342,32 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq)
     stbds_arrfree(seq->table);
     stbds_arrfree(seq->hashes);
     KVB_FREE(seq);
+}
+
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
+{
+    kvb_result r;
+    if (!seq) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_drop_tail(seq, 0, 1);
+    kvb__unlock(seq->pool);
+    KVB__ARR_SHRINK(seq->tokens, 0);
+    KVB__ARR_SHRINK(seq->hashes, 0);
+    seq->computed = seq->cached = seq->len0 = seq->nh0 = 0;
+    kvb__seq_configure(seq, config);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens)
+{
+    size_t bt;
+    if (!seq) return KVB_EINVAL;
+    bt = seq->pool->cfg.block_tokens;
+    if (num_tokens > stbds_arrcap(seq->tokens)) stbds_arrsetcap(seq->tokens, num_tokens);
+    if (num_tokens / bt > stbds_arrcap(seq->hashes)) stbds_arrsetcap(seq->hashes, num_tokens / bt);
+    if ((num_tokens + bt - 1) / bt > stbds_arrcap(seq->table)) stbds_arrsetcap(seq->table, (num_tokens + bt - 1) / bt);
+    return KVB_OK;
 }
 
 static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)
@@ -3449,11 +3502,19 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     return r;
 }
 
-/* A batch walks many sequences: their structs, then the ends of their arrays, then the metadata of
- * their last blocks are fetched a few sequences ahead, so the misses overlap instead of adding up. */
+/* A batch walks many sequences: their structs (kvb__seqs_one_pool touched them first), the headers of
+ * their arrays, then the ends of the arrays, then the metadata of their last blocks are fetched a few
+ * sequences ahead, each stage from what the one before brought in, so the misses overlap instead of
+ * adding up. */
 static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
 {
     if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
+    if (i + 6 < n) {
+        const kvb_seq *s = seqs[i + 6];
+        if (s->tokens) KVB__PREFETCH(stbds_header(s->tokens));
+        if (s->table) KVB__PREFETCH(stbds_header(s->table));
+        if (s->hashes) KVB__PREFETCH(stbds_header(s->hashes));
+    }
     if (i + 4 < n) {
         const kvb_seq *s = seqs[i + 4];
         size_t nb = stbds_arrlenu(s->table);
@@ -3472,6 +3533,7 @@ static int kvb__seqs_one_pool(kvb_seq *const *seqs, size_t n)
 {
     size_t i, ok = 1;
     for (i = 0; i < n && ok; i++) {
+        if (i + 8 < n && seqs[i + 8]) KVB__PREFETCH(seqs[i + 8]);
         ok = seqs[i] && seqs[i]->pool == seqs[0]->pool && !seqs[i]->in_batch;
         if (ok) seqs[i]->in_batch = 1;
     }

@@ -655,6 +655,15 @@ KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, 
 /* Release every block (deepest first) and free the sequence. NULL is a no-op. */
 KVB_API void kvb_seq_destroy(kvb_seq *seq);
 
+/* Release every block as kvb_seq_destroy does and start over, empty, with `config` (may be NULL),
+ * keeping the sequence's memory: whoever reuses sequences allocates nothing once they are large enough.
+ * KVB_EINVAL / KVB_ERANGE as kvb_seq_create (nothing changed). Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config);
+
+/* Make room in the sequence's arrays for num_tokens tokens in all (with their blocks and hashes):
+ * appends up to there do not grow them. KVB_EINVAL for NULL. Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
+
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
@@ -795,7 +804,13 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
-#define KVB__PREFETCH(p) __builtin_prefetch(p)
+/* The empty volatile asm keeps a helper that only prefetches from being taken for a pure function:
+ * gcc deletes calls to those whose result is unused, prefetches and all. */
+#define KVB__PREFETCH(p)                 \
+    do {                                 \
+        __builtin_prefetch(p);           \
+        __asm__ __volatile__("");        \
+    } while (0)
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
 #define KVB__NOINLINE __attribute__((noinline))
 /* v is computed here, in a register; no instruction. Without it GCC defers each product's fold in
@@ -3308,20 +3323,32 @@ struct kvb_seq { /* what an append or a commit reads first (one cache line), the
     int in_batch;      /* scratch: seen in the batch being checked */
 };
 
+static kvb_result kvb__seq_config_check(const kvb_seq_config *config)
+{
+    if (config && !config->extra && config->n_extra) return KVB_EINVAL;
+    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    return KVB_OK;
+}
+
+/* Salt and extra keys of an empty sequence. */
+static void kvb__seq_configure(kvb_seq *s, const kvb_seq_config *config)
+{
+    s->salt = config ? config->salt : 0;
+    s->n_extra = config ? config->n_extra : 0;
+    if (s->n_extra) memcpy(s->extra, config->extra, s->n_extra * sizeof *s->extra);
+}
+
 KVB_API kvb_result kvb_seq_create(kvb_pool *pool, const kvb_seq_config *config, kvb_seq **out)
 {
     kvb_seq *s;
-    if (!pool || !out || (config && !config->extra && config->n_extra)) return KVB_EINVAL;
-    if (config && config->n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
+    kvb_result r;
+    if (!pool || !out) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
     s = (kvb_seq *)KVB_MALLOC(sizeof *s);
     if (!s) return KVB_ENOMEM;
     memset(s, 0, sizeof *s);
     s->pool = pool;
-    if (config) {
-        s->salt = config->salt;
-        s->n_extra = config->n_extra;
-        if (config->n_extra) memcpy(s->extra, config->extra, config->n_extra * sizeof *s->extra);
-    }
+    kvb__seq_configure(s, config);
     *out = s;
     return KVB_OK;
 }
@@ -3351,6 +3378,32 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq)
     stbds_arrfree(seq->table);
     stbds_arrfree(seq->hashes);
     KVB_FREE(seq);
+}
+
+KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
+{
+    kvb_result r;
+    if (!seq) return KVB_EINVAL;
+    if ((r = kvb__seq_config_check(config)) != KVB_OK) return r;
+    pthread_mutex_lock(&seq->pool->lock);
+    kvb__seq_drop_tail(seq, 0, 1);
+    kvb__unlock(seq->pool);
+    KVB__ARR_SHRINK(seq->tokens, 0);
+    KVB__ARR_SHRINK(seq->hashes, 0);
+    seq->computed = seq->cached = seq->len0 = seq->nh0 = 0;
+    kvb__seq_configure(seq, config);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens)
+{
+    size_t bt;
+    if (!seq) return KVB_EINVAL;
+    bt = seq->pool->cfg.block_tokens;
+    if (num_tokens > stbds_arrcap(seq->tokens)) stbds_arrsetcap(seq->tokens, num_tokens);
+    if (num_tokens / bt > stbds_arrcap(seq->hashes)) stbds_arrsetcap(seq->hashes, num_tokens / bt);
+    if ((num_tokens + bt - 1) / bt > stbds_arrcap(seq->table)) stbds_arrsetcap(seq->table, (num_tokens + bt - 1) / bt);
+    return KVB_OK;
 }
 
 static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)
@@ -3485,11 +3538,19 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     return r;
 }
 
-/* A batch walks many sequences: their structs, then the ends of their arrays, then the metadata of
- * their last blocks are fetched a few sequences ahead, so the misses overlap instead of adding up. */
+/* A batch walks many sequences: their structs (kvb__seqs_one_pool touched them first), the headers of
+ * their arrays, then the ends of the arrays, then the metadata of their last blocks are fetched a few
+ * sequences ahead, each stage from what the one before brought in, so the misses overlap instead of
+ * adding up. */
 static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
 {
     if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
+    if (i + 6 < n) {
+        const kvb_seq *s = seqs[i + 6];
+        if (s->tokens) KVB__PREFETCH(stbds_header(s->tokens));
+        if (s->table) KVB__PREFETCH(stbds_header(s->table));
+        if (s->hashes) KVB__PREFETCH(stbds_header(s->hashes));
+    }
     if (i + 4 < n) {
         const kvb_seq *s = seqs[i + 4];
         size_t nb = stbds_arrlenu(s->table);
@@ -3508,6 +3569,7 @@ static int kvb__seqs_one_pool(kvb_seq *const *seqs, size_t n)
 {
     size_t i, ok = 1;
     for (i = 0; i < n && ok; i++) {
+        if (i + 8 < n && seqs[i + 8]) KVB__PREFETCH(seqs[i + 8]);
         ok = seqs[i] && seqs[i]->pool == seqs[0]->pool && !seqs[i]->in_batch;
         if (ok) seqs[i]->in_batch = 1;
     }
@@ -5263,6 +5325,7 @@ enum { /* per-block progress inside a container */
 };
 
 typedef struct kvo__container {
+    size_t cap;             /* blocks its arrays have room for (kvo__container_new reuses containers) */
     uint32_t slot;
     kvo_token *token;       /* its own; the caller's token is its parent */
     kvo_event *pre;
@@ -5300,6 +5363,8 @@ typedef struct kvo__batch {
     kvb_block *src_b, *dst_b;
     kvo__container **owner;
     uint32_t *owner_i;
+    unsigned char *mem;     /* the arrays above, room for mem_cap copies (kept when the batch is reused) */
+    size_t mem_cap;
 } kvo__batch;
 
 struct kvo_pipeline {
@@ -5322,7 +5387,17 @@ struct kvo_pipeline {
     kvo_pipeline_stats stats;
     kvo__note *notes;
     uint32_t src_tier, dst_tier;
+    /* kept for reuse, so that a steady stream of transfers allocates nothing (lock held) */
+    kvo__container **spare_cs;
+    kvo__batch **spare_bs;
+    kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
+    kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
+    uint8_t *present;         /* scratch of kvo__evaluate */
+    kvo__note *spare_notes;
+    kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
+
+#define KVO__SPARES 16 /* of each kind; beyond that they are freed */
 
 static uint64_t kvo__now(const kvo_pipeline *pl)
 {
@@ -5339,31 +5414,78 @@ static void kvo__count_add(kvb__ctab *m, const kvb_hash *h, int delta)
     else (void)kvb__ctab_sub(m, h, (uint32_t)-delta, 0);
 }
 
-static kvo__container *kvo__container_new(size_t n)
+static size_t kvo__container_bytes(size_t cap)
 {
-    size_t bytes = sizeof(kvo__container) + n * (sizeof(kvb_weak) * 2 + sizeof(kvb_block) * 2 + sizeof(kvb_hash) * 2 + 1);
-    kvo__container *c = (kvo__container *)KVB_MALLOC(bytes);
+    return sizeof(kvo__container) + cap * (sizeof(kvb_weak) * 2 + sizeof(kvb_block) * 2 + sizeof(kvb_hash) * 2 + 1);
+}
+
+/* A container for n blocks: a spare one with room, or a new one with room to be reused (at least 64
+ * blocks, a power of two). Its own token, if it kept one, stays for kvo__container_open. Locked. */
+static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
+{
+    kvo__container *c = NULL;
+    kvo_token *token = NULL;
     unsigned char *p;
-    if (!c) return NULL;
-    memset(c, 0, bytes);
+    size_t i, cap = 64;
+    for (i = stbds_arrlenu(pl->spare_cs); i-- > 0;)
+        if (pl->spare_cs[i]->cap >= n) {
+            c = pl->spare_cs[i];
+            stbds_arrdelswap(pl->spare_cs, i);
+            break;
+        }
+    if (c) {
+        cap = c->cap;
+        token = c->token;
+    } else {
+        while (cap < n) cap *= 2;
+        if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
+    }
+    memset(c, 0, sizeof *c);
+    c->cap = cap;
+    c->token = token;
     p = (unsigned char *)(c + 1);
     c->n = n;
     c->hashes = (kvb_hash *)(void *)p;
-    p += n * sizeof(kvb_hash);
+    p += cap * sizeof(kvb_hash);
     c->parents = (kvb_hash *)(void *)p;
-    p += n * sizeof(kvb_hash);
+    p += cap * sizeof(kvb_hash);
     c->src = (kvb_weak *)(void *)p;
-    p += n * sizeof(kvb_weak);
+    p += cap * sizeof(kvb_weak);
     c->dst_weak = (kvb_weak *)(void *)p;
-    p += n * sizeof(kvb_weak);
+    p += cap * sizeof(kvb_weak);
     c->src_strong = (kvb_block *)(void *)p;
-    p += n * sizeof(kvb_block);
+    p += cap * sizeof(kvb_block);
     c->dst_keep = (kvb_block *)(void *)p;
-    p += n * sizeof(kvb_block);
+    p += cap * sizeof(kvb_block);
     c->state = p;
+    memset(c->hashes, 0, n * sizeof *c->hashes);
+    memset(c->parents, 0, n * sizeof *c->parents);
+    memset(c->src, 0, n * sizeof *c->src);
+    memset(c->dst_weak, 0, n * sizeof *c->dst_weak);
+    memset(c->src_strong, 0, n * sizeof *c->src_strong);
+    memset(c->dst_keep, 0, n * sizeof *c->dst_keep);
+    memset(c->state, 0, n);
     c->info.blocks = (uint32_t)n;
     c->info.status = KVO_STATUS_EVALUATING;
     return c;
+}
+
+/* A released container goes to the spares; its own token stays with it when nothing else holds it. */
+static void kvo__container_recycle(kvo_pipeline *pl, kvo__container *c)
+{
+    if (c->token && KVO__LOAD(&c->token->refs) == 1) {
+        kvo_token_release(c->token->parent);
+        c->token->parent = NULL;
+    } else {
+        kvo_token_release(c->token);
+        c->token = NULL;
+    }
+    if (stbds_arrlenu(pl->spare_cs) < KVO__SPARES) {
+        stbds_arrput(pl->spare_cs, c);
+        return;
+    }
+    kvo_token_release(c->token);
+    KVB_FREE(c);
 }
 
 static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container *c)
@@ -5428,18 +5550,13 @@ static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
 /* Release the non-zero handles among blocks[0..n) in one call, then clear them. */
 static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint32_t prio)
 {
-    kvb_block stack[64], *tmp = n <= 64 ? stack : (kvb_block *)KVB_MALLOC(n * sizeof *tmp);
     kvb_release_opts o;
     size_t i, k = 0;
-    if (!tmp) return;
-    for (i = 0; i < n; i++)
-        if (blocks[i].id) {
-            tmp[k++] = blocks[i];
-            blocks[i].id = 0;
-        }
+    for (i = 0; i < n; i++) /* the held ones to the front, in order, and released in one call */
+        if (blocks[i].id) blocks[k++] = blocks[i];
     o.priority = prio;
-    if (k) kvb_release(pool, tmp, k, &o);
-    if (tmp != stack) KVB_FREE(tmp);
+    if (k) kvb_release(pool, blocks, k, &o);
+    for (i = 0; i < n && k; i++) blocks[i].id = 0;
 }
 
 static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)
@@ -5475,16 +5592,19 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     s->dropped += c->info.dropped;
     s->failed += c->info.failed;
     s->cancelled += st == KVO_STATUS_CANCELLED;
-    if (pl->cfg.on_done) {
+    if (pl->cfg.on_done) { /* arrays from the spares: a steady stream of transfers allocates nothing */
         kvo__note note;
         note.t = kvo__handle_of(pl, c);
         note.info = c->info;
         note.n = c->n;
-        note.dst = (kvb_weak *)KVB_MALLOC((c->n ? c->n : 1) * sizeof *note.dst);
-        if (note.dst) {
-            memcpy(note.dst, c->dst_weak, c->n * sizeof *note.dst);
-            stbds_arrput(pl->notes, note);
+        note.dst = stbds_arrlen(pl->spare_dst) ? stbds_arrpop(pl->spare_dst) : NULL;
+        KVB__ARR_SHRINK(note.dst, 0);
+        if (c->n) memcpy(stbds_arraddnptr(note.dst, c->n), c->dst_weak, c->n * sizeof *note.dst);
+        if (!pl->notes) {
+            pl->notes = pl->spare_notes;
+            pl->spare_notes = NULL;
         }
+        stbds_arrput(pl->notes, note);
     }
     pthread_cond_broadcast(&pl->cond);
 }
@@ -5492,6 +5612,19 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
 static void kvo__on_drop(void *item, void *user)
 {
     kvo__finalize((kvo_pipeline *)user, (kvo__container *)item, KVO_STATUS_CANCELLED, KVO_ECANCELLED);
+}
+
+/* Delivered notes: their arrays go back to the spares (lock held). */
+static void kvo__notes_done(kvo_pipeline *pl, kvo__note *notes)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(notes); i++) {
+        if (stbds_arrlenu(pl->spare_dst) < KVO__SPARES) stbds_arrput(pl->spare_dst, notes[i].dst);
+        else stbds_arrfree(notes[i].dst);
+    }
+    KVB__ARR_SHRINK(notes, 0);
+    if (!pl->spare_notes) pl->spare_notes = notes;
+    else stbds_arrfree(notes);
 }
 
 /* Unlock, then deliver the completion callbacks gathered meanwhile. */
@@ -5506,22 +5639,74 @@ static void kvo__unlock(kvo_pipeline *pl)
     pl->notes = NULL;
     pl->delivering++; /* a drain waits for callbacks in progress: they may start follow-up work */
     pthread_mutex_unlock(&pl->lock);
-    for (i = 0; i < stbds_arrlenu(notes); i++) {
+    for (i = 0; i < stbds_arrlenu(notes); i++)
         pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
-        KVB_FREE(notes[i].dst);
-    }
-    stbds_arrfree(notes);
     pthread_mutex_lock(&pl->lock);
+    kvo__notes_done(pl, notes);
     pl->delivering--;
     pthread_cond_broadcast(&pl->cond);
     pthread_mutex_unlock(&pl->lock);
 }
 
+/* A batch done with goes to the spares with its arrays (lock held). */
 static void kvo__batch_free(kvo__batch *b)
 {
+    kvo_pipeline *pl = b->pl;
+    if (stbds_arrlenu(pl->spare_bs) < KVO__SPARES) {
+        KVB__ARR_SHRINK(b->cs, 0);
+        stbds_arrput(pl->spare_bs, b);
+        return;
+    }
     stbds_arrfree(b->cs);
-    KVB_FREE(b->src_idx);
+    KVB_FREE(b->mem);
     KVB_FREE(b);
+}
+
+/* A batch for the batcher: a spare one (its arrays kept) or a new one. NULL when out of memory. */
+static kvo__batch *kvo__batch_new(kvo_pipeline *pl, uint32_t priority)
+{
+    kvo__batch *b;
+    kvo__container **cs = NULL;
+    unsigned char *mem = NULL;
+    size_t mem_cap = 0;
+    if (stbds_arrlen(pl->spare_bs)) {
+        b = stbds_arrpop(pl->spare_bs);
+        cs = b->cs;
+        mem = b->mem;
+        mem_cap = b->mem_cap;
+    } else if (!(b = (kvo__batch *)KVB_MALLOC(sizeof *b))) {
+        return NULL;
+    }
+    memset(b, 0, sizeof *b);
+    b->cs = cs;
+    b->mem = mem;
+    b->mem_cap = mem_cap;
+    b->pl = pl;
+    b->priority = priority;
+    return b;
+}
+
+/* Everything the pipeline keeps for reuse (destroy). */
+static void kvo__free_spares(kvo_pipeline *pl)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(pl->spare_cs); i++) {
+        kvo_token_release(pl->spare_cs[i]->token);
+        KVB_FREE(pl->spare_cs[i]);
+    }
+    for (i = 0; i < stbds_arrlenu(pl->spare_bs); i++) {
+        stbds_arrfree(pl->spare_bs[i]->cs);
+        KVB_FREE(pl->spare_bs[i]->mem);
+        KVB_FREE(pl->spare_bs[i]);
+    }
+    for (i = 0; i < stbds_arrlenu(pl->spare_dst); i++) stbds_arrfree(pl->spare_dst[i]);
+    stbds_arrfree(pl->spare_cs);
+    stbds_arrfree(pl->spare_bs);
+    stbds_arrfree(pl->spare_dst);
+    stbds_arrfree(pl->spare_notes);
+    stbds_arrfree(pl->batcher_cs);
+    stbds_arrfree(pl->stage_cs);
+    stbds_arrfree(pl->present);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -5586,20 +5771,22 @@ static void kvo__sweep_all(kvo_pipeline *pl)
 }
 
 /* PolicyEvaluator, one block. Returns the block's new state. */
-static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now)
+/* A new block's hash and parent from the source (0 when it is gone or not registered: dropped). */
+static int kvo__identify_block(kvo_pipeline *pl, kvo__container *c, size_t i)
+{
+    kvb_block_info info;
+    if (kvb_block_get_info(pl->cfg.src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED) return 0;
+    c->hashes[i] = info.hash;
+    c->parents[i] = info.parent;
+    return 1;
+}
+
+/* PolicyEvaluator, one block, its hash known (`present`: in the destination). Returns its new state. */
+static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now, uint8_t present)
 {
     const kvo_pipeline_config *cfg = &pl->cfg;
-    uint8_t present = 0;
-    if (c->state[i] == KVO__B_NEW) {
-        kvb_block_info info;
-        if (kvb_block_get_info(cfg->src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED)
-            return KVO__B_DROPPED;
-        c->hashes[i] = info.hash;
-        c->parents[i] = info.parent;
-        if (cfg->min_frequency) kvo__count_add(&pl->freq, &info.hash, 1);
-    }
+    if (c->state[i] == KVO__B_NEW && cfg->min_frequency) kvo__count_add(&pl->freq, &c->hashes[i], 1);
     if (cfg->presence >= 0) {
-        kvb_presence(cfg->dst, &c->hashes[i], 1, &present, NULL);
         if (present || kvo__count_get(&pl->inflight, &c->hashes[i])) return KVO__B_SKIP;
     }
     if (cfg->min_frequency && kvo__count_get(&pl->freq, &c->hashes[i]) < cfg->min_frequency) return KVO__B_SKIP;
@@ -5628,9 +5815,17 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
     size_t i, offered = 0;
     int pending = 0;
+    uint8_t *present = NULL;
+    for (i = 0; i < c->n; i++)
+        if (c->state[i] == KVO__B_NEW && !kvo__identify_block(pl, c, i)) c->state[i] = KVO__B_DROPPED;
+    if (pl->cfg.presence >= 0 && c->n) { /* the destination asked once for the whole container */
+        KVB__ARR_SHRINK(pl->present, 0);
+        present = stbds_arraddnptr(pl->present, c->n);
+        if (kvb_presence(pl->cfg.dst, c->hashes, c->n, present, NULL) != KVB_OK) memset(present, 0, c->n);
+    }
     for (i = 0; i < c->n; i++) {
         if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
-            c->state[i] = kvo__evaluate_block(pl, c, i, now);
+            c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : 0);
             if (c->state[i] == KVO__B_EVAL) pending = 1;
         }
     }
@@ -5645,14 +5840,15 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 
 static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **later = NULL;
+    kvo__container **later;
     void *item;
     size_t i;
+    KVB__ARR_SHRINK(pl->stage_cs, 0);
     while (kvo_queue_pop(pl->q_eval, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int r = kvo__evaluate(pl, c, now);
         if (r == 0) {
-            stbds_arrput(later, c);
+            stbds_arrput(pl->stage_cs, c);
         } else if (r == 2) {
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
@@ -5662,9 +5858,9 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
             if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
         }
     }
+    later = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(later); i++)
         if (kvo_queue_push(pl->q_eval, later[i], later[i]->token) != KVO_OK) kvo__on_drop(later[i], pl);
-    stbds_arrfree(later);
 }
 
 static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
@@ -5717,24 +5913,25 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
  * waiting never blocks and a sweep can cancel it. */
 static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **waiting = NULL;
+    kvo__container **waiting;
     void *item;
     size_t i;
+    KVB__ARR_SHRINK(pl->stage_cs, 0);
     while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
         if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
-            stbds_arrput(waiting, c); /* no timeout: the copies it waits for end by themselves */
+            stbds_arrput(pl->stage_cs, c); /* no timeout: the copies it waits for end by themselves */
         else if (s > 0 && c->onboard && !kvo__offered(c))
             kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
         else if (s > 0) kvo__to_batcher(pl, c, now);
         else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
         else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
-        else stbds_arrput(waiting, c);
+        else stbds_arrput(pl->stage_cs, c);
     }
+    waiting = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(waiting); i++)
         if (kvo_queue_push(pl->q_pre, waiting[i], waiting[i]->token) != KVO_OK) kvo__on_drop(waiting[i], pl);
-    stbds_arrfree(waiting);
 }
 
 static uint32_t kvo__offered(const kvo__container *c)
@@ -5757,7 +5954,7 @@ static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
  * containers by priority into weak batches of at most max_batch blocks. */
 static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **cs = NULL;
+    kvo__container **cs;
     kvo__batch *b = NULL;
     void *item;
     size_t i, j;
@@ -5770,33 +5967,29 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
         pthread_mutex_unlock(&q->lock);
     }
     if (!pl->draining && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us) return;
+    KVB__ARR_SHRINK(pl->batcher_cs, 0);
     while (kvo_queue_pop(pl->q_batch, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
+        cs = pl->batcher_cs;
         for (j = stbds_arrlenu(cs); j > 0 && cs[j - 1]->priority < c->priority; j--) {
         }
-        KVO__ARR_INSERT(cs, j, c); /* stable: FIFO within a priority */
+        KVO__ARR_INSERT(pl->batcher_cs, j, c); /* stable: FIFO within a priority */
     }
+    cs = pl->batcher_cs;
     for (i = 0; i < stbds_arrlenu(cs); i++) {
         uint32_t k = kvo__offered(cs[i]);
         if (b && (b->priority != cs[i]->priority || b->blocks + k > pl->cfg.max_batch)) {
             kvo__in_queue_insert(pl, b);
             b = NULL;
         }
-        if (!b) {
-            b = (kvo__batch *)KVB_MALLOC(sizeof *b);
-            if (!b) {
-                kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
-                continue;
-            }
-            memset(b, 0, sizeof *b);
-            b->pl = pl;
-            b->priority = cs[i]->priority;
+        if (!b && !(b = kvo__batch_new(pl, cs[i]->priority))) {
+            kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
+            continue;
         }
         stbds_arrput(b->cs, cs[i]);
         b->blocks += k;
     }
     if (b) kvo__in_queue_insert(pl, b);
-    stbds_arrfree(cs);
 }
 
 /* The upgrade (P3): weak -> strong for every offered block of the batch, just after a sweep (P4), then
@@ -5823,9 +6016,17 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
         }
     }
     if (!n) return 0;
-    mem = (unsigned char *)KVB_MALLOC(n * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
-                                           2 * sizeof(kvb_block) + sizeof(kvo__container *)));
-    if (!mem) return KVO_ENOMEM;
+    if (n > b->mem_cap) { /* kept with the batch when it is reused */
+        size_t cap = b->mem_cap ? b->mem_cap : 64;
+        while (cap < n) cap *= 2;
+        KVB_FREE(b->mem);
+        b->mem_cap = 0;
+        b->mem = (unsigned char *)KVB_MALLOC(cap * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
+                                                    2 * sizeof(kvb_block) + sizeof(kvo__container *)));
+        if (!b->mem) return KVO_ENOMEM;
+        b->mem_cap = cap;
+    }
+    mem = b->mem;
     b->src_idx = (uint32_t *)(void *)mem; /* one allocation, carved by alignment (largest first) */
     b->hashes = (kvb_hash *)(void *)(mem + n * 4 * sizeof(uint32_t));
     b->parents = b->hashes + n;
@@ -6108,6 +6309,7 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
         return KVO_ENOMEM;
     }
     pl->last_sweep = kvo__now(pl);
+    stbds_arrsetcap(pl->stage_cs, 16); /* containers put back in a stage are few: room for them from the start */
     if (pl->cfg.mode == KVO_MODE_THREADS) {
         if (pthread_create(&pl->thread, NULL, kvo__coordinator, pl) != 0) {
             pl->stopping = 1;
@@ -6143,6 +6345,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
         kvo_token_release(c->token);
         KVB_FREE(c);
     }
+    kvo__free_spares(pipeline);
     kvo_queue_destroy(pipeline->q_eval);
     kvo_queue_destroy(pipeline->q_pre);
     kvo_queue_destroy(pipeline->q_batch);
@@ -6152,6 +6355,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->free_slots);
     kvb__ctab_free(&pipeline->inflight);
     kvb__ctab_free(&pipeline->freq);
+    for (i = 0; i < stbds_arrlenu(pipeline->notes); i++) stbds_arrfree(pipeline->notes[i].dst);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
     pthread_cond_destroy(&pipeline->cond);
@@ -6162,10 +6366,15 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
 static kvo_result kvo__container_open(kvo_pipeline *pl, size_t n, const kvo_enqueue_opts *opts, kvo__container **out)
 {
     kvo__container *c;
+    kvo_token *parent = opts ? opts->token : NULL;
     if (opts && kvo_token_is_cancelled(opts->token)) return KVO_ECANCELLED;
-    c = kvo__container_new(n);
+    c = kvo__container_new(pl, n);
     if (!c) return KVO_ENOMEM;
-    if (kvo__token_new(opts ? opts->token : NULL, &c->token) != KVO_OK) {
+    if (c->token) { /* kept from its last use: nobody else holds it */
+        c->token->cancelled = 0;
+        c->token->parent = parent;
+        kvo_token_retain(parent);
+    } else if (kvo__token_new(parent, &c->token) != KVO_OK) {
         KVB_FREE(c);
         return KVO_ENOMEM;
     }
@@ -6394,8 +6603,7 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
         pipeline->slots[c->slot].c = NULL;
         pipeline->slots[c->slot].gen = (pipeline->slots[c->slot].gen + 1) & 0x7fffffffu;
         stbds_arrput(pipeline->free_slots, c->slot);
-        kvo_token_release(c->token);
-        KVB_FREE(c);
+        kvo__container_recycle(pipeline, c);
     }
     kvo__unlock(pipeline);
     return found ? KVO_OK : KVO_ESTALE;
@@ -6403,7 +6611,12 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
 
 /* ---- tier manager ------------------------------------------------------------------------------- */
 
-typedef struct kvo__edge { kvo_manager *m; uint32_t tier; } kvo__edge;
+typedef struct kvo__edge {
+    kvo_manager *m;
+    uint32_t tier;
+    pthread_mutex_t lock;      /* the scratch below: callbacks of one pipeline may come from two threads */
+    kvb_weak *scratch;         /* stb_ds: weak handles on their way down from this tier (kept) */
+} kvo__edge;
 
 struct kvo_manager {
     kvo_manager_config cfg;
@@ -6439,12 +6652,14 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     uint32_t next = e->tier + 1;
     if (m->cfg.on_offloaded) m->cfg.on_offloaded(m->cfg.offloaded_user, e->tier, t, info);
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
-        kvb_weak *landed = (kvb_weak *)KVB_MALLOC((n ? n : 1) * sizeof *landed);
-        size_t i, k = 0;
-        for (i = 0; landed && i < n; i++)
-            if (dst[i].id) landed[k++] = dst[i];
-        if (k) kvo__manager_send(m, next, landed, k, NULL);
-        KVB_FREE(landed);
+        kvo__edge *landed = &m->edges[next]; /* what landed in `next` goes on from there */
+        size_t i;
+        pthread_mutex_lock(&landed->lock);
+        KVB__ARR_SHRINK(landed->scratch, 0);
+        for (i = 0; i < n; i++)
+            if (dst[i].id) stbds_arrput(landed->scratch, dst[i]);
+        if (stbds_arrlen(landed->scratch)) kvo__manager_send(m, next, landed->scratch, stbds_arrlenu(landed->scratch), NULL);
+        pthread_mutex_unlock(&landed->lock);
     }
     kvo_transfer_release(m->down[e->tier], t);
 }
@@ -6464,6 +6679,7 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     memset(m, 0, sizeof *m);
     m->cfg = *config;
     if (!m->cfg.lazy_reserve) m->cfg.lazy_reserve = 64;
+    for (i = 0; i < KVO_MAX_TIERS; i++) pthread_mutex_init(&m->edges[i].lock, NULL);
     for (i = 0; i < config->num_tiers && r == KVO_OK; i++) {
         kvo_pipeline_config pc = config->pipeline;
         m->edges[i].m = m;
@@ -6504,23 +6720,28 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
         manager->down[i] = NULL;
     }
     for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
+    for (i = 0; i < KVO_MAX_TIERS; i++) {
+        stbds_arrfree(manager->edges[i].scratch);
+        pthread_mutex_destroy(&manager->edges[i].lock);
+    }
     KVB_FREE(manager);
 }
 
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out)
 {
-    kvb_weak stack[64], *w;
+    kvo__edge *e;
     kvo_result r;
     size_t i;
     if (out) out->id = 0;
     if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
-    w = n <= 64 ? stack : (kvb_weak *)KVB_MALLOC(n * sizeof *w);
-    if (!w) return KVO_ENOMEM;
-    for (i = 0; i < n; i++) w[i] = kvb_weak_of(blocks[i]);
-    r = kvo__manager_send(manager, tier, w, n, out); /* released by kvo__manager_down_done */
-    if (w != stack) KVB_FREE(w);
+    e = &manager->edges[tier];
+    pthread_mutex_lock(&e->lock);
+    KVB__ARR_SHRINK(e->scratch, 0);
+    for (i = 0; i < n; i++) stbds_arrput(e->scratch, kvb_weak_of(blocks[i]));
+    r = kvo__manager_send(manager, tier, e->scratch, n, out); /* released by kvo__manager_down_done */
+    pthread_mutex_unlock(&e->lock);
     return r;
 }
 
@@ -6554,28 +6775,24 @@ KVO_API kvo_result kvo_manager_poll(kvo_manager *manager)
 KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hashes, size_t n,
                                       uint8_t *tier_of, size_t *out_n)
 {
-    uint8_t *present;
-    size_t i, found = 0;
+    uint8_t present[256]; /* a chunk at a time: no allocation */
+    size_t i, at, found = 0;
     uint32_t t;
     kvo_result r = KVO_OK;
     if (!manager || !out_n || (n && (!hashes || !tier_of))) return KVO_EINVAL;
-    if (!n) {
-        *out_n = 0;
-        return KVO_OK;
-    }
-    present = (uint8_t *)KVB_MALLOC(n);
-    if (!present) return KVO_ENOMEM;
-    memset(tier_of, 0xff, n);
-    for (t = 0; t < manager->cfg.num_tiers; t++) { /* fastest tier first; each fills what is still open */
-        if (kvb_presence(manager->cfg.pools[t], hashes, n, present, NULL) != KVB_OK) {
-            r = KVO_EINVAL;
-            break;
+    if (n) memset(tier_of, 0xff, n);
+    for (at = 0; at < n && r == KVO_OK; at += sizeof present) {
+        size_t k = n - at < sizeof present ? n - at : sizeof present;
+        for (t = 0; t < manager->cfg.num_tiers; t++) { /* fastest tier first; each fills what is still open */
+            if (kvb_presence(manager->cfg.pools[t], hashes + at, k, present, NULL) != KVB_OK) {
+                r = KVO_EINVAL;
+                break;
+            }
+            for (i = 0; i < k; i++)
+                if (present[i] && tier_of[at + i] == 0xff) tier_of[at + i] = (uint8_t)t;
         }
-        for (i = 0; i < n; i++)
-            if (present[i] && tier_of[i] == 0xff) tier_of[i] = (uint8_t)t;
     }
     while (found < n && tier_of[found] != 0xff) found++;
-    KVB_FREE(present);
     *out_n = found;
     return r;
 }
@@ -8736,7 +8953,8 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * disk, then Redis, importing what other processes stored; loads from G4 go through the same
  * onboarding pipelines as host and disk. A load that fails or finds its entry gone (a Redis node lost,
  * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
- * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block;
+ * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block
+ * (start_stores makes one offer of all the bound stores: each event finishes when that transfer does);
  * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
  * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
@@ -9068,7 +9286,8 @@ typedef struct kvs_sched kvs_sched;
 KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **out);
 /* Aborts every request, frees everything. */
 KVS_API void kvs_sched_destroy(kvs_sched *sched);
-/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit. */
+/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit (a request
+ * holds fewer than 2^32 tokens). */
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id);
 /* Plan the next step. The arrays in *out are valid until the next call. KVS_ESTEP when the previous
  * step was not completed. */
@@ -9076,8 +9295,9 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
  * eager mode, offered to the lower tiers), slots advance. */
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
-/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step). A
- * request that reaches max_new_tokens finishes. */
+/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
+ * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
+ * finishes; KVS_ETOOBIG at 2^32 - 1 tokens. */
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n);
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
@@ -10899,6 +11119,9 @@ struct kvs_connector {
     uint32_t block_tokens;
     uint64_t next_event, step;
     kvs__plan *plans;          /* stb_ds */
+    kvs__plan *spare_plans;    /* stb_ds: dropped plans, their arrays kept for the next */
+    uint8_t *tier_of;          /* stb_ds scratch of get_num_new_matched_tokens (scheduler side) */
+    kvb_block *got;            /* stb_ds scratch of kvs__load_over (worker side) */
     kvs_store *noted;          /* stores waiting for build_meta */
     kvs_load *meta_loads;      /* the last built meta */
     kvs_store *meta_stores;
@@ -10907,6 +11130,7 @@ struct kvs_connector {
     kvs__active_load *loads;
     kvs__active_store *stores;
     kvs__idmap offloaded;      /* transfer ids reported by the manager (a set: the value is the connector) */
+    kvb_block *offer;          /* scratch of start_stores */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -10918,14 +11142,38 @@ static kvs__plan *kvs__plan_of(kvs_connector *c, uint64_t request)
     return NULL;
 }
 
+/* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new). Locked. */
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
     if (stbds_arrlen(p->loaded)) kvb_release(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded), NULL);
+    KVB__ARR_SHRINK(p->loaded, 0);
+    KVB__ARR_SHRINK(p->hashes, 0);
+    KVB__ARR_SHRINK(p->runs, 0);
+    stbds_arrput(c->spare_plans, *p);
+    stbds_arrdelswap(c->plans, at);
+}
+
+/* An empty plan for `request` (the arrays of a dropped one when there is one), not yet in c->plans. */
+static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
+{
+    kvs__plan p;
+    if (stbds_arrlen(c->spare_plans)) {
+        p = stbds_arrpop(c->spare_plans);
+    } else {
+        memset(&p, 0, sizeof p);
+    }
+    p.request = request;
+    p.accepted = 0;
+    p.loads_active = 0;
+    return p;
+}
+
+static void kvs__plan_free(kvs__plan *p)
+{
     stbds_arrfree(p->loaded);
     stbds_arrfree(p->hashes);
     stbds_arrfree(p->runs);
-    stbds_arrdelswap(c->plans, at);
 }
 
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
@@ -10985,6 +11233,10 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     }
     while (stbds_arrlen(c->plans)) kvs__plan_drop(c, &c->plans[0]);
     stbds_arrfree(c->plans);
+    for (i = 0; i < stbds_arrlenu(c->spare_plans); i++) kvs__plan_free(&c->spare_plans[i]);
+    stbds_arrfree(c->spare_plans);
+    stbds_arrfree(c->tier_of);
+    stbds_arrfree(c->got);
     stbds_arrfree(c->noted);
     stbds_arrfree(c->meta_loads);
     stbds_arrfree(c->meta_stores);
@@ -10992,6 +11244,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
+    stbds_arrfree(c->offer);
     kvs__id_free(&c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
@@ -11012,15 +11265,14 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     *out_async = 0;
     first = num_computed / c->block_tokens;
     if (first >= num_hashes) return KVS_OK;
-    tier_of = (uint8_t *)KVB_MALLOC(num_hashes);
-    if (!tier_of) return KVS_ENOMEM;
+    KVB__ARR_SHRINK(c->tier_of, 0);
+    tier_of = stbds_arraddnptr(c->tier_of, num_hashes);
     if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     pthread_mutex_lock(&c->lock);
     if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
     if (found > first) {
-        memset(&fresh, 0, sizeof fresh);
-        fresh.request = request;
+        fresh = kvs__plan_new(c, request);
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
         for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
             kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
@@ -11042,7 +11294,6 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         *out_async = stbds_arrlen(fresh.runs) > 0;
     }
     pthread_mutex_unlock(&c->lock);
-    KVB_FREE(tier_of);
     return KVS_OK;
 }
 
@@ -11155,27 +11406,31 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
     return KVS_OK;
 }
 
+/* One offer for all the bound stores (the pipeline's cost per transfer is paid once per step, not once
+ * per request); each event finishes when that transfer does. */
 static kvs_result kvs__conn_start_stores(kvs_connector *c)
 {
-    size_t i = 0, j;
+    size_t i, n;
+    kvo_transfer t;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    while (i < stbds_arrlenu(c->bound_stores)) { /* one offer per event */
-        kvb_block *blocks = NULL;
+    n = stbds_arrlenu(c->bound_stores);
+    KVB__ARR_SHRINK(c->offer, 0);
+    for (i = 0; i < n; i++) stbds_arrput(c->offer, c->bound_stores[i].block);
+    t.id = 0;
+    if (n) {
+        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
+        kvo_manager_offer(c->cfg.tiers, 0, c->offer, n, &t);
+        pthread_mutex_lock(&c->lock);
+    }
+    for (i = 0; i < n; i++) {
         kvs__active_store a;
-        for (j = i; j < stbds_arrlenu(c->bound_stores) && c->bound_stores[j].event == c->bound_stores[i].event; j++)
-            stbds_arrput(blocks, c->bound_stores[j].block);
+        if (i && c->bound_stores[i].event == c->bound_stores[i - 1].event) continue;
         a.event = c->bound_stores[i].event;
         a.request = c->bound_stores[i].request;
-        a.done = 0;
-        a.t.id = 0;
-        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
-        kvo_manager_offer(c->cfg.tiers, 0, blocks, stbds_arrlenu(blocks), &a.t);
-        pthread_mutex_lock(&c->lock);
-        a.done = a.t.id == 0;
+        a.t = t;
+        a.done = t.id == 0;
         stbds_arrput(c->stores, a);
-        stbds_arrfree(blocks);
-        i = j;
     }
     KVB__ARR_SHRINK(c->bound_stores, 0);
     pthread_mutex_unlock(&c->lock);
@@ -11193,12 +11448,12 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         size_t n = 0;
         if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
         if (info.status < KVO_STATUS_COMPLETE) return 0;
-        got = (kvb_block *)KVB_MALLOC((info.blocks ? info.blocks : 1) * sizeof *got);
-        if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
+        KVB__ARR_SHRINK(c->got, 0);
+        got = stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1);
+        if (info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
             if (p) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
             else if (n) kvb_release(c->cfg.device, got, n, NULL);
         }
-        KVB_FREE(got);
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }
     if (p && p->loads_active && --p->loads_active == 0) stbds_arrput(c->fin_loads, p->request);
@@ -11213,6 +11468,7 @@ static int kvs__offloaded(kvs_connector *c, uint64_t id)
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
 {
     size_t i, w;
+    uint64_t fin = 0; /* a transfer seen finished: its other events finish with it */
     if (!c || !out) return KVS_EINVAL;
     kvo_manager_poll(c->cfg.tiers);
     pthread_mutex_lock(&c->lock);
@@ -11221,10 +11477,14 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
     for (i = w = 0; i < stbds_arrlenu(c->loads); i++)
         if (!kvs__load_over(c, &c->loads[i])) c->loads[w++] = c->loads[i];
     KVB__ARR_SHRINK(c->loads, w);
-    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) {
+    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) { /* the events of one transfer are neighbours */
         kvs__active_store *s = &c->stores[i];
-        if (s->done || kvs__offloaded(c, s->t.id)) stbds_arrput(c->fin_stores, s->event);
-        else c->stores[w++] = *s;
+        if (s->done || (s->t.id && s->t.id == fin) || kvs__offloaded(c, s->t.id)) {
+            fin = s->t.id;
+            stbds_arrput(c->fin_stores, s->event);
+        } else {
+            c->stores[w++] = *s;
+        }
     }
     KVB__ARR_SHRINK(c->stores, w);
     if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
@@ -11369,15 +11629,26 @@ KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t req
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
-typedef struct kvs__req { /* what every step reads first (one cache line), the rest after */
+/* A request. Its first cache line holds everything planning, completing and appending a decoding step
+ * read and write (token counts in 32 bits to fit), so a decoding request costs the scheduler one line
+ * per step, plus the line its new token goes to; the rest is read at admission, preemption and the ends
+ * of blocks. */
+typedef struct kvs__req {
     uint64_t id;
-    uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
-    kvb_seq *seq;
-    size_t computed, in_seq;   /* tokens computed; tokens appended to seq */
-    size_t registered_blocks;
+    uint32_t *tokens;          /* prompt then generated tokens: len of cap used */
+    const kvb_block *table;    /* seq's block table (num_blocks) as of the last push (kvs__synced) */
+    uint64_t planned;          /* the step that scheduled it (kvs__scheduled) */
+    uint32_t len, cap;
+    uint32_t computed;         /* tokens computed */
+    uint32_t in_seq;           /* tokens appended to seq (the rest wait: kvs__must_push) */
+    uint32_t end;              /* len at which it finishes (prompt + max_new_tokens); UINT32_MAX: never */
+    uint32_t num_blocks;
+    uint32_t item;             /* while planned: its index in the step's prefill or decode items */
     kvs_slot_state state;
-    int scheduled;
-    uint32_t max_new, generated;
+    /* second line on */
+    kvb_seq *seq;
+    kvb_seq *kept_seq;         /* an empty sequence kept for the next admission (its memory reused) */
+    size_t registered_blocks;
     uint64_t arrival;
     int32_t priority;
     uint32_t preemptions;
@@ -11387,9 +11658,19 @@ typedef struct kvs__req { /* what every step reads first (one cache line), the r
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
     int swapped, drop_after_step;
+    int released;              /* by kvs_sched_release while its blocks wait for the step to complete */
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
+typedef char kvs__req_hot_part_is_one_line[offsetof(kvs__req, seq) <= 64 ? 1 : -1];
+#define KVS__SLAB 64
+/* A request's place in a slab: an odd number of cache lines, so that the first lines of neighbours fall
+ * in different cache sets (at a power-of-two stride a pass over 4,000 requests used a quarter of them). */
+typedef union kvs__req_slot {
+    kvs__req r;
+    unsigned char lines[5 * 64];
+} kvs__req_slot;
+typedef char kvs__req_fits_its_slot[sizeof(kvs__req) <= 5 * 64 ? 1 : -1];
 
 struct kvs_sched {
     kvs_sched_config cfg;
@@ -11398,6 +11679,10 @@ struct kvs_sched {
     uint32_t block_tokens, device_blocks;
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
+    kvs__req **spare;          /* stb_ds: released requests, kept with their token buffers for the next */
+    void **slabs;              /* stb_ds: where the requests live, KVS__SLAB to a slab */
+    kvs__req_slot *slab_next;
+    size_t slab_left;
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
     /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
@@ -11410,6 +11695,13 @@ struct kvs_sched {
     int in_step;
     size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
+    kvs__req **planned[2];     /* stb_ds: the request of each prefill [0] and decode [1] item */
+    kvs__req **commits[2];     /* stb_ds: those of them whose item fills a block, in the same order */
+    size_t *prefills;          /* stb_ds: where in kvs__schedule_running's order the prefill pass looks */
+    size_t next_append;        /* the decode item whose request is expected to append next */
+    size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
+    kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
+    uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
 };
@@ -11417,6 +11709,52 @@ struct kvs_sched {
 static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
 {
     return (kvs__req *)kvs__id_get(&s->reqs, id);
+}
+
+/* Whether r has an item in the step being planned (or, between step and complete, in the step). */
+static int kvs__scheduled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id + (s->in_step ? 0 : 1);
+}
+
+/* Which list of the step r's item is in: 0 prefill, 1 decode. r is scheduled. */
+static int kvs__item_list(const kvs_sched *s, const kvs__req *r)
+{
+    return !(r->item < stbds_arrlenu(s->planned[0]) && s->planned[0][r->item] == r);
+}
+
+/* Whether r was a decode item of the step just completed and nothing has touched it since. complete
+ * does not visit those (a decode computes all of its request's tokens, and at 4,000 requests that pass
+ * missed the cache once a request): r->computed still has the count before the step, r->len the count
+ * after it, until kvs__settle writes it down. */
+static int kvs__unsettled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id && !s->in_step && r->state == KVS_SLOT_DECODING;
+}
+
+static size_t kvs__computed(const kvs_sched *s, const kvs__req *r)
+{
+    return kvs__unsettled(s, r) ? r->len : r->computed;
+}
+
+/* Before anything reads or changes r's counts. */
+static void kvs__settle(kvs_sched *s, kvs__req *r)
+{
+    if (!kvs__unsettled(s, r)) return;
+    r->computed = r->len;
+    r->planned = 0;
+}
+
+/* Take r out of the step's commits (list a); 0 when it was not there. */
+static int kvs__drop_commit(kvs_sched *s, int a, const kvs__req *r)
+{
+    size_t i;
+    for (i = stbds_arrlenu(s->commits[a]); i-- > 0;)
+        if (s->commits[a][i] == r) {
+            stbds_arrdel(s->commits[a], i);
+            return 1;
+        }
+    return 0;
 }
 
 static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
@@ -11427,15 +11765,14 @@ static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
     e.request = r->id;
     e.u.slot.from = (uint32_t)from;
     e.u.slot.to = (uint32_t)r->state;
-    e.u.slot.tokens = stbds_arrlenu(r->tokens);
-    e.u.slot.computed = r->computed;
+    e.u.slot.tokens = r->len;
+    e.u.slot.computed = kvs__computed(s, r);
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
-static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+static kvs_result kvs__change_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
 {
     kvs_slot_state from = r->state;
-    if (from == to) return KVS_OK;
     if (!kvs_slot_transition_allowed(from, to)) return KVS_ESTATE;
     r->state = to;
     if (kvs__wants(s->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(s, r, from);
@@ -11447,6 +11784,12 @@ static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
         kvs__checkpoint(s->cfg.bus, &at);
     }
     return KVS_OK;
+}
+
+/* r -> to (no change when r is there already: a decoding request stays Decoding step after step). */
+static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+{
+    return r->state == to ? KVS_OK : kvs__change_state(s, r, to);
 }
 
 /* An input event (a scheduler call) with `words` following in TOKENS events, for replay. */
@@ -11550,31 +11893,116 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     return KVS_OK;
 }
 
+/* r's sequence, empty, with its salt, extra keys and room for r's token buffer: the one r kept from
+ * before (its memory reused) or a new one. */
+static int kvs__seq_open(kvs_sched *s, kvs__req *r)
+{
+    kvb_seq_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.salt = r->salt;
+    sc.extra = r->extra;
+    sc.n_extra = r->num_extra;
+    if (r->kept_seq && kvb_seq_reset(r->kept_seq, &sc) == KVB_OK) {
+        r->seq = r->kept_seq;
+        r->kept_seq = NULL;
+    } else if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) {
+        return 0;
+    }
+    kvb_seq_reserve(r->seq, r->cap);
+    return 1;
+}
+
+/* r's blocks go back (as kvb_seq_destroy gives them back); the sequence is kept for its next admission,
+ * or the next request that reuses r's struct. */
+static void kvs__seq_close(kvs__req *r)
+{
+    if (!r->seq) return;
+    if (r->kept_seq || kvb_seq_reset(r->seq, NULL) != KVB_OK) kvb_seq_destroy(r->seq);
+    else r->kept_seq = r->seq;
+    r->seq = NULL;
+}
+
 /* Give back a request's device blocks and its connector state (its counts stay readable). */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_destroy(r->seq);
-    r->seq = NULL;
-    r->in_seq = 0;
+    kvs__seq_close(r);
+    r->in_seq = r->num_blocks = 0;
+    r->table = NULL;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
 static void kvs__req_free(kvs__req *r)
 {
-    stbds_arrfree(r->tokens);
-    KVB_FREE(r);
+    kvb_seq_destroy(r->kept_seq);
+    KVB_FREE(r->tokens);
+}
+
+/* Room for `need` tokens in r->tokens (at least doubling). 0 when out of memory (nothing changed). */
+static int kvs__reserve(kvs__req *r, size_t need)
+{
+    uint32_t *t;
+    size_t cap = (size_t)r->cap * 2 > need ? (size_t)r->cap * 2 : need;
+    if (need <= r->cap) return 1;
+    if (cap > UINT32_MAX) cap = UINT32_MAX;
+    if (!(t = (uint32_t *)KVB_REALLOC(r->tokens, cap * sizeof *t))) return 0;
+    r->tokens = t;
+    r->cap = (uint32_t)cap;
+    return 1;
+}
+
+/* A request struct, aligned to a cache line: a released one (its token buffer and sequence kept) or a
+ * new one from the current slab. */
+static kvs__req *kvs__req_new(kvs_sched *s)
+{
+    kvs__req *r;
+    if (stbds_arrlen(s->spare)) {
+        uint32_t *tokens;
+        uint32_t cap;
+        kvb_seq *kept;
+        r = stbds_arrpop(s->spare);
+        tokens = r->tokens;
+        cap = r->cap;
+        kept = r->kept_seq;
+        memset(r, 0, sizeof *r);
+        r->tokens = tokens;
+        r->cap = cap;
+        r->kept_seq = kept;
+    } else {
+        if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
+            void *block = KVB_MALLOC(KVS__SLAB * sizeof(kvs__req_slot) + 63);
+            if (!block) return NULL;
+            stbds_arrput(s->slabs, block);
+            s->slab_next = (kvs__req_slot *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
+            s->slab_left = KVS__SLAB;
+        }
+        r = &s->slab_next++->r;
+        s->slab_left--;
+        memset(r, 0, sizeof *r);
+    }
+    return r;
 }
 
 KVS_API void kvs_sched_destroy(kvs_sched *sched)
 {
     size_t i;
     if (!sched) return;
+    for (i = 0; sched->in_step && i < stbds_arrlenu(sched->planned[0]) + stbds_arrlenu(sched->planned[1]); i++) {
+        size_t n0 = stbds_arrlenu(sched->planned[0]);
+        kvs__req *r = i < n0 ? sched->planned[0][i] : sched->planned[1][i - n0];
+        if (!r->released || !r->drop_after_step) continue; /* released during the step, blocks not given back */
+        kvs__drop_blocks(sched, r);
+        kvs__req_free(r);
+    }
     for (i = 0; i < stbds_arrlenu(sched->all); i++) {
         kvs__drop_blocks(sched, sched->all[i]);
         kvs__req_free(sched->all[i]);
     }
     kvs__id_free(&sched->reqs);
     stbds_arrfree(sched->all);
+    while (stbds_arrlen(sched->spare)) kvs__req_free(stbds_arrpop(sched->spare));
+    stbds_arrfree(sched->spare);
+    for (i = 0; i < stbds_arrlenu(sched->slabs); i++) KVB_FREE(sched->slabs[i]);
+    stbds_arrfree(sched->slabs);
     stbds_arrfree(sched->order);
     stbds_arrfree(sched->batch);
     stbds_arrfree(sched->batch_seqs);
@@ -11586,6 +12014,13 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->onboarding);
     stbds_arrfree(sched->prefill);
     stbds_arrfree(sched->decode);
+    stbds_arrfree(sched->planned[0]);
+    stbds_arrfree(sched->planned[1]);
+    stbds_arrfree(sched->commits[0]);
+    stbds_arrfree(sched->commits[1]);
+    stbds_arrfree(sched->hashes);
+    stbds_arrfree(sched->words);
+    stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
     kvs_connector_destroy(sched->conn);
     KVB_FREE(sched);
@@ -11595,9 +12030,10 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
 static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
 {
     kvs_event e;
-    uint32_t *words = (uint32_t *)KVB_MALLOC((2 * rq->num_extra + rq->num_prompt) * sizeof *words);
+    uint32_t *words;
     size_t i;
-    if (!words) return;
+    KVB__ARR_SHRINK(s->words, 0);
+    words = stbds_arraddnptr(s->words, 2 * rq->num_extra + rq->num_prompt);
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADD;
     e.request = s->next_id;
@@ -11612,7 +12048,6 @@ static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
     }
     memcpy(words + 2 * rq->num_extra, rq->prompt, rq->num_prompt * sizeof *words);
     kvs__emit_input(s, &e, words, 2 * rq->num_extra + rq->num_prompt);
-    KVB_FREE(words);
 }
 
 static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
@@ -11624,24 +12059,31 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
         return KVS_EINVAL;
     if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
-    if (need > sched->device_blocks) return KVS_ETOOBIG;
-    r = (kvs__req *)KVB_MALLOC(sizeof *r);
-    if (!r) return KVS_ENOMEM;
-    memset(r, 0, sizeof *r);
+    if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
+        return KVS_ETOOBIG;
+    if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
+    /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
+     * does not reallocate step after step */
+    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096
+                                                    ? request->max_new_tokens : 256))) {
+        stbds_arrput(sched->spare, r); /* not freed: the last step's items may still name it */
+        return KVS_ENOMEM;
+    }
     r->id = sched->next_id++;
     r->arrival = sched->next_arrival++;
     r->state = KVS_SLOT_INITIALIZED;
     r->priority = request->priority;
     r->num_prompt = request->num_prompt;
-    r->max_new = request->max_new_tokens;
+    r->end = request->max_new_tokens ? (uint32_t)(request->num_prompt + request->max_new_tokens) : UINT32_MAX;
     r->salt = request->salt;
     r->num_extra = request->num_extra;
     if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
-    memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
+    memcpy(r->tokens, request->prompt, request->num_prompt * sizeof *r->tokens);
+    r->len = (uint32_t)request->num_prompt;
     if (!kvs__id_put(&sched->reqs, r->id, r)) {
         sched->next_id--;
         sched->next_arrival--;
-        kvs__req_free(r);
+        stbds_arrput(sched->spare, r);
         return KVS_ENOMEM;
     }
     r->at = stbds_arrlenu(sched->all);
@@ -11669,21 +12111,26 @@ static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
 /* Take a request's item out of the step being planned and give its budget back. */
 static void kvs__unschedule(kvs_sched *s, kvs__req *v)
 {
-    kvs_sched_item **arrs[2];
-    size_t a, i;
-    arrs[0] = &s->prefill;
-    arrs[1] = &s->decode;
-    if (!v->scheduled) return;
-    for (a = 0; a < 2; a++)
-        for (i = 0; i < stbds_arrlenu(*arrs[a]); i++)
-            if ((*arrs[a])[i].request == v->id) {
-                s->tokens_left += (*arrs[a])[i].num_new;
-                s->seqs_left++;
-                memmove(&(*arrs[a])[i], &(*arrs[a])[i + 1], (stbds_arrlenu(*arrs[a]) - 1 - i) * sizeof **arrs[a]);
-                stbds_header(*arrs[a])->length--;
-                break;
-            }
-    v->scheduled = 0;
+    kvs_sched_item **items;
+    kvs__req **reqs;
+    size_t i, n, num_new;
+    int a;
+    if (!kvs__scheduled(s, v)) return;
+    a = kvs__item_list(s, v);
+    items = a ? &s->decode : &s->prefill;
+    reqs = s->planned[a];
+    i = v->item;
+    n = stbds_arrlenu(reqs);
+    num_new = (*items)[i].num_new;
+    s->tokens_left += num_new;
+    s->seqs_left++;
+    memmove(&(*items)[i], &(*items)[i + 1], (n - 1 - i) * sizeof **items);
+    memmove(&reqs[i], &reqs[i + 1], (n - 1 - i) * sizeof *reqs);
+    stbds_header(*items)->length--;
+    stbds_header(reqs)->length--;
+    for (; i + 1 < n; i++) reqs[i]->item = (uint32_t)i;
+    if (!kvs__drop_commit(s, a, v) && a) s->decode_tokens -= num_new; /* counted in bulk (kvs__item) */
+    v->planned = 0;
 }
 
 /* Swap: its registered blocks go to G2 first (synchronously, whatever the offload mode), so they come
@@ -11710,7 +12157,8 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     kvs__queue_remove(s->running, v);
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
-    v->computed = v->cached = v->registered_blocks = 0; /* recomputed (or reloaded) from scratch */
+    v->computed = 0; /* recomputed (or reloaded) from scratch */
+    v->cached = v->registered_blocks = 0;
     kvs__set_state(s, v, KVS_SLOT_PREEMPTED);
     v->preemptions++;
     v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
@@ -11724,29 +12172,60 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     stbds_arrput(s->preempted, v->id);
 }
 
+/* Whether r's new tokens go to its sequence now: they need a new block. Otherwise they wait in
+ * r->tokens, and planning the step touches neither the sequence nor the pool; tokens that fill the last
+ * block go to the sequence when the step completes, just before its commit registers the block (one
+ * visit of the sequence, not two). A decoding request reaches the pool twice per block. */
+static int kvs__must_push(const kvs_sched *s, const kvs__req *r)
+{
+    return (uint64_t)r->len > (uint64_t)r->num_blocks * s->block_tokens;
+}
+
+/* Whether the item of r (computing [num_computed, num_computed + num_new)) fills a block. A decode whose
+ * tokens wait stays within its last block (the earlier ones are full, and its computed tokens reach
+ * into the last), so it fills that block exactly when its tokens do. */
+static int kvs__item_fills(const kvs_sched *s, const kvs__req *r, size_t num_computed, size_t num_new, int decode)
+{
+    if (decode && r->in_seq < r->len) return (uint64_t)r->len == (uint64_t)r->num_blocks * s->block_tokens;
+    return (num_computed + num_new) / s->block_tokens > num_computed / s->block_tokens;
+}
+
 static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num_new, int decode)
 {
-    kvs_sched_item it;
-    it.request = r->id;
-    kvb_seq_blocks(r->seq, &it.blocks, &it.num_blocks);
-    it.num_computed = num_computed;
-    it.num_new = num_new;
-    it.tokens = r->tokens;
-    it.num_tokens = stbds_arrlenu(r->tokens);
-    r->scheduled = 1;
-    if (decode) stbds_arrput(s->decode, it);
-    else stbds_arrput(s->prefill, it);
+    kvs_sched_item *it = decode ? stbds_arraddnptr(s->decode, 1) : stbds_arraddnptr(s->prefill, 1);
+    it->request = r->id;
+    it->blocks = r->table;
+    it->num_blocks = r->num_blocks;
+    it->num_computed = num_computed;
+    it->num_new = num_new;
+    it->tokens = r->tokens;
+    it->num_tokens = r->len;
+    r->planned = s->step_id + 1;
+    r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
+    stbds_arrput(s->planned[decode], r);
+    if (kvs__item_fills(s, r, num_computed, num_new, decode)) stbds_arrput(s->commits[decode], r);
+    else if (decode) s->decode_tokens += num_new;
+}
+
+/* r's sequence has all of its tokens: its table as the step's items show it. */
+static void kvs__synced(kvs__req *r)
+{
+    const kvb_block *table = NULL;
+    size_t n = 0;
+    kvb_seq_blocks(r->seq, &table, &n);
+    r->in_seq = r->len;
+    r->table = table;
+    r->num_blocks = (uint32_t)n;
 }
 
 /* Bring the sequence up to the request's tokens (sampled tokens since the last step), preempting
  * others when blocks run out. 0 when r itself had to go. */
 static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
-    size_t have = r->in_seq;
-    while (have < stbds_arrlenu(r->tokens)) {
+    while (r->in_seq < r->len) {
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) {
-            r->in_seq = stbds_arrlenu(r->tokens);
+        if (kvb_seq_append(r->seq, r->tokens + r->in_seq, r->len - r->in_seq, NULL) == KVB_OK) {
+            kvs__synced(r);
             return 1;
         }
         v = kvs__victim(s, preempt_below, NULL);
@@ -11756,12 +12235,12 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
     return 1;
 }
 
-/* Schedule what `r` computes next within the budget: 1 when it got a share. */
-static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
+/* Schedule what `r` computes next within the budget (a decode must get all of its tokens): 1 when it
+ * got a share. */
+static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, int decode)
 {
     size_t *tokens_left = &s->tokens_left, *seqs_left = &s->seqs_left;
-    size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
-    int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
+    size_t len = r->len, from = r->computed, n;
     if (from >= len) return 0;
     n = len - from;
     if (!*seqs_left || !*tokens_left || (decode && n > *tokens_left)) return 0;
@@ -11779,50 +12258,65 @@ static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int gro
         kvs__preempt(s, r);
         return;
     }
-    if (kvs__schedule_compute(s, r))
+    if (kvs__schedule_compute(s, r, decoding))
         kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
     else
         kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
 }
 
 /* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
-static int kvs__wants_growth(const kvs__req *r, int decode_pass)
+static int kvs__wants_growth(kvs_sched *s, kvs__req *r, int decode_pass)
 {
     int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+    kvs__settle(s, r);
     if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
-    if (decoding != decode_pass || r->scheduled) return 0;
-    return !(decoding && stbds_arrlenu(r->tokens) <= r->computed); /* waiting for its sampled token */
+    if (decoding != decode_pass || kvs__scheduled(s, r)) return 0;
+    return !(decoding && r->len <= r->computed); /* waiting for its sampled token */
 }
 
-/* The decoding requests from order[from] on that grow in this pass, appended in one batch (one lock of
- * the device pool): as many as succeed in a row are scheduled; the first that fails takes the slow path
- * (preempting others), exactly where the one-by-one loop would have. Returns where the pass goes on. */
+/* Decoding requests planned per batch of sequence appends: few enough that their lines stay in L1
+ * between gathering the batch and scheduling them. */
+#define KVS__WINDOW 64
+
+/* The decoding requests from order[from] on that grow in this pass, a window at a time: those whose
+ * tokens must go to their sequence now (kvs__must_push) are appended in one batch (one lock of the
+ * device pool), then the window is scheduled in order up to the first append that failed, which takes
+ * the slow path (preempting others) exactly where the one-by-one loop would have. Returns where the pass
+ * goes on. */
 static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, size_t n)
 {
-    size_t i, k, done = 0;
+    size_t end, i, j = 0, k, done = 0;
     KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
     KVB__ARR_SHRINK(s->batch_tokens, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (i = from; i < n && kvs__wants_growth(order[i], 1); i++) {
-        kvs__req *r = order[i];
-        if (i + 8 < n) KVB__PREFETCH(order[i + 8]);
-        if (i + 4 < n) KVB__PREFETCH(order[i + 4]->tokens + order[i + 4]->in_seq);
+    for (end = from; end < n && end - from < KVS__WINDOW && kvs__wants_growth(s, order[end], 1); end++) {
+        kvs__req *r = order[end];
+        if (end + 32 < n) KVB__PREFETCH(order[end + 32]);
+        if (!kvs__must_push(s, r)) continue;
         stbds_arrput(s->batch, r);
         stbds_arrput(s->batch_seqs, r->seq);
         stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
-        stbds_arrput(s->batch_counts, stbds_arrlenu(r->tokens) - r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
+    }
+    if (end == from) { /* order[from] does not grow in this pass: the prefill pass looks at it */
+        if (kvs__wants_growth(s, order[from], 0)) stbds_arrput(s->prefills, from);
+        return from + 1;
     }
     k = stbds_arrlenu(s->batch);
-    if (!k) return from + 1; /* order[from] does not grow in this pass */
-    kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
-    for (i = 0; i < done; i++) {
-        s->batch[i]->in_seq = stbds_arrlenu(s->batch[i]->tokens);
-        kvs__schedule_grown(s, s->batch[i], 1, 1);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = from; i < end; i++) {
+        kvs__req *r = order[i];
+        if (j < k && s->batch[j] == r) {
+            if (j == done) break;
+            kvs__synced(r);
+            j++;
+        }
+        kvs__schedule_grown(s, r, 1, 1);
     }
-    if (done == k) return from + k;
-    kvs__schedule_grown(s, s->batch[done], 1, kvs__grow(s, s->batch[done], (int64_t)INT32_MAX + 1));
-    return from + done + 1;
+    if (i == end) return end;
+    kvs__schedule_grown(s, order[i], 1, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    return i + 1;
 }
 
 static void kvs__schedule_running(kvs_sched *s)
@@ -11833,9 +12327,12 @@ static void kvs__schedule_running(kvs_sched *s)
     if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
     order = s->order;
     n = stbds_arrlenu(order);
+    KVB__ARR_SHRINK(s->prefills, 0);
     for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
-    for (i = 0; i < n; i++) /* then prefills */
-        if (kvs__wants_growth(order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    for (i = 0; i < stbds_arrlenu(s->prefills); i++) { /* then prefills: the decode pass saw where they are */
+        kvs__req *r = order[s->prefills[i]];
+        if (kvs__wants_growth(s, r, 0)) kvs__schedule_grown(s, r, 0, kvs__grow(s, r, (int64_t)INT32_MAX + 1));
+    }
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -11857,16 +12354,15 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
-    size_t nh = stbds_arrlenu(r->tokens) / s->block_tokens, dev = 0, ext = 0;
+    size_t nh = r->len / s->block_tokens, dev = 0, ext = 0;
     int async = 0;
     r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
-    hashes = (kvb_hash *)KVB_MALLOC(nh * sizeof *hashes);
-    if (!hashes) return 0;
+    KVB__ARR_SHRINK(s->hashes, 0);
+    hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);
     kvb_lookup(s->cfg.device, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
-    KVB_FREE(hashes);
     if (!async) {
         kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
         return 0;
@@ -11884,7 +12380,7 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADMIT;
     e.request = r->id;
-    e.u.admit.prompt_tokens = stbds_arrlenu(r->tokens);
+    e.u.admit.prompt_tokens = r->len;
     e.u.admit.lower_hit_tokens = r->lower_hit < cached ? r->lower_hit : cached;
     e.u.admit.device_hit_tokens = cached - e.u.admit.lower_hit_tokens;
     e.u.admit.priority = r->priority;
@@ -11895,33 +12391,29 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
 static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_config sc;
     size_t cached = 0;
-    sc.salt = r->salt;
-    sc.extra = r->extra;
-    sc.n_extra = r->num_extra;
-    if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) return 0;
+    if (!kvs__seq_open(s, r)) return 0;
     for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
                 * computes at least one token (for its logits) in a block of its own, as in vLLM */
         kvs__req *v;
-        size_t len = stbds_arrlenu(r->tokens);
+        size_t len = r->len;
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
             if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
-                r->in_seq = len;
+                kvs__synced(r);
                 break;
             }
             kvb_seq_truncate(r->seq, 0);
         }
         v = kvs__victim(s, r->priority, r);
         if (!v) {
-            kvb_seq_destroy(r->seq);
-            r->seq = NULL;
+            kvs__seq_close(r);
             return 0;
         }
         kvs__preempt(s, v);
     }
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
-    r->computed = r->cached = cached;
+    r->computed = (uint32_t)cached;
+    r->cached = cached;
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
@@ -11930,7 +12422,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_INITIALIZED);
     kvs__set_state(s, r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
-    if (!kvs__schedule_compute(s, r)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
+    if (!kvs__schedule_compute(s, r, 0)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
     return 1;
 }
 
@@ -11938,7 +12430,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
-    size_t need = (stbds_arrlenu(r->tokens) + s->block_tokens - 1) / s->block_tokens;
+    size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
     return need <= (size_t)st.free_blocks + st.inactive_blocks;
 }
@@ -12046,7 +12538,6 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
 
 static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
 {
-    size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RUN_STEP)) {
@@ -12059,7 +12550,12 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->prefill, 0);
     KVB__ARR_SHRINK(sched->decode, 0);
     KVB__ARR_SHRINK(sched->preempted, 0);
-    for (i = 0; i < stbds_arrlenu(sched->running); i++) sched->running[i]->scheduled = 0;
+    KVB__ARR_SHRINK(sched->planned[0], 0);
+    KVB__ARR_SHRINK(sched->planned[1], 0);
+    KVB__ARR_SHRINK(sched->commits[0], 0);
+    KVB__ARR_SHRINK(sched->commits[1], 0);
+    sched->decode_tokens = 0;
+    sched->next_append = 0;
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
     kvs__collect_loads(sched);
@@ -12083,46 +12579,84 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     return KVS_OK;
 }
 
-/* After an item's tokens were committed: counts, and in eager mode the newly registered blocks go to the
- * connector. */
-static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
+/* r's blocks registered up to its computed tokens go to the connector (eager mode stores them). */
+static void kvs__note_registered(kvs_sched *s, kvs__req *r)
 {
-    const kvb_block *table = NULL;
-    size_t n = 0;
-    if (done > r->computed) {
-        s->stats.computed_tokens += done - r->computed;
-        r->computed = done;
-    }
-    if (s->conn && r->computed / s->block_tokens > r->registered_blocks) {
-        kvb_seq_blocks(r->seq, &table, &n);
-        kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
-                                      r->computed / s->block_tokens - r->registered_blocks);
-    }
-    if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
-    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
+    size_t full = r->computed / s->block_tokens;
+    if (full <= r->registered_blocks) return;
+    if (s->conn) kvs_connector_note_registered(s->conn, r->id, r->table + r->registered_blocks, full - r->registered_blocks);
+    r->registered_blocks = full;
 }
 
-/* Commit what the step's items computed: every sequence in one batch (one lock of the device pool),
- * then each request's counts and connector notes, in the step's order. */
-static void kvs__commit_items(kvs_sched *s)
+/* After an item's tokens were committed: counts, and the blocks that filled go to the connector. */
+static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
 {
-    size_t a, i, k;
+    size_t before = r->computed / s->block_tokens;
+    if (done > r->computed) {
+        s->stats.computed_tokens += done - r->computed;
+        r->computed = (uint32_t)done;
+    }
+    if (r->computed / s->block_tokens > before) kvs__note_registered(s, r);
+    if (r->state == KVS_SLOT_PREFILLING && r->computed >= r->len) kvs__set_state(s, r, KVS_SLOT_DECODING);
+}
+
+/* The request of a step's item, NULL when it ended during the step (its first line only). */
+static kvs__req *kvs__item_req(kvs__req *r)
+{
+    return r && r->table && r->state != KVS_SLOT_FINISHED ? r : NULL;
+}
+
+/* The tokens that fill the last block of a decoding request (kvs__must_push) go to its sequence: in one
+ * batch, before the commit. The block is there and partial: nothing to allocate. */
+static void kvs__push_fills(kvs_sched *s)
+{
+    size_t i, k, done = 0;
     KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_tokens, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (a = 0; a < 2; a++) {
-        const kvs_sched_item *items = a ? s->decode : s->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(s, items[i].request);
-            if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) continue; /* aborted during the step */
-            stbds_arrput(s->batch, r);
-            stbds_arrput(s->batch_seqs, r->seq);
-            stbds_arrput(s->batch_counts, items[i].num_computed + items[i].num_new);
-        }
+    for (i = 0; i < stbds_arrlenu(s->commits[1]); i++) {
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
+        if (!r || r->in_seq == r->len) continue;
+        stbds_arrput(s->batch, r);
+        stbds_arrput(s->batch_seqs, r->seq);
+        stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
     }
     k = stbds_arrlenu(s->batch);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = 0; i < done; i++) kvs__synced(s->batch[i]); /* one that failed is committed as far as its seq goes */
+}
+
+/* Commit what the step's items computed: the sequences where a block filled (kvs_sched.commits; for the
+ * others a commit would change nothing) in one batch, one lock of the device pool, in the step's order;
+ * then the counts and connector notes of the prefills and of the decodes that filled a block, in the
+ * step's order. The other decodes are not visited (kvs__unsettled); their tokens are counted at once. */
+static void kvs__commit_items(kvs_sched *s)
+{
+    size_t a, i, k, n;
+    kvs__push_fills(s);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (a = 0; a < 2; a++)
+        for (i = 0; i < stbds_arrlenu(s->commits[a]); i++) {
+            kvs__req *r = kvs__item_req(s->commits[a][i]);
+            if (!r) continue;
+            stbds_arrput(s->batch_seqs, r->seq);
+            stbds_arrput(s->batch_counts, a ? r->in_seq : s->prefill[r->item].num_computed + s->prefill[r->item].num_new);
+        }
+    k = stbds_arrlenu(s->batch_seqs);
     if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
-    for (i = 0; i < k; i++) kvs__committed(s, s->batch[i], s->batch_counts[i]);
+    for (i = 0; i < stbds_arrlenu(s->prefill); i++) {
+        kvs__req *r = kvs__item_req(s->planned[0][i]);
+        if (r) kvs__committed(s, r, s->prefill[i].num_computed + s->prefill[i].num_new);
+    }
+    for (i = 0, n = stbds_arrlenu(s->commits[1]); i < n; i++) { /* the other decodes: kvs__unsettled */
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
+        if (r) kvs__committed(s, r, r->len);
+    }
+    s->stats.computed_tokens += s->decode_tokens;
+    s->decode_tokens = 0;
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -12140,13 +12674,16 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
     kvs__commit_items(sched);
     sched->in_step = 0;
     for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
-        kvs_sched_item *items = a ? sched->decode : sched->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(sched, items[i].request);
+        for (i = 0; i < stbds_arrlenu(sched->planned[a]); i++) {
+            kvs__req *r = sched->planned[a][i];
             if (r && r->drop_after_step) {
                 r->drop_after_step = 0;
                 sched->drops--;
                 kvs__drop_blocks(sched, r);
+                if (r->released) {
+                    r->id = 0;
+                    stbds_arrput(sched->spare, r);
+                }
             }
         }
     }
@@ -12156,12 +12693,14 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
 /* Finishing -> Finished: blocks released (they stay cached), connector told. */
 static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
 {
-    kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
-    if (res != KVS_OK) return res;
+    kvs_result res;
+    kvs__settle(s, r);
+    if ((res = kvs__set_state(s, r, KVS_SLOT_FINISHING)) != KVS_OK) return res;
     kvs__unqueue(s, r);
-    if (s->in_step && r->scheduled) { /* the engine holds its block table */
+    if (s->in_step && kvs__scheduled(s, r)) { /* the engine holds its block table */
         r->drop_after_step = 1;
         s->drops++;
+        if (kvs__item_list(s, r) && !kvs__drop_commit(s, 1, r)) s->decode_tokens -= s->decode[r->item].num_new;
     }
     else kvs__drop_blocks(s, r);
     kvs__set_state(s, r, KVS_SLOT_FINISHED);
@@ -12170,11 +12709,35 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     return KVS_OK;
 }
 
+/* An engine appends the step's sampled tokens in about the order of the step's decode items. The request
+ * at s->next_append is tried before the id map (a sequential read instead of a random probe): a struct
+ * is never freed while the scheduler lives, and a released one has id 0 until it is reused. */
+static kvs__req *kvs__find_appended(kvs_sched *s, uint64_t id)
+{
+    size_t i = s->next_append;
+    if (!s->in_step && i < stbds_arrlenu(s->planned[1]) && s->planned[1][i]->id == id) return s->planned[1][i];
+    return kvs__find(s, id);
+}
+
+/* After r's append: the next append is expected for the item after r's; the requests of the items a
+ * little further on, and the token slots of those nearer, are fetched now. */
+static void kvs__expect_appends(kvs_sched *s, const kvs__req *r)
+{
+    size_t i = r->item, n = stbds_arrlenu(s->planned[1]);
+    if (r->planned != s->step_id || i >= n || s->planned[1][i] != r) return; /* not a decode of the last step */
+    s->next_append = i + 1;
+    if (i + 16 < n) KVB__PREFETCH(s->planned[1][i + 16]);
+    if (i + 8 < n) {
+        const kvs__req *next = s->planned[1][i + 8];
+        KVB__PREFETCH(next->tokens + next->len);
+    }
+}
+
 static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
 {
     kvs__req *r;
     if (!sched || (n && !tokens)) return KVS_EINVAL;
-    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (!(r = kvs__find_appended(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_APPEND)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
@@ -12185,11 +12748,16 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
-    if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
+    kvs__expect_appends(sched, r);
+    kvs__settle(sched, r);
+    if (r->len > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
-    memcpy(stbds_arraddnptr(r->tokens, n), tokens, n * sizeof *tokens);
-    r->generated += (uint32_t)n;
-    if (r->max_new && r->generated >= r->max_new) return kvs__end(sched, r, 0);
+    if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
+    if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
+    if (n == 1) r->tokens[r->len] = *tokens;
+    else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
+    r->len += (uint32_t)n;
+    if (r->len >= r->end) return kvs__end(sched, r, 0); /* max_new_tokens generated */
     return KVS_OK;
 }
 
@@ -12218,11 +12786,15 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
-    if (r->drop_after_step) sched->drops--;
     (void)kvs__id_del(&sched->reqs, request);
     stbds_arrdelswap(sched->all, r->at);
     if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
-    kvs__req_free(r);
+    if (r->drop_after_step) {
+        r->released = 1; /* the engine holds its block table until the step completes */
+    } else {
+        r->id = 0;
+        stbds_arrput(sched->spare, r);
+    }
     return KVS_OK;
 }
 
@@ -12279,11 +12851,11 @@ KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_sl
     memset(out, 0, sizeof *out);
     out->state = r->state;
     out->priority = r->priority;
-    out->num_tokens = stbds_arrlenu(r->tokens);
-    out->num_computed = r->computed;
+    out->num_tokens = r->len;
+    out->num_computed = kvs__computed(sched, r);
     out->num_cached = r->cached;
     out->num_lower_hit_tokens = r->lower_hit;
-    out->generated = r->generated;
+    out->generated = (uint32_t)(r->len - r->num_prompt);
     out->preemptions = r->preemptions;
     out->pending_transfers = r->state == KVS_SLOT_ONBOARD_STAGED || r->state == KVS_SLOT_ONBOARDING;
     return KVS_OK;

@@ -1552,6 +1552,7 @@ enum { /* per-block progress inside a container */
 };
 
 typedef struct kvo__container {
+    size_t cap;             /* blocks its arrays have room for (kvo__container_new reuses containers) */
     uint32_t slot;
     kvo_token *token;       /* its own; the caller's token is its parent */
     kvo_event *pre;
@@ -1589,6 +1590,8 @@ typedef struct kvo__batch {
     kvb_block *src_b, *dst_b;
     kvo__container **owner;
     uint32_t *owner_i;
+    unsigned char *mem;     /* the arrays above, room for mem_cap copies (kept when the batch is reused) */
+    size_t mem_cap;
 } kvo__batch;
 
 struct kvo_pipeline {
@@ -1611,7 +1614,17 @@ struct kvo_pipeline {
     kvo_pipeline_stats stats;
     kvo__note *notes;
     uint32_t src_tier, dst_tier;
+    /* kept for reuse, so that a steady stream of transfers allocates nothing (lock held) */
+    kvo__container **spare_cs;
+    kvo__batch **spare_bs;
+    kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
+    kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
+    uint8_t *present;         /* scratch of kvo__evaluate */
+    kvo__note *spare_notes;
+    kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
+
+#define KVO__SPARES 16 /* of each kind; beyond that they are freed */
 
 static uint64_t kvo__now(const kvo_pipeline *pl)
 {
@@ -1628,31 +1641,78 @@ static void kvo__count_add(kvb__ctab *m, const kvb_hash *h, int delta)
     else (void)kvb__ctab_sub(m, h, (uint32_t)-delta, 0);
 }
 
-static kvo__container *kvo__container_new(size_t n)
+static size_t kvo__container_bytes(size_t cap)
 {
-    size_t bytes = sizeof(kvo__container) + n * (sizeof(kvb_weak) * 2 + sizeof(kvb_block) * 2 + sizeof(kvb_hash) * 2 + 1);
-    kvo__container *c = (kvo__container *)KVB_MALLOC(bytes);
+    return sizeof(kvo__container) + cap * (sizeof(kvb_weak) * 2 + sizeof(kvb_block) * 2 + sizeof(kvb_hash) * 2 + 1);
+}
+
+/* A container for n blocks: a spare one with room, or a new one with room to be reused (at least 64
+ * blocks, a power of two). Its own token, if it kept one, stays for kvo__container_open. Locked. */
+static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
+{
+    kvo__container *c = NULL;
+    kvo_token *token = NULL;
     unsigned char *p;
-    if (!c) return NULL;
-    memset(c, 0, bytes);
+    size_t i, cap = 64;
+    for (i = stbds_arrlenu(pl->spare_cs); i-- > 0;)
+        if (pl->spare_cs[i]->cap >= n) {
+            c = pl->spare_cs[i];
+            stbds_arrdelswap(pl->spare_cs, i);
+            break;
+        }
+    if (c) {
+        cap = c->cap;
+        token = c->token;
+    } else {
+        while (cap < n) cap *= 2;
+        if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
+    }
+    memset(c, 0, sizeof *c);
+    c->cap = cap;
+    c->token = token;
     p = (unsigned char *)(c + 1);
     c->n = n;
     c->hashes = (kvb_hash *)(void *)p;
-    p += n * sizeof(kvb_hash);
+    p += cap * sizeof(kvb_hash);
     c->parents = (kvb_hash *)(void *)p;
-    p += n * sizeof(kvb_hash);
+    p += cap * sizeof(kvb_hash);
     c->src = (kvb_weak *)(void *)p;
-    p += n * sizeof(kvb_weak);
+    p += cap * sizeof(kvb_weak);
     c->dst_weak = (kvb_weak *)(void *)p;
-    p += n * sizeof(kvb_weak);
+    p += cap * sizeof(kvb_weak);
     c->src_strong = (kvb_block *)(void *)p;
-    p += n * sizeof(kvb_block);
+    p += cap * sizeof(kvb_block);
     c->dst_keep = (kvb_block *)(void *)p;
-    p += n * sizeof(kvb_block);
+    p += cap * sizeof(kvb_block);
     c->state = p;
+    memset(c->hashes, 0, n * sizeof *c->hashes);
+    memset(c->parents, 0, n * sizeof *c->parents);
+    memset(c->src, 0, n * sizeof *c->src);
+    memset(c->dst_weak, 0, n * sizeof *c->dst_weak);
+    memset(c->src_strong, 0, n * sizeof *c->src_strong);
+    memset(c->dst_keep, 0, n * sizeof *c->dst_keep);
+    memset(c->state, 0, n);
     c->info.blocks = (uint32_t)n;
     c->info.status = KVO_STATUS_EVALUATING;
     return c;
+}
+
+/* A released container goes to the spares; its own token stays with it when nothing else holds it. */
+static void kvo__container_recycle(kvo_pipeline *pl, kvo__container *c)
+{
+    if (c->token && KVO__LOAD(&c->token->refs) == 1) {
+        kvo_token_release(c->token->parent);
+        c->token->parent = NULL;
+    } else {
+        kvo_token_release(c->token);
+        c->token = NULL;
+    }
+    if (stbds_arrlenu(pl->spare_cs) < KVO__SPARES) {
+        stbds_arrput(pl->spare_cs, c);
+        return;
+    }
+    kvo_token_release(c->token);
+    KVB_FREE(c);
 }
 
 static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container *c)
@@ -1717,18 +1777,13 @@ static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
 /* Release the non-zero handles among blocks[0..n) in one call, then clear them. */
 static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint32_t prio)
 {
-    kvb_block stack[64], *tmp = n <= 64 ? stack : (kvb_block *)KVB_MALLOC(n * sizeof *tmp);
     kvb_release_opts o;
     size_t i, k = 0;
-    if (!tmp) return;
-    for (i = 0; i < n; i++)
-        if (blocks[i].id) {
-            tmp[k++] = blocks[i];
-            blocks[i].id = 0;
-        }
+    for (i = 0; i < n; i++) /* the held ones to the front, in order, and released in one call */
+        if (blocks[i].id) blocks[k++] = blocks[i];
     o.priority = prio;
-    if (k) kvb_release(pool, tmp, k, &o);
-    if (tmp != stack) KVB_FREE(tmp);
+    if (k) kvb_release(pool, blocks, k, &o);
+    for (i = 0; i < n && k; i++) blocks[i].id = 0;
 }
 
 static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)
@@ -1764,16 +1819,19 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     s->dropped += c->info.dropped;
     s->failed += c->info.failed;
     s->cancelled += st == KVO_STATUS_CANCELLED;
-    if (pl->cfg.on_done) {
+    if (pl->cfg.on_done) { /* arrays from the spares: a steady stream of transfers allocates nothing */
         kvo__note note;
         note.t = kvo__handle_of(pl, c);
         note.info = c->info;
         note.n = c->n;
-        note.dst = (kvb_weak *)KVB_MALLOC((c->n ? c->n : 1) * sizeof *note.dst);
-        if (note.dst) {
-            memcpy(note.dst, c->dst_weak, c->n * sizeof *note.dst);
-            stbds_arrput(pl->notes, note);
+        note.dst = stbds_arrlen(pl->spare_dst) ? stbds_arrpop(pl->spare_dst) : NULL;
+        KVB__ARR_SHRINK(note.dst, 0);
+        if (c->n) memcpy(stbds_arraddnptr(note.dst, c->n), c->dst_weak, c->n * sizeof *note.dst);
+        if (!pl->notes) {
+            pl->notes = pl->spare_notes;
+            pl->spare_notes = NULL;
         }
+        stbds_arrput(pl->notes, note);
     }
     pthread_cond_broadcast(&pl->cond);
 }
@@ -1781,6 +1839,19 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
 static void kvo__on_drop(void *item, void *user)
 {
     kvo__finalize((kvo_pipeline *)user, (kvo__container *)item, KVO_STATUS_CANCELLED, KVO_ECANCELLED);
+}
+
+/* Delivered notes: their arrays go back to the spares (lock held). */
+static void kvo__notes_done(kvo_pipeline *pl, kvo__note *notes)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(notes); i++) {
+        if (stbds_arrlenu(pl->spare_dst) < KVO__SPARES) stbds_arrput(pl->spare_dst, notes[i].dst);
+        else stbds_arrfree(notes[i].dst);
+    }
+    KVB__ARR_SHRINK(notes, 0);
+    if (!pl->spare_notes) pl->spare_notes = notes;
+    else stbds_arrfree(notes);
 }
 
 /* Unlock, then deliver the completion callbacks gathered meanwhile. */
@@ -1795,22 +1866,74 @@ static void kvo__unlock(kvo_pipeline *pl)
     pl->notes = NULL;
     pl->delivering++; /* a drain waits for callbacks in progress: they may start follow-up work */
     pthread_mutex_unlock(&pl->lock);
-    for (i = 0; i < stbds_arrlenu(notes); i++) {
+    for (i = 0; i < stbds_arrlenu(notes); i++)
         pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
-        KVB_FREE(notes[i].dst);
-    }
-    stbds_arrfree(notes);
     pthread_mutex_lock(&pl->lock);
+    kvo__notes_done(pl, notes);
     pl->delivering--;
     pthread_cond_broadcast(&pl->cond);
     pthread_mutex_unlock(&pl->lock);
 }
 
+/* A batch done with goes to the spares with its arrays (lock held). */
 static void kvo__batch_free(kvo__batch *b)
 {
+    kvo_pipeline *pl = b->pl;
+    if (stbds_arrlenu(pl->spare_bs) < KVO__SPARES) {
+        KVB__ARR_SHRINK(b->cs, 0);
+        stbds_arrput(pl->spare_bs, b);
+        return;
+    }
     stbds_arrfree(b->cs);
-    KVB_FREE(b->src_idx);
+    KVB_FREE(b->mem);
     KVB_FREE(b);
+}
+
+/* A batch for the batcher: a spare one (its arrays kept) or a new one. NULL when out of memory. */
+static kvo__batch *kvo__batch_new(kvo_pipeline *pl, uint32_t priority)
+{
+    kvo__batch *b;
+    kvo__container **cs = NULL;
+    unsigned char *mem = NULL;
+    size_t mem_cap = 0;
+    if (stbds_arrlen(pl->spare_bs)) {
+        b = stbds_arrpop(pl->spare_bs);
+        cs = b->cs;
+        mem = b->mem;
+        mem_cap = b->mem_cap;
+    } else if (!(b = (kvo__batch *)KVB_MALLOC(sizeof *b))) {
+        return NULL;
+    }
+    memset(b, 0, sizeof *b);
+    b->cs = cs;
+    b->mem = mem;
+    b->mem_cap = mem_cap;
+    b->pl = pl;
+    b->priority = priority;
+    return b;
+}
+
+/* Everything the pipeline keeps for reuse (destroy). */
+static void kvo__free_spares(kvo_pipeline *pl)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(pl->spare_cs); i++) {
+        kvo_token_release(pl->spare_cs[i]->token);
+        KVB_FREE(pl->spare_cs[i]);
+    }
+    for (i = 0; i < stbds_arrlenu(pl->spare_bs); i++) {
+        stbds_arrfree(pl->spare_bs[i]->cs);
+        KVB_FREE(pl->spare_bs[i]->mem);
+        KVB_FREE(pl->spare_bs[i]);
+    }
+    for (i = 0; i < stbds_arrlenu(pl->spare_dst); i++) stbds_arrfree(pl->spare_dst[i]);
+    stbds_arrfree(pl->spare_cs);
+    stbds_arrfree(pl->spare_bs);
+    stbds_arrfree(pl->spare_dst);
+    stbds_arrfree(pl->spare_notes);
+    stbds_arrfree(pl->batcher_cs);
+    stbds_arrfree(pl->stage_cs);
+    stbds_arrfree(pl->present);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -1875,20 +1998,22 @@ static void kvo__sweep_all(kvo_pipeline *pl)
 }
 
 /* PolicyEvaluator, one block. Returns the block's new state. */
-static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now)
+/* A new block's hash and parent from the source (0 when it is gone or not registered: dropped). */
+static int kvo__identify_block(kvo_pipeline *pl, kvo__container *c, size_t i)
+{
+    kvb_block_info info;
+    if (kvb_block_get_info(pl->cfg.src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED) return 0;
+    c->hashes[i] = info.hash;
+    c->parents[i] = info.parent;
+    return 1;
+}
+
+/* PolicyEvaluator, one block, its hash known (`present`: in the destination). Returns its new state. */
+static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i, uint64_t now, uint8_t present)
 {
     const kvo_pipeline_config *cfg = &pl->cfg;
-    uint8_t present = 0;
-    if (c->state[i] == KVO__B_NEW) {
-        kvb_block_info info;
-        if (kvb_block_get_info(cfg->src, c->src[i].id, &info) != KVB_OK || info.state != KVB_STATE_REGISTERED)
-            return KVO__B_DROPPED;
-        c->hashes[i] = info.hash;
-        c->parents[i] = info.parent;
-        if (cfg->min_frequency) kvo__count_add(&pl->freq, &info.hash, 1);
-    }
+    if (c->state[i] == KVO__B_NEW && cfg->min_frequency) kvo__count_add(&pl->freq, &c->hashes[i], 1);
     if (cfg->presence >= 0) {
-        kvb_presence(cfg->dst, &c->hashes[i], 1, &present, NULL);
         if (present || kvo__count_get(&pl->inflight, &c->hashes[i])) return KVO__B_SKIP;
     }
     if (cfg->min_frequency && kvo__count_get(&pl->freq, &c->hashes[i]) < cfg->min_frequency) return KVO__B_SKIP;
@@ -1917,9 +2042,17 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
     size_t i, offered = 0;
     int pending = 0;
+    uint8_t *present = NULL;
+    for (i = 0; i < c->n; i++)
+        if (c->state[i] == KVO__B_NEW && !kvo__identify_block(pl, c, i)) c->state[i] = KVO__B_DROPPED;
+    if (pl->cfg.presence >= 0 && c->n) { /* the destination asked once for the whole container */
+        KVB__ARR_SHRINK(pl->present, 0);
+        present = stbds_arraddnptr(pl->present, c->n);
+        if (kvb_presence(pl->cfg.dst, c->hashes, c->n, present, NULL) != KVB_OK) memset(present, 0, c->n);
+    }
     for (i = 0; i < c->n; i++) {
         if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
-            c->state[i] = kvo__evaluate_block(pl, c, i, now);
+            c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : 0);
             if (c->state[i] == KVO__B_EVAL) pending = 1;
         }
     }
@@ -1934,14 +2067,15 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 
 static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **later = NULL;
+    kvo__container **later;
     void *item;
     size_t i;
+    KVB__ARR_SHRINK(pl->stage_cs, 0);
     while (kvo_queue_pop(pl->q_eval, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int r = kvo__evaluate(pl, c, now);
         if (r == 0) {
-            stbds_arrput(later, c);
+            stbds_arrput(pl->stage_cs, c);
         } else if (r == 2) {
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
@@ -1951,9 +2085,9 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
             if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
         }
     }
+    later = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(later); i++)
         if (kvo_queue_push(pl->q_eval, later[i], later[i]->token) != KVO_OK) kvo__on_drop(later[i], pl);
-    stbds_arrfree(later);
 }
 
 static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
@@ -2006,24 +2140,25 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
  * waiting never blocks and a sweep can cancel it. */
 static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **waiting = NULL;
+    kvo__container **waiting;
     void *item;
     size_t i;
+    KVB__ARR_SHRINK(pl->stage_cs, 0);
     while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
         if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
-            stbds_arrput(waiting, c); /* no timeout: the copies it waits for end by themselves */
+            stbds_arrput(pl->stage_cs, c); /* no timeout: the copies it waits for end by themselves */
         else if (s > 0 && c->onboard && !kvo__offered(c))
             kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
         else if (s > 0) kvo__to_batcher(pl, c, now);
         else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
         else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
-        else stbds_arrput(waiting, c);
+        else stbds_arrput(pl->stage_cs, c);
     }
+    waiting = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(waiting); i++)
         if (kvo_queue_push(pl->q_pre, waiting[i], waiting[i]->token) != KVO_OK) kvo__on_drop(waiting[i], pl);
-    stbds_arrfree(waiting);
 }
 
 static uint32_t kvo__offered(const kvo__container *c)
@@ -2046,7 +2181,7 @@ static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
  * containers by priority into weak batches of at most max_batch blocks. */
 static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
 {
-    kvo__container **cs = NULL;
+    kvo__container **cs;
     kvo__batch *b = NULL;
     void *item;
     size_t i, j;
@@ -2059,33 +2194,29 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
         pthread_mutex_unlock(&q->lock);
     }
     if (!pl->draining && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us) return;
+    KVB__ARR_SHRINK(pl->batcher_cs, 0);
     while (kvo_queue_pop(pl->q_batch, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
+        cs = pl->batcher_cs;
         for (j = stbds_arrlenu(cs); j > 0 && cs[j - 1]->priority < c->priority; j--) {
         }
-        KVO__ARR_INSERT(cs, j, c); /* stable: FIFO within a priority */
+        KVO__ARR_INSERT(pl->batcher_cs, j, c); /* stable: FIFO within a priority */
     }
+    cs = pl->batcher_cs;
     for (i = 0; i < stbds_arrlenu(cs); i++) {
         uint32_t k = kvo__offered(cs[i]);
         if (b && (b->priority != cs[i]->priority || b->blocks + k > pl->cfg.max_batch)) {
             kvo__in_queue_insert(pl, b);
             b = NULL;
         }
-        if (!b) {
-            b = (kvo__batch *)KVB_MALLOC(sizeof *b);
-            if (!b) {
-                kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
-                continue;
-            }
-            memset(b, 0, sizeof *b);
-            b->pl = pl;
-            b->priority = cs[i]->priority;
+        if (!b && !(b = kvo__batch_new(pl, cs[i]->priority))) {
+            kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
+            continue;
         }
         stbds_arrput(b->cs, cs[i]);
         b->blocks += k;
     }
     if (b) kvo__in_queue_insert(pl, b);
-    stbds_arrfree(cs);
 }
 
 /* The upgrade (P3): weak -> strong for every offered block of the batch, just after a sweep (P4), then
@@ -2112,9 +2243,17 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
         }
     }
     if (!n) return 0;
-    mem = (unsigned char *)KVB_MALLOC(n * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
-                                           2 * sizeof(kvb_block) + sizeof(kvo__container *)));
-    if (!mem) return KVO_ENOMEM;
+    if (n > b->mem_cap) { /* kept with the batch when it is reused */
+        size_t cap = b->mem_cap ? b->mem_cap : 64;
+        while (cap < n) cap *= 2;
+        KVB_FREE(b->mem);
+        b->mem_cap = 0;
+        b->mem = (unsigned char *)KVB_MALLOC(cap * (4 * sizeof(uint32_t) + 2 * sizeof(kvb_hash) + sizeof(int) +
+                                                    2 * sizeof(kvb_block) + sizeof(kvo__container *)));
+        if (!b->mem) return KVO_ENOMEM;
+        b->mem_cap = cap;
+    }
+    mem = b->mem;
     b->src_idx = (uint32_t *)(void *)mem; /* one allocation, carved by alignment (largest first) */
     b->hashes = (kvb_hash *)(void *)(mem + n * 4 * sizeof(uint32_t));
     b->parents = b->hashes + n;
@@ -2397,6 +2536,7 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
         return KVO_ENOMEM;
     }
     pl->last_sweep = kvo__now(pl);
+    stbds_arrsetcap(pl->stage_cs, 16); /* containers put back in a stage are few: room for them from the start */
     if (pl->cfg.mode == KVO_MODE_THREADS) {
         if (pthread_create(&pl->thread, NULL, kvo__coordinator, pl) != 0) {
             pl->stopping = 1;
@@ -2432,6 +2572,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
         kvo_token_release(c->token);
         KVB_FREE(c);
     }
+    kvo__free_spares(pipeline);
     kvo_queue_destroy(pipeline->q_eval);
     kvo_queue_destroy(pipeline->q_pre);
     kvo_queue_destroy(pipeline->q_batch);
@@ -2441,6 +2582,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->free_slots);
     kvb__ctab_free(&pipeline->inflight);
     kvb__ctab_free(&pipeline->freq);
+    for (i = 0; i < stbds_arrlenu(pipeline->notes); i++) stbds_arrfree(pipeline->notes[i].dst);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
     pthread_cond_destroy(&pipeline->cond);
@@ -2451,10 +2593,15 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
 static kvo_result kvo__container_open(kvo_pipeline *pl, size_t n, const kvo_enqueue_opts *opts, kvo__container **out)
 {
     kvo__container *c;
+    kvo_token *parent = opts ? opts->token : NULL;
     if (opts && kvo_token_is_cancelled(opts->token)) return KVO_ECANCELLED;
-    c = kvo__container_new(n);
+    c = kvo__container_new(pl, n);
     if (!c) return KVO_ENOMEM;
-    if (kvo__token_new(opts ? opts->token : NULL, &c->token) != KVO_OK) {
+    if (c->token) { /* kept from its last use: nobody else holds it */
+        c->token->cancelled = 0;
+        c->token->parent = parent;
+        kvo_token_retain(parent);
+    } else if (kvo__token_new(parent, &c->token) != KVO_OK) {
         KVB_FREE(c);
         return KVO_ENOMEM;
     }
@@ -2683,8 +2830,7 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
         pipeline->slots[c->slot].c = NULL;
         pipeline->slots[c->slot].gen = (pipeline->slots[c->slot].gen + 1) & 0x7fffffffu;
         stbds_arrput(pipeline->free_slots, c->slot);
-        kvo_token_release(c->token);
-        KVB_FREE(c);
+        kvo__container_recycle(pipeline, c);
     }
     kvo__unlock(pipeline);
     return found ? KVO_OK : KVO_ESTALE;
@@ -2692,7 +2838,12 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
 
 /* ---- tier manager ------------------------------------------------------------------------------- */
 
-typedef struct kvo__edge { kvo_manager *m; uint32_t tier; } kvo__edge;
+typedef struct kvo__edge {
+    kvo_manager *m;
+    uint32_t tier;
+    pthread_mutex_t lock;      /* the scratch below: callbacks of one pipeline may come from two threads */
+    kvb_weak *scratch;         /* stb_ds: weak handles on their way down from this tier (kept) */
+} kvo__edge;
 
 struct kvo_manager {
     kvo_manager_config cfg;
@@ -2728,12 +2879,14 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     uint32_t next = e->tier + 1;
     if (m->cfg.on_offloaded) m->cfg.on_offloaded(m->cfg.offloaded_user, e->tier, t, info);
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
-        kvb_weak *landed = (kvb_weak *)KVB_MALLOC((n ? n : 1) * sizeof *landed);
-        size_t i, k = 0;
-        for (i = 0; landed && i < n; i++)
-            if (dst[i].id) landed[k++] = dst[i];
-        if (k) kvo__manager_send(m, next, landed, k, NULL);
-        KVB_FREE(landed);
+        kvo__edge *landed = &m->edges[next]; /* what landed in `next` goes on from there */
+        size_t i;
+        pthread_mutex_lock(&landed->lock);
+        KVB__ARR_SHRINK(landed->scratch, 0);
+        for (i = 0; i < n; i++)
+            if (dst[i].id) stbds_arrput(landed->scratch, dst[i]);
+        if (stbds_arrlen(landed->scratch)) kvo__manager_send(m, next, landed->scratch, stbds_arrlenu(landed->scratch), NULL);
+        pthread_mutex_unlock(&landed->lock);
     }
     kvo_transfer_release(m->down[e->tier], t);
 }
@@ -2753,6 +2906,7 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     memset(m, 0, sizeof *m);
     m->cfg = *config;
     if (!m->cfg.lazy_reserve) m->cfg.lazy_reserve = 64;
+    for (i = 0; i < KVO_MAX_TIERS; i++) pthread_mutex_init(&m->edges[i].lock, NULL);
     for (i = 0; i < config->num_tiers && r == KVO_OK; i++) {
         kvo_pipeline_config pc = config->pipeline;
         m->edges[i].m = m;
@@ -2793,23 +2947,28 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
         manager->down[i] = NULL;
     }
     for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
+    for (i = 0; i < KVO_MAX_TIERS; i++) {
+        stbds_arrfree(manager->edges[i].scratch);
+        pthread_mutex_destroy(&manager->edges[i].lock);
+    }
     KVB_FREE(manager);
 }
 
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out)
 {
-    kvb_weak stack[64], *w;
+    kvo__edge *e;
     kvo_result r;
     size_t i;
     if (out) out->id = 0;
     if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
-    w = n <= 64 ? stack : (kvb_weak *)KVB_MALLOC(n * sizeof *w);
-    if (!w) return KVO_ENOMEM;
-    for (i = 0; i < n; i++) w[i] = kvb_weak_of(blocks[i]);
-    r = kvo__manager_send(manager, tier, w, n, out); /* released by kvo__manager_down_done */
-    if (w != stack) KVB_FREE(w);
+    e = &manager->edges[tier];
+    pthread_mutex_lock(&e->lock);
+    KVB__ARR_SHRINK(e->scratch, 0);
+    for (i = 0; i < n; i++) stbds_arrput(e->scratch, kvb_weak_of(blocks[i]));
+    r = kvo__manager_send(manager, tier, e->scratch, n, out); /* released by kvo__manager_down_done */
+    pthread_mutex_unlock(&e->lock);
     return r;
 }
 
@@ -2843,28 +3002,24 @@ KVO_API kvo_result kvo_manager_poll(kvo_manager *manager)
 KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hashes, size_t n,
                                       uint8_t *tier_of, size_t *out_n)
 {
-    uint8_t *present;
-    size_t i, found = 0;
+    uint8_t present[256]; /* a chunk at a time: no allocation */
+    size_t i, at, found = 0;
     uint32_t t;
     kvo_result r = KVO_OK;
     if (!manager || !out_n || (n && (!hashes || !tier_of))) return KVO_EINVAL;
-    if (!n) {
-        *out_n = 0;
-        return KVO_OK;
-    }
-    present = (uint8_t *)KVB_MALLOC(n);
-    if (!present) return KVO_ENOMEM;
-    memset(tier_of, 0xff, n);
-    for (t = 0; t < manager->cfg.num_tiers; t++) { /* fastest tier first; each fills what is still open */
-        if (kvb_presence(manager->cfg.pools[t], hashes, n, present, NULL) != KVB_OK) {
-            r = KVO_EINVAL;
-            break;
+    if (n) memset(tier_of, 0xff, n);
+    for (at = 0; at < n && r == KVO_OK; at += sizeof present) {
+        size_t k = n - at < sizeof present ? n - at : sizeof present;
+        for (t = 0; t < manager->cfg.num_tiers; t++) { /* fastest tier first; each fills what is still open */
+            if (kvb_presence(manager->cfg.pools[t], hashes + at, k, present, NULL) != KVB_OK) {
+                r = KVO_EINVAL;
+                break;
+            }
+            for (i = 0; i < k; i++)
+                if (present[i] && tier_of[at + i] == 0xff) tier_of[at + i] = (uint8_t)t;
         }
-        for (i = 0; i < n; i++)
-            if (present[i] && tier_of[i] == 0xff) tier_of[i] = (uint8_t)t;
     }
     while (found < n && tier_of[found] != 0xff) found++;
-    KVB_FREE(present);
     *out_n = found;
     return r;
 }

@@ -56,7 +56,8 @@
  * disk, then Redis, importing what other processes stored; loads from G4 go through the same
  * onboarding pipelines as host and disk. A load that fails or finds its entry gone (a Redis node lost,
  * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
- * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block;
+ * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block
+ * (start_stores makes one offer of all the bound stores: each event finishes when that transfer does);
  * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
  * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
@@ -388,7 +389,8 @@ typedef struct kvs_sched kvs_sched;
 KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **out);
 /* Aborts every request, frees everything. */
 KVS_API void kvs_sched_destroy(kvs_sched *sched);
-/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit. */
+/* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit (a request
+ * holds fewer than 2^32 tokens). */
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id);
 /* Plan the next step. The arrays in *out are valid until the next call. KVS_ESTEP when the previous
  * step was not completed. */
@@ -396,8 +398,9 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
  * eager mode, offered to the lower tiers), slots advance. */
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
-/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step). A
- * request that reaches max_new_tokens finishes. */
+/* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
+ * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
+ * finishes; KVS_ETOOBIG at 2^32 - 1 tokens. */
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n);
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
@@ -2219,6 +2222,9 @@ struct kvs_connector {
     uint32_t block_tokens;
     uint64_t next_event, step;
     kvs__plan *plans;          /* stb_ds */
+    kvs__plan *spare_plans;    /* stb_ds: dropped plans, their arrays kept for the next */
+    uint8_t *tier_of;          /* stb_ds scratch of get_num_new_matched_tokens (scheduler side) */
+    kvb_block *got;            /* stb_ds scratch of kvs__load_over (worker side) */
     kvs_store *noted;          /* stores waiting for build_meta */
     kvs_load *meta_loads;      /* the last built meta */
     kvs_store *meta_stores;
@@ -2227,6 +2233,7 @@ struct kvs_connector {
     kvs__active_load *loads;
     kvs__active_store *stores;
     kvs__idmap offloaded;      /* transfer ids reported by the manager (a set: the value is the connector) */
+    kvb_block *offer;          /* scratch of start_stores */
     uint64_t *fin_loads, *fin_stores;
 };
 
@@ -2238,14 +2245,38 @@ static kvs__plan *kvs__plan_of(kvs_connector *c, uint64_t request)
     return NULL;
 }
 
+/* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new). Locked. */
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
     if (stbds_arrlen(p->loaded)) kvb_release(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded), NULL);
+    KVB__ARR_SHRINK(p->loaded, 0);
+    KVB__ARR_SHRINK(p->hashes, 0);
+    KVB__ARR_SHRINK(p->runs, 0);
+    stbds_arrput(c->spare_plans, *p);
+    stbds_arrdelswap(c->plans, at);
+}
+
+/* An empty plan for `request` (the arrays of a dropped one when there is one), not yet in c->plans. */
+static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
+{
+    kvs__plan p;
+    if (stbds_arrlen(c->spare_plans)) {
+        p = stbds_arrpop(c->spare_plans);
+    } else {
+        memset(&p, 0, sizeof p);
+    }
+    p.request = request;
+    p.accepted = 0;
+    p.loads_active = 0;
+    return p;
+}
+
+static void kvs__plan_free(kvs__plan *p)
+{
     stbds_arrfree(p->loaded);
     stbds_arrfree(p->hashes);
     stbds_arrfree(p->runs);
-    stbds_arrdelswap(c->plans, at);
 }
 
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
@@ -2305,6 +2336,10 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     }
     while (stbds_arrlen(c->plans)) kvs__plan_drop(c, &c->plans[0]);
     stbds_arrfree(c->plans);
+    for (i = 0; i < stbds_arrlenu(c->spare_plans); i++) kvs__plan_free(&c->spare_plans[i]);
+    stbds_arrfree(c->spare_plans);
+    stbds_arrfree(c->tier_of);
+    stbds_arrfree(c->got);
     stbds_arrfree(c->noted);
     stbds_arrfree(c->meta_loads);
     stbds_arrfree(c->meta_stores);
@@ -2312,6 +2347,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->bound_stores);
     stbds_arrfree(c->loads);
     stbds_arrfree(c->stores);
+    stbds_arrfree(c->offer);
     kvs__id_free(&c->offloaded);
     stbds_arrfree(c->fin_loads);
     stbds_arrfree(c->fin_stores);
@@ -2332,15 +2368,14 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     *out_async = 0;
     first = num_computed / c->block_tokens;
     if (first >= num_hashes) return KVS_OK;
-    tier_of = (uint8_t *)KVB_MALLOC(num_hashes);
-    if (!tier_of) return KVS_ENOMEM;
+    KVB__ARR_SHRINK(c->tier_of, 0);
+    tier_of = stbds_arraddnptr(c->tier_of, num_hashes);
     if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     pthread_mutex_lock(&c->lock);
     if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
     if (found > first) {
-        memset(&fresh, 0, sizeof fresh);
-        fresh.request = request;
+        fresh = kvs__plan_new(c, request);
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
         for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
             kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
@@ -2362,7 +2397,6 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         *out_async = stbds_arrlen(fresh.runs) > 0;
     }
     pthread_mutex_unlock(&c->lock);
-    KVB_FREE(tier_of);
     return KVS_OK;
 }
 
@@ -2475,27 +2509,31 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
     return KVS_OK;
 }
 
+/* One offer for all the bound stores (the pipeline's cost per transfer is paid once per step, not once
+ * per request); each event finishes when that transfer does. */
 static kvs_result kvs__conn_start_stores(kvs_connector *c)
 {
-    size_t i = 0, j;
+    size_t i, n;
+    kvo_transfer t;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    while (i < stbds_arrlenu(c->bound_stores)) { /* one offer per event */
-        kvb_block *blocks = NULL;
+    n = stbds_arrlenu(c->bound_stores);
+    KVB__ARR_SHRINK(c->offer, 0);
+    for (i = 0; i < n; i++) stbds_arrput(c->offer, c->bound_stores[i].block);
+    t.id = 0;
+    if (n) {
+        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
+        kvo_manager_offer(c->cfg.tiers, 0, c->offer, n, &t);
+        pthread_mutex_lock(&c->lock);
+    }
+    for (i = 0; i < n; i++) {
         kvs__active_store a;
-        for (j = i; j < stbds_arrlenu(c->bound_stores) && c->bound_stores[j].event == c->bound_stores[i].event; j++)
-            stbds_arrput(blocks, c->bound_stores[j].block);
+        if (i && c->bound_stores[i].event == c->bound_stores[i - 1].event) continue;
         a.event = c->bound_stores[i].event;
         a.request = c->bound_stores[i].request;
-        a.done = 0;
-        a.t.id = 0;
-        pthread_mutex_unlock(&c->lock); /* the hook takes the lock when a transfer finishes inline */
-        kvo_manager_offer(c->cfg.tiers, 0, blocks, stbds_arrlenu(blocks), &a.t);
-        pthread_mutex_lock(&c->lock);
-        a.done = a.t.id == 0;
+        a.t = t;
+        a.done = t.id == 0;
         stbds_arrput(c->stores, a);
-        stbds_arrfree(blocks);
-        i = j;
     }
     KVB__ARR_SHRINK(c->bound_stores, 0);
     pthread_mutex_unlock(&c->lock);
@@ -2513,12 +2551,12 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         size_t n = 0;
         if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
         if (info.status < KVO_STATUS_COMPLETE) return 0;
-        got = (kvb_block *)KVB_MALLOC((info.blocks ? info.blocks : 1) * sizeof *got);
-        if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
+        KVB__ARR_SHRINK(c->got, 0);
+        got = stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1);
+        if (info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
             if (p) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
             else if (n) kvb_release(c->cfg.device, got, n, NULL);
         }
-        KVB_FREE(got);
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }
     if (p && p->loads_active && --p->loads_active == 0) stbds_arrput(c->fin_loads, p->request);
@@ -2533,6 +2571,7 @@ static int kvs__offloaded(kvs_connector *c, uint64_t id)
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
 {
     size_t i, w;
+    uint64_t fin = 0; /* a transfer seen finished: its other events finish with it */
     if (!c || !out) return KVS_EINVAL;
     kvo_manager_poll(c->cfg.tiers);
     pthread_mutex_lock(&c->lock);
@@ -2541,10 +2580,14 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
     for (i = w = 0; i < stbds_arrlenu(c->loads); i++)
         if (!kvs__load_over(c, &c->loads[i])) c->loads[w++] = c->loads[i];
     KVB__ARR_SHRINK(c->loads, w);
-    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) {
+    for (i = w = 0; i < stbds_arrlenu(c->stores); i++) { /* the events of one transfer are neighbours */
         kvs__active_store *s = &c->stores[i];
-        if (s->done || kvs__offloaded(c, s->t.id)) stbds_arrput(c->fin_stores, s->event);
-        else c->stores[w++] = *s;
+        if (s->done || (s->t.id && s->t.id == fin) || kvs__offloaded(c, s->t.id)) {
+            fin = s->t.id;
+            stbds_arrput(c->fin_stores, s->event);
+        } else {
+            c->stores[w++] = *s;
+        }
     }
     KVB__ARR_SHRINK(c->stores, w);
     if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
@@ -2689,15 +2732,26 @@ KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t req
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
 
-typedef struct kvs__req { /* what every step reads first (one cache line), the rest after */
+/* A request. Its first cache line holds everything planning, completing and appending a decoding step
+ * read and write (token counts in 32 bits to fit), so a decoding request costs the scheduler one line
+ * per step, plus the line its new token goes to; the rest is read at admission, preemption and the ends
+ * of blocks. */
+typedef struct kvs__req {
     uint64_t id;
-    uint32_t *tokens;          /* stb_ds: prompt and generated tokens */
-    kvb_seq *seq;
-    size_t computed, in_seq;   /* tokens computed; tokens appended to seq */
-    size_t registered_blocks;
+    uint32_t *tokens;          /* prompt then generated tokens: len of cap used */
+    const kvb_block *table;    /* seq's block table (num_blocks) as of the last push (kvs__synced) */
+    uint64_t planned;          /* the step that scheduled it (kvs__scheduled) */
+    uint32_t len, cap;
+    uint32_t computed;         /* tokens computed */
+    uint32_t in_seq;           /* tokens appended to seq (the rest wait: kvs__must_push) */
+    uint32_t end;              /* len at which it finishes (prompt + max_new_tokens); UINT32_MAX: never */
+    uint32_t num_blocks;
+    uint32_t item;             /* while planned: its index in the step's prefill or decode items */
     kvs_slot_state state;
-    int scheduled;
-    uint32_t max_new, generated;
+    /* second line on */
+    kvb_seq *seq;
+    kvb_seq *kept_seq;         /* an empty sequence kept for the next admission (its memory reused) */
+    size_t registered_blocks;
     uint64_t arrival;
     int32_t priority;
     uint32_t preemptions;
@@ -2707,9 +2761,19 @@ typedef struct kvs__req { /* what every step reads first (one cache line), the r
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
     int swapped, drop_after_step;
+    int released;              /* by kvs_sched_release while its blocks wait for the step to complete */
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
+typedef char kvs__req_hot_part_is_one_line[offsetof(kvs__req, seq) <= 64 ? 1 : -1];
+#define KVS__SLAB 64
+/* A request's place in a slab: an odd number of cache lines, so that the first lines of neighbours fall
+ * in different cache sets (at a power-of-two stride a pass over 4,000 requests used a quarter of them). */
+typedef union kvs__req_slot {
+    kvs__req r;
+    unsigned char lines[5 * 64];
+} kvs__req_slot;
+typedef char kvs__req_fits_its_slot[sizeof(kvs__req) <= 5 * 64 ? 1 : -1];
 
 struct kvs_sched {
     kvs_sched_config cfg;
@@ -2718,6 +2782,10 @@ struct kvs_sched {
     uint32_t block_tokens, device_blocks;
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
+    kvs__req **spare;          /* stb_ds: released requests, kept with their token buffers for the next */
+    void **slabs;              /* stb_ds: where the requests live, KVS__SLAB to a slab */
+    kvs__req_slot *slab_next;
+    size_t slab_left;
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
     /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
@@ -2730,6 +2798,13 @@ struct kvs_sched {
     int in_step;
     size_t tokens_left, seqs_left; /* the budgets of the step being planned */
     kvs_sched_item *prefill, *decode;
+    kvs__req **planned[2];     /* stb_ds: the request of each prefill [0] and decode [1] item */
+    kvs__req **commits[2];     /* stb_ds: those of them whose item fills a block, in the same order */
+    size_t *prefills;          /* stb_ds: where in kvs__schedule_running's order the prefill pass looks */
+    size_t next_append;        /* the decode item whose request is expected to append next */
+    size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
+    kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
+    uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
 };
@@ -2737,6 +2812,52 @@ struct kvs_sched {
 static kvs__req *kvs__find(kvs_sched *s, uint64_t id)
 {
     return (kvs__req *)kvs__id_get(&s->reqs, id);
+}
+
+/* Whether r has an item in the step being planned (or, between step and complete, in the step). */
+static int kvs__scheduled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id + (s->in_step ? 0 : 1);
+}
+
+/* Which list of the step r's item is in: 0 prefill, 1 decode. r is scheduled. */
+static int kvs__item_list(const kvs_sched *s, const kvs__req *r)
+{
+    return !(r->item < stbds_arrlenu(s->planned[0]) && s->planned[0][r->item] == r);
+}
+
+/* Whether r was a decode item of the step just completed and nothing has touched it since. complete
+ * does not visit those (a decode computes all of its request's tokens, and at 4,000 requests that pass
+ * missed the cache once a request): r->computed still has the count before the step, r->len the count
+ * after it, until kvs__settle writes it down. */
+static int kvs__unsettled(const kvs_sched *s, const kvs__req *r)
+{
+    return r->planned == s->step_id && !s->in_step && r->state == KVS_SLOT_DECODING;
+}
+
+static size_t kvs__computed(const kvs_sched *s, const kvs__req *r)
+{
+    return kvs__unsettled(s, r) ? r->len : r->computed;
+}
+
+/* Before anything reads or changes r's counts. */
+static void kvs__settle(kvs_sched *s, kvs__req *r)
+{
+    if (!kvs__unsettled(s, r)) return;
+    r->computed = r->len;
+    r->planned = 0;
+}
+
+/* Take r out of the step's commits (list a); 0 when it was not there. */
+static int kvs__drop_commit(kvs_sched *s, int a, const kvs__req *r)
+{
+    size_t i;
+    for (i = stbds_arrlenu(s->commits[a]); i-- > 0;)
+        if (s->commits[a][i] == r) {
+            stbds_arrdel(s->commits[a], i);
+            return 1;
+        }
+    return 0;
 }
 
 static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
@@ -2747,15 +2868,14 @@ static void kvs__emit_slot(kvs_sched *s, const kvs__req *r, kvs_slot_state from)
     e.request = r->id;
     e.u.slot.from = (uint32_t)from;
     e.u.slot.to = (uint32_t)r->state;
-    e.u.slot.tokens = stbds_arrlenu(r->tokens);
-    e.u.slot.computed = r->computed;
+    e.u.slot.tokens = r->len;
+    e.u.slot.computed = kvs__computed(s, r);
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
-static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+static kvs_result kvs__change_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
 {
     kvs_slot_state from = r->state;
-    if (from == to) return KVS_OK;
     if (!kvs_slot_transition_allowed(from, to)) return KVS_ESTATE;
     r->state = to;
     if (kvs__wants(s->cfg.bus, KVS_EV_SLOT)) kvs__emit_slot(s, r, from);
@@ -2767,6 +2887,12 @@ static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
         kvs__checkpoint(s->cfg.bus, &at);
     }
     return KVS_OK;
+}
+
+/* r -> to (no change when r is there already: a decoding request stays Decoding step after step). */
+static kvs_result kvs__set_state(kvs_sched *s, kvs__req *r, kvs_slot_state to)
+{
+    return r->state == to ? KVS_OK : kvs__change_state(s, r, to);
 }
 
 /* An input event (a scheduler call) with `words` following in TOKENS events, for replay. */
@@ -2870,31 +2996,116 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     return KVS_OK;
 }
 
+/* r's sequence, empty, with its salt, extra keys and room for r's token buffer: the one r kept from
+ * before (its memory reused) or a new one. */
+static int kvs__seq_open(kvs_sched *s, kvs__req *r)
+{
+    kvb_seq_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.salt = r->salt;
+    sc.extra = r->extra;
+    sc.n_extra = r->num_extra;
+    if (r->kept_seq && kvb_seq_reset(r->kept_seq, &sc) == KVB_OK) {
+        r->seq = r->kept_seq;
+        r->kept_seq = NULL;
+    } else if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) {
+        return 0;
+    }
+    kvb_seq_reserve(r->seq, r->cap);
+    return 1;
+}
+
+/* r's blocks go back (as kvb_seq_destroy gives them back); the sequence is kept for its next admission,
+ * or the next request that reuses r's struct. */
+static void kvs__seq_close(kvs__req *r)
+{
+    if (!r->seq) return;
+    if (r->kept_seq || kvb_seq_reset(r->seq, NULL) != KVB_OK) kvb_seq_destroy(r->seq);
+    else r->kept_seq = r->seq;
+    r->seq = NULL;
+}
+
 /* Give back a request's device blocks and its connector state (its counts stay readable). */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_destroy(r->seq);
-    r->seq = NULL;
-    r->in_seq = 0;
+    kvs__seq_close(r);
+    r->in_seq = r->num_blocks = 0;
+    r->table = NULL;
     if (s->conn) kvs_connector_request_finished(s->conn, r->id, NULL);
 }
 
 static void kvs__req_free(kvs__req *r)
 {
-    stbds_arrfree(r->tokens);
-    KVB_FREE(r);
+    kvb_seq_destroy(r->kept_seq);
+    KVB_FREE(r->tokens);
+}
+
+/* Room for `need` tokens in r->tokens (at least doubling). 0 when out of memory (nothing changed). */
+static int kvs__reserve(kvs__req *r, size_t need)
+{
+    uint32_t *t;
+    size_t cap = (size_t)r->cap * 2 > need ? (size_t)r->cap * 2 : need;
+    if (need <= r->cap) return 1;
+    if (cap > UINT32_MAX) cap = UINT32_MAX;
+    if (!(t = (uint32_t *)KVB_REALLOC(r->tokens, cap * sizeof *t))) return 0;
+    r->tokens = t;
+    r->cap = (uint32_t)cap;
+    return 1;
+}
+
+/* A request struct, aligned to a cache line: a released one (its token buffer and sequence kept) or a
+ * new one from the current slab. */
+static kvs__req *kvs__req_new(kvs_sched *s)
+{
+    kvs__req *r;
+    if (stbds_arrlen(s->spare)) {
+        uint32_t *tokens;
+        uint32_t cap;
+        kvb_seq *kept;
+        r = stbds_arrpop(s->spare);
+        tokens = r->tokens;
+        cap = r->cap;
+        kept = r->kept_seq;
+        memset(r, 0, sizeof *r);
+        r->tokens = tokens;
+        r->cap = cap;
+        r->kept_seq = kept;
+    } else {
+        if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
+            void *block = KVB_MALLOC(KVS__SLAB * sizeof(kvs__req_slot) + 63);
+            if (!block) return NULL;
+            stbds_arrput(s->slabs, block);
+            s->slab_next = (kvs__req_slot *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
+            s->slab_left = KVS__SLAB;
+        }
+        r = &s->slab_next++->r;
+        s->slab_left--;
+        memset(r, 0, sizeof *r);
+    }
+    return r;
 }
 
 KVS_API void kvs_sched_destroy(kvs_sched *sched)
 {
     size_t i;
     if (!sched) return;
+    for (i = 0; sched->in_step && i < stbds_arrlenu(sched->planned[0]) + stbds_arrlenu(sched->planned[1]); i++) {
+        size_t n0 = stbds_arrlenu(sched->planned[0]);
+        kvs__req *r = i < n0 ? sched->planned[0][i] : sched->planned[1][i - n0];
+        if (!r->released || !r->drop_after_step) continue; /* released during the step, blocks not given back */
+        kvs__drop_blocks(sched, r);
+        kvs__req_free(r);
+    }
     for (i = 0; i < stbds_arrlenu(sched->all); i++) {
         kvs__drop_blocks(sched, sched->all[i]);
         kvs__req_free(sched->all[i]);
     }
     kvs__id_free(&sched->reqs);
     stbds_arrfree(sched->all);
+    while (stbds_arrlen(sched->spare)) kvs__req_free(stbds_arrpop(sched->spare));
+    stbds_arrfree(sched->spare);
+    for (i = 0; i < stbds_arrlenu(sched->slabs); i++) KVB_FREE(sched->slabs[i]);
+    stbds_arrfree(sched->slabs);
     stbds_arrfree(sched->order);
     stbds_arrfree(sched->batch);
     stbds_arrfree(sched->batch_seqs);
@@ -2906,6 +3117,13 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->onboarding);
     stbds_arrfree(sched->prefill);
     stbds_arrfree(sched->decode);
+    stbds_arrfree(sched->planned[0]);
+    stbds_arrfree(sched->planned[1]);
+    stbds_arrfree(sched->commits[0]);
+    stbds_arrfree(sched->commits[1]);
+    stbds_arrfree(sched->hashes);
+    stbds_arrfree(sched->words);
+    stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
     kvs_connector_destroy(sched->conn);
     KVB_FREE(sched);
@@ -2915,9 +3133,10 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
 static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
 {
     kvs_event e;
-    uint32_t *words = (uint32_t *)KVB_MALLOC((2 * rq->num_extra + rq->num_prompt) * sizeof *words);
+    uint32_t *words;
     size_t i;
-    if (!words) return;
+    KVB__ARR_SHRINK(s->words, 0);
+    words = stbds_arraddnptr(s->words, 2 * rq->num_extra + rq->num_prompt);
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADD;
     e.request = s->next_id;
@@ -2932,7 +3151,6 @@ static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
     }
     memcpy(words + 2 * rq->num_extra, rq->prompt, rq->num_prompt * sizeof *words);
     kvs__emit_input(s, &e, words, 2 * rq->num_extra + rq->num_prompt);
-    KVB_FREE(words);
 }
 
 static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
@@ -2944,24 +3162,31 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
         return KVS_EINVAL;
     if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
-    if (need > sched->device_blocks) return KVS_ETOOBIG;
-    r = (kvs__req *)KVB_MALLOC(sizeof *r);
-    if (!r) return KVS_ENOMEM;
-    memset(r, 0, sizeof *r);
+    if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
+        return KVS_ETOOBIG;
+    if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
+    /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
+     * does not reallocate step after step */
+    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096
+                                                    ? request->max_new_tokens : 256))) {
+        stbds_arrput(sched->spare, r); /* not freed: the last step's items may still name it */
+        return KVS_ENOMEM;
+    }
     r->id = sched->next_id++;
     r->arrival = sched->next_arrival++;
     r->state = KVS_SLOT_INITIALIZED;
     r->priority = request->priority;
     r->num_prompt = request->num_prompt;
-    r->max_new = request->max_new_tokens;
+    r->end = request->max_new_tokens ? (uint32_t)(request->num_prompt + request->max_new_tokens) : UINT32_MAX;
     r->salt = request->salt;
     r->num_extra = request->num_extra;
     if (request->num_extra) memcpy(r->extra, request->extra, request->num_extra * sizeof *r->extra);
-    memcpy(stbds_arraddnptr(r->tokens, request->num_prompt), request->prompt, request->num_prompt * sizeof *r->tokens);
+    memcpy(r->tokens, request->prompt, request->num_prompt * sizeof *r->tokens);
+    r->len = (uint32_t)request->num_prompt;
     if (!kvs__id_put(&sched->reqs, r->id, r)) {
         sched->next_id--;
         sched->next_arrival--;
-        kvs__req_free(r);
+        stbds_arrput(sched->spare, r);
         return KVS_ENOMEM;
     }
     r->at = stbds_arrlenu(sched->all);
@@ -2989,21 +3214,26 @@ static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
 /* Take a request's item out of the step being planned and give its budget back. */
 static void kvs__unschedule(kvs_sched *s, kvs__req *v)
 {
-    kvs_sched_item **arrs[2];
-    size_t a, i;
-    arrs[0] = &s->prefill;
-    arrs[1] = &s->decode;
-    if (!v->scheduled) return;
-    for (a = 0; a < 2; a++)
-        for (i = 0; i < stbds_arrlenu(*arrs[a]); i++)
-            if ((*arrs[a])[i].request == v->id) {
-                s->tokens_left += (*arrs[a])[i].num_new;
-                s->seqs_left++;
-                memmove(&(*arrs[a])[i], &(*arrs[a])[i + 1], (stbds_arrlenu(*arrs[a]) - 1 - i) * sizeof **arrs[a]);
-                stbds_header(*arrs[a])->length--;
-                break;
-            }
-    v->scheduled = 0;
+    kvs_sched_item **items;
+    kvs__req **reqs;
+    size_t i, n, num_new;
+    int a;
+    if (!kvs__scheduled(s, v)) return;
+    a = kvs__item_list(s, v);
+    items = a ? &s->decode : &s->prefill;
+    reqs = s->planned[a];
+    i = v->item;
+    n = stbds_arrlenu(reqs);
+    num_new = (*items)[i].num_new;
+    s->tokens_left += num_new;
+    s->seqs_left++;
+    memmove(&(*items)[i], &(*items)[i + 1], (n - 1 - i) * sizeof **items);
+    memmove(&reqs[i], &reqs[i + 1], (n - 1 - i) * sizeof *reqs);
+    stbds_header(*items)->length--;
+    stbds_header(reqs)->length--;
+    for (; i + 1 < n; i++) reqs[i]->item = (uint32_t)i;
+    if (!kvs__drop_commit(s, a, v) && a) s->decode_tokens -= num_new; /* counted in bulk (kvs__item) */
+    v->planned = 0;
 }
 
 /* Swap: its registered blocks go to G2 first (synchronously, whatever the offload mode), so they come
@@ -3030,7 +3260,8 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     kvs__queue_remove(s->running, v);
     if (s->cfg.preempt == KVS_PREEMPT_SWAP) kvs__swap_out(s, v);
     kvs__drop_blocks(s, v);
-    v->computed = v->cached = v->registered_blocks = 0; /* recomputed (or reloaded) from scratch */
+    v->computed = 0; /* recomputed (or reloaded) from scratch */
+    v->cached = v->registered_blocks = 0;
     kvs__set_state(s, v, KVS_SLOT_PREEMPTED);
     v->preemptions++;
     v->swapped = s->cfg.preempt == KVS_PREEMPT_SWAP;
@@ -3044,29 +3275,60 @@ static void kvs__preempt(kvs_sched *s, kvs__req *v)
     stbds_arrput(s->preempted, v->id);
 }
 
+/* Whether r's new tokens go to its sequence now: they need a new block. Otherwise they wait in
+ * r->tokens, and planning the step touches neither the sequence nor the pool; tokens that fill the last
+ * block go to the sequence when the step completes, just before its commit registers the block (one
+ * visit of the sequence, not two). A decoding request reaches the pool twice per block. */
+static int kvs__must_push(const kvs_sched *s, const kvs__req *r)
+{
+    return (uint64_t)r->len > (uint64_t)r->num_blocks * s->block_tokens;
+}
+
+/* Whether the item of r (computing [num_computed, num_computed + num_new)) fills a block. A decode whose
+ * tokens wait stays within its last block (the earlier ones are full, and its computed tokens reach
+ * into the last), so it fills that block exactly when its tokens do. */
+static int kvs__item_fills(const kvs_sched *s, const kvs__req *r, size_t num_computed, size_t num_new, int decode)
+{
+    if (decode && r->in_seq < r->len) return (uint64_t)r->len == (uint64_t)r->num_blocks * s->block_tokens;
+    return (num_computed + num_new) / s->block_tokens > num_computed / s->block_tokens;
+}
+
 static void kvs__item(kvs_sched *s, kvs__req *r, size_t num_computed, size_t num_new, int decode)
 {
-    kvs_sched_item it;
-    it.request = r->id;
-    kvb_seq_blocks(r->seq, &it.blocks, &it.num_blocks);
-    it.num_computed = num_computed;
-    it.num_new = num_new;
-    it.tokens = r->tokens;
-    it.num_tokens = stbds_arrlenu(r->tokens);
-    r->scheduled = 1;
-    if (decode) stbds_arrput(s->decode, it);
-    else stbds_arrput(s->prefill, it);
+    kvs_sched_item *it = decode ? stbds_arraddnptr(s->decode, 1) : stbds_arraddnptr(s->prefill, 1);
+    it->request = r->id;
+    it->blocks = r->table;
+    it->num_blocks = r->num_blocks;
+    it->num_computed = num_computed;
+    it->num_new = num_new;
+    it->tokens = r->tokens;
+    it->num_tokens = r->len;
+    r->planned = s->step_id + 1;
+    r->item = (uint32_t)stbds_arrlenu(s->planned[decode]);
+    stbds_arrput(s->planned[decode], r);
+    if (kvs__item_fills(s, r, num_computed, num_new, decode)) stbds_arrput(s->commits[decode], r);
+    else if (decode) s->decode_tokens += num_new;
+}
+
+/* r's sequence has all of its tokens: its table as the step's items show it. */
+static void kvs__synced(kvs__req *r)
+{
+    const kvb_block *table = NULL;
+    size_t n = 0;
+    kvb_seq_blocks(r->seq, &table, &n);
+    r->in_seq = r->len;
+    r->table = table;
+    r->num_blocks = (uint32_t)n;
 }
 
 /* Bring the sequence up to the request's tokens (sampled tokens since the last step), preempting
  * others when blocks run out. 0 when r itself had to go. */
 static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
 {
-    size_t have = r->in_seq;
-    while (have < stbds_arrlenu(r->tokens)) {
+    while (r->in_seq < r->len) {
         kvs__req *v;
-        if (kvb_seq_append(r->seq, r->tokens + have, stbds_arrlenu(r->tokens) - have, NULL) == KVB_OK) {
-            r->in_seq = stbds_arrlenu(r->tokens);
+        if (kvb_seq_append(r->seq, r->tokens + r->in_seq, r->len - r->in_seq, NULL) == KVB_OK) {
+            kvs__synced(r);
             return 1;
         }
         v = kvs__victim(s, preempt_below, NULL);
@@ -3076,12 +3338,12 @@ static int kvs__grow(kvs_sched *s, kvs__req *r, int64_t preempt_below)
     return 1;
 }
 
-/* Schedule what `r` computes next within the budget: 1 when it got a share. */
-static int kvs__schedule_compute(kvs_sched *s, kvs__req *r)
+/* Schedule what `r` computes next within the budget (a decode must get all of its tokens): 1 when it
+ * got a share. */
+static int kvs__schedule_compute(kvs_sched *s, kvs__req *r, int decode)
 {
     size_t *tokens_left = &s->tokens_left, *seqs_left = &s->seqs_left;
-    size_t len = stbds_arrlenu(r->tokens), from = r->computed, n;
-    int decode = r->computed >= r->num_prompt && r->state != KVS_SLOT_PREFILLING && r->state != KVS_SLOT_SKIPPED_PREFILL;
+    size_t len = r->len, from = r->computed, n;
     if (from >= len) return 0;
     n = len - from;
     if (!*seqs_left || !*tokens_left || (decode && n > *tokens_left)) return 0;
@@ -3099,50 +3361,65 @@ static void kvs__schedule_grown(kvs_sched *s, kvs__req *r, int decoding, int gro
         kvs__preempt(s, r);
         return;
     }
-    if (kvs__schedule_compute(s, r))
+    if (kvs__schedule_compute(s, r, decoding))
         kvs__set_state(s, r, decoding ? KVS_SLOT_DECODING : KVS_SLOT_PREFILLING);
     else
         kvs__set_state(s, r, decoding ? KVS_SLOT_SKIPPED_DECODE : KVS_SLOT_SKIPPED_PREFILL);
 }
 
 /* Whether r grows and is scheduled in this pass (decodes first, then prefills). */
-static int kvs__wants_growth(const kvs__req *r, int decode_pass)
+static int kvs__wants_growth(kvs_sched *s, kvs__req *r, int decode_pass)
 {
     int decoding = r->state == KVS_SLOT_DECODING || r->state == KVS_SLOT_SKIPPED_DECODE;
+    kvs__settle(s, r);
     if (r->state == KVS_SLOT_PREEMPTED || r->state == KVS_SLOT_FINISHED) return 0; /* a victim meanwhile */
-    if (decoding != decode_pass || r->scheduled) return 0;
-    return !(decoding && stbds_arrlenu(r->tokens) <= r->computed); /* waiting for its sampled token */
+    if (decoding != decode_pass || kvs__scheduled(s, r)) return 0;
+    return !(decoding && r->len <= r->computed); /* waiting for its sampled token */
 }
 
-/* The decoding requests from order[from] on that grow in this pass, appended in one batch (one lock of
- * the device pool): as many as succeed in a row are scheduled; the first that fails takes the slow path
- * (preempting others), exactly where the one-by-one loop would have. Returns where the pass goes on. */
+/* Decoding requests planned per batch of sequence appends: few enough that their lines stay in L1
+ * between gathering the batch and scheduling them. */
+#define KVS__WINDOW 64
+
+/* The decoding requests from order[from] on that grow in this pass, a window at a time: those whose
+ * tokens must go to their sequence now (kvs__must_push) are appended in one batch (one lock of the
+ * device pool), then the window is scheduled in order up to the first append that failed, which takes
+ * the slow path (preempting others) exactly where the one-by-one loop would have. Returns where the pass
+ * goes on. */
 static size_t kvs__grow_decodes(kvs_sched *s, kvs__req **order, size_t from, size_t n)
 {
-    size_t i, k, done = 0;
+    size_t end, i, j = 0, k, done = 0;
     KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
     KVB__ARR_SHRINK(s->batch_tokens, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (i = from; i < n && kvs__wants_growth(order[i], 1); i++) {
-        kvs__req *r = order[i];
-        if (i + 8 < n) KVB__PREFETCH(order[i + 8]);
-        if (i + 4 < n) KVB__PREFETCH(order[i + 4]->tokens + order[i + 4]->in_seq);
+    for (end = from; end < n && end - from < KVS__WINDOW && kvs__wants_growth(s, order[end], 1); end++) {
+        kvs__req *r = order[end];
+        if (end + 32 < n) KVB__PREFETCH(order[end + 32]);
+        if (!kvs__must_push(s, r)) continue;
         stbds_arrput(s->batch, r);
         stbds_arrput(s->batch_seqs, r->seq);
         stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
-        stbds_arrput(s->batch_counts, stbds_arrlenu(r->tokens) - r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
+    }
+    if (end == from) { /* order[from] does not grow in this pass: the prefill pass looks at it */
+        if (kvs__wants_growth(s, order[from], 0)) stbds_arrput(s->prefills, from);
+        return from + 1;
     }
     k = stbds_arrlenu(s->batch);
-    if (!k) return from + 1; /* order[from] does not grow in this pass */
-    kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
-    for (i = 0; i < done; i++) {
-        s->batch[i]->in_seq = stbds_arrlenu(s->batch[i]->tokens);
-        kvs__schedule_grown(s, s->batch[i], 1, 1);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = from; i < end; i++) {
+        kvs__req *r = order[i];
+        if (j < k && s->batch[j] == r) {
+            if (j == done) break;
+            kvs__synced(r);
+            j++;
+        }
+        kvs__schedule_grown(s, r, 1, 1);
     }
-    if (done == k) return from + k;
-    kvs__schedule_grown(s, s->batch[done], 1, kvs__grow(s, s->batch[done], (int64_t)INT32_MAX + 1));
-    return from + done + 1;
+    if (i == end) return end;
+    kvs__schedule_grown(s, order[i], 1, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    return i + 1;
 }
 
 static void kvs__schedule_running(kvs_sched *s)
@@ -3153,9 +3430,12 @@ static void kvs__schedule_running(kvs_sched *s)
     if (stbds_arrlen(s->running)) memcpy(stbds_arraddnptr(s->order, stbds_arrlenu(s->running)), s->running, stbds_arrlenu(s->running) * sizeof *s->order);
     order = s->order;
     n = stbds_arrlenu(order);
+    KVB__ARR_SHRINK(s->prefills, 0);
     for (i = 0; i < n;) i = kvs__grow_decodes(s, order, i, n); /* decodes first, in batches */
-    for (i = 0; i < n; i++) /* then prefills */
-        if (kvs__wants_growth(order[i], 0)) kvs__schedule_grown(s, order[i], 0, kvs__grow(s, order[i], (int64_t)INT32_MAX + 1));
+    for (i = 0; i < stbds_arrlenu(s->prefills); i++) { /* then prefills: the decode pass saw where they are */
+        kvs__req *r = order[s->prefills[i]];
+        if (kvs__wants_growth(s, r, 0)) kvs__schedule_grown(s, r, 0, kvs__grow(s, r, (int64_t)INT32_MAX + 1));
+    }
 }
 
 /* The full-block hashes of r's tokens with the device pool's hash function. */
@@ -3177,16 +3457,15 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
-    size_t nh = stbds_arrlenu(r->tokens) / s->block_tokens, dev = 0, ext = 0;
+    size_t nh = r->len / s->block_tokens, dev = 0, ext = 0;
     int async = 0;
     r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
-    hashes = (kvb_hash *)KVB_MALLOC(nh * sizeof *hashes);
-    if (!hashes) return 0;
+    KVB__ARR_SHRINK(s->hashes, 0);
+    hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);
     kvb_lookup(s->cfg.device, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
-    KVB_FREE(hashes);
     if (!async) {
         kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
         return 0;
@@ -3204,7 +3483,7 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADMIT;
     e.request = r->id;
-    e.u.admit.prompt_tokens = stbds_arrlenu(r->tokens);
+    e.u.admit.prompt_tokens = r->len;
     e.u.admit.lower_hit_tokens = r->lower_hit < cached ? r->lower_hit : cached;
     e.u.admit.device_hit_tokens = cached - e.u.admit.lower_hit_tokens;
     e.u.admit.priority = r->priority;
@@ -3215,33 +3494,29 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
 static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
-    kvb_seq_config sc;
     size_t cached = 0;
-    sc.salt = r->salt;
-    sc.extra = r->extra;
-    sc.n_extra = r->num_extra;
-    if (kvb_seq_create(s->cfg.device, &sc, &r->seq) != KVB_OK) return 0;
+    if (!kvs__seq_open(s, r)) return 0;
     for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
                 * computes at least one token (for its logits) in a block of its own, as in vLLM */
         kvs__req *v;
-        size_t len = stbds_arrlenu(r->tokens);
+        size_t len = r->len;
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
             if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
-                r->in_seq = len;
+                kvs__synced(r);
                 break;
             }
             kvb_seq_truncate(r->seq, 0);
         }
         v = kvs__victim(s, r->priority, r);
         if (!v) {
-            kvb_seq_destroy(r->seq);
-            r->seq = NULL;
+            kvs__seq_close(r);
             return 0;
         }
         kvs__preempt(s, v);
     }
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
-    r->computed = r->cached = cached;
+    r->computed = (uint32_t)cached;
+    r->cached = cached;
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
@@ -3250,7 +3525,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_INITIALIZED);
     kvs__set_state(s, r, KVS_SLOT_PREFILLING); /* a resumed request prefills what was not cached, then decodes */
     kvs__queue_insert(&s->running, r);
-    if (!kvs__schedule_compute(s, r)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
+    if (!kvs__schedule_compute(s, r, 0)) kvs__set_state(s, r, KVS_SLOT_SKIPPED_PREFILL);
     return 1;
 }
 
@@ -3258,7 +3533,7 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
-    size_t need = (stbds_arrlenu(r->tokens) + s->block_tokens - 1) / s->block_tokens;
+    size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
     return need <= (size_t)st.free_blocks + st.inactive_blocks;
 }
@@ -3366,7 +3641,6 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
 
 static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
 {
-    size_t i;
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RUN_STEP)) {
@@ -3379,7 +3653,12 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     KVB__ARR_SHRINK(sched->prefill, 0);
     KVB__ARR_SHRINK(sched->decode, 0);
     KVB__ARR_SHRINK(sched->preempted, 0);
-    for (i = 0; i < stbds_arrlenu(sched->running); i++) sched->running[i]->scheduled = 0;
+    KVB__ARR_SHRINK(sched->planned[0], 0);
+    KVB__ARR_SHRINK(sched->planned[1], 0);
+    KVB__ARR_SHRINK(sched->commits[0], 0);
+    KVB__ARR_SHRINK(sched->commits[1], 0);
+    sched->decode_tokens = 0;
+    sched->next_append = 0;
     sched->tokens_left = sched->cfg.max_tokens;
     sched->seqs_left = sched->cfg.max_seqs;
     kvs__collect_loads(sched);
@@ -3403,46 +3682,84 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
     return KVS_OK;
 }
 
-/* After an item's tokens were committed: counts, and in eager mode the newly registered blocks go to the
- * connector. */
-static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
+/* r's blocks registered up to its computed tokens go to the connector (eager mode stores them). */
+static void kvs__note_registered(kvs_sched *s, kvs__req *r)
 {
-    const kvb_block *table = NULL;
-    size_t n = 0;
-    if (done > r->computed) {
-        s->stats.computed_tokens += done - r->computed;
-        r->computed = done;
-    }
-    if (s->conn && r->computed / s->block_tokens > r->registered_blocks) {
-        kvb_seq_blocks(r->seq, &table, &n);
-        kvs_connector_note_registered(s->conn, r->id, table + r->registered_blocks,
-                                      r->computed / s->block_tokens - r->registered_blocks);
-    }
-    if (r->computed / s->block_tokens > r->registered_blocks) r->registered_blocks = r->computed / s->block_tokens;
-    if (r->state == KVS_SLOT_PREFILLING && r->computed >= stbds_arrlenu(r->tokens)) kvs__set_state(s, r, KVS_SLOT_DECODING);
+    size_t full = r->computed / s->block_tokens;
+    if (full <= r->registered_blocks) return;
+    if (s->conn) kvs_connector_note_registered(s->conn, r->id, r->table + r->registered_blocks, full - r->registered_blocks);
+    r->registered_blocks = full;
 }
 
-/* Commit what the step's items computed: every sequence in one batch (one lock of the device pool),
- * then each request's counts and connector notes, in the step's order. */
-static void kvs__commit_items(kvs_sched *s)
+/* After an item's tokens were committed: counts, and the blocks that filled go to the connector. */
+static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
 {
-    size_t a, i, k;
+    size_t before = r->computed / s->block_tokens;
+    if (done > r->computed) {
+        s->stats.computed_tokens += done - r->computed;
+        r->computed = (uint32_t)done;
+    }
+    if (r->computed / s->block_tokens > before) kvs__note_registered(s, r);
+    if (r->state == KVS_SLOT_PREFILLING && r->computed >= r->len) kvs__set_state(s, r, KVS_SLOT_DECODING);
+}
+
+/* The request of a step's item, NULL when it ended during the step (its first line only). */
+static kvs__req *kvs__item_req(kvs__req *r)
+{
+    return r && r->table && r->state != KVS_SLOT_FINISHED ? r : NULL;
+}
+
+/* The tokens that fill the last block of a decoding request (kvs__must_push) go to its sequence: in one
+ * batch, before the commit. The block is there and partial: nothing to allocate. */
+static void kvs__push_fills(kvs_sched *s)
+{
+    size_t i, k, done = 0;
     KVB__ARR_SHRINK(s->batch, 0);
     KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_tokens, 0);
     KVB__ARR_SHRINK(s->batch_counts, 0);
-    for (a = 0; a < 2; a++) {
-        const kvs_sched_item *items = a ? s->decode : s->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(s, items[i].request);
-            if (!r || !r->seq || r->state == KVS_SLOT_FINISHED) continue; /* aborted during the step */
-            stbds_arrput(s->batch, r);
-            stbds_arrput(s->batch_seqs, r->seq);
-            stbds_arrput(s->batch_counts, items[i].num_computed + items[i].num_new);
-        }
+    for (i = 0; i < stbds_arrlenu(s->commits[1]); i++) {
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
+        if (!r || r->in_seq == r->len) continue;
+        stbds_arrput(s->batch, r);
+        stbds_arrput(s->batch_seqs, r->seq);
+        stbds_arrput(s->batch_tokens, r->tokens + r->in_seq);
+        stbds_arrput(s->batch_counts, r->len - r->in_seq);
     }
     k = stbds_arrlenu(s->batch);
+    if (k) kvb_seq_append_many(s->batch_seqs, s->batch_tokens, s->batch_counts, k, &done);
+    for (i = 0; i < done; i++) kvs__synced(s->batch[i]); /* one that failed is committed as far as its seq goes */
+}
+
+/* Commit what the step's items computed: the sequences where a block filled (kvs_sched.commits; for the
+ * others a commit would change nothing) in one batch, one lock of the device pool, in the step's order;
+ * then the counts and connector notes of the prefills and of the decodes that filled a block, in the
+ * step's order. The other decodes are not visited (kvs__unsettled); their tokens are counted at once. */
+static void kvs__commit_items(kvs_sched *s)
+{
+    size_t a, i, k, n;
+    kvs__push_fills(s);
+    KVB__ARR_SHRINK(s->batch_seqs, 0);
+    KVB__ARR_SHRINK(s->batch_counts, 0);
+    for (a = 0; a < 2; a++)
+        for (i = 0; i < stbds_arrlenu(s->commits[a]); i++) {
+            kvs__req *r = kvs__item_req(s->commits[a][i]);
+            if (!r) continue;
+            stbds_arrput(s->batch_seqs, r->seq);
+            stbds_arrput(s->batch_counts, a ? r->in_seq : s->prefill[r->item].num_computed + s->prefill[r->item].num_new);
+        }
+    k = stbds_arrlenu(s->batch_seqs);
     if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
-    for (i = 0; i < k; i++) kvs__committed(s, s->batch[i], s->batch_counts[i]);
+    for (i = 0; i < stbds_arrlenu(s->prefill); i++) {
+        kvs__req *r = kvs__item_req(s->planned[0][i]);
+        if (r) kvs__committed(s, r, s->prefill[i].num_computed + s->prefill[i].num_new);
+    }
+    for (i = 0, n = stbds_arrlenu(s->commits[1]); i < n; i++) { /* the other decodes: kvs__unsettled */
+        kvs__req *r = kvs__item_req(s->commits[1][i]);
+        if (r) kvs__committed(s, r, r->len);
+    }
+    s->stats.computed_tokens += s->decode_tokens;
+    s->decode_tokens = 0;
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
@@ -3460,13 +3777,16 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
     kvs__commit_items(sched);
     sched->in_step = 0;
     for (a = 0; a < 2 && sched->drops; a++) { /* requests that ended during the step give their blocks back now */
-        kvs_sched_item *items = a ? sched->decode : sched->prefill;
-        for (i = 0; i < stbds_arrlenu(items); i++) {
-            kvs__req *r = kvs__find(sched, items[i].request);
+        for (i = 0; i < stbds_arrlenu(sched->planned[a]); i++) {
+            kvs__req *r = sched->planned[a][i];
             if (r && r->drop_after_step) {
                 r->drop_after_step = 0;
                 sched->drops--;
                 kvs__drop_blocks(sched, r);
+                if (r->released) {
+                    r->id = 0;
+                    stbds_arrput(sched->spare, r);
+                }
             }
         }
     }
@@ -3476,12 +3796,14 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
 /* Finishing -> Finished: blocks released (they stay cached), connector told. */
 static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
 {
-    kvs_result res = kvs__set_state(s, r, KVS_SLOT_FINISHING);
-    if (res != KVS_OK) return res;
+    kvs_result res;
+    kvs__settle(s, r);
+    if ((res = kvs__set_state(s, r, KVS_SLOT_FINISHING)) != KVS_OK) return res;
     kvs__unqueue(s, r);
-    if (s->in_step && r->scheduled) { /* the engine holds its block table */
+    if (s->in_step && kvs__scheduled(s, r)) { /* the engine holds its block table */
         r->drop_after_step = 1;
         s->drops++;
+        if (kvs__item_list(s, r) && !kvs__drop_commit(s, 1, r)) s->decode_tokens -= s->decode[r->item].num_new;
     }
     else kvs__drop_blocks(s, r);
     kvs__set_state(s, r, KVS_SLOT_FINISHED);
@@ -3490,11 +3812,35 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
     return KVS_OK;
 }
 
+/* An engine appends the step's sampled tokens in about the order of the step's decode items. The request
+ * at s->next_append is tried before the id map (a sequential read instead of a random probe): a struct
+ * is never freed while the scheduler lives, and a released one has id 0 until it is reused. */
+static kvs__req *kvs__find_appended(kvs_sched *s, uint64_t id)
+{
+    size_t i = s->next_append;
+    if (!s->in_step && i < stbds_arrlenu(s->planned[1]) && s->planned[1][i]->id == id) return s->planned[1][i];
+    return kvs__find(s, id);
+}
+
+/* After r's append: the next append is expected for the item after r's; the requests of the items a
+ * little further on, and the token slots of those nearer, are fetched now. */
+static void kvs__expect_appends(kvs_sched *s, const kvs__req *r)
+{
+    size_t i = r->item, n = stbds_arrlenu(s->planned[1]);
+    if (r->planned != s->step_id || i >= n || s->planned[1][i] != r) return; /* not a decode of the last step */
+    s->next_append = i + 1;
+    if (i + 16 < n) KVB__PREFETCH(s->planned[1][i + 16]);
+    if (i + 8 < n) {
+        const kvs__req *next = s->planned[1][i + 8];
+        KVB__PREFETCH(next->tokens + next->len);
+    }
+}
+
 static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
 {
     kvs__req *r;
     if (!sched || (n && !tokens)) return KVS_EINVAL;
-    if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
+    if (!(r = kvs__find_appended(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_APPEND)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
@@ -3505,11 +3851,16 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
-    if (stbds_arrlenu(r->tokens) > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
+    kvs__expect_appends(sched, r);
+    kvs__settle(sched, r);
+    if (r->len > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
-    memcpy(stbds_arraddnptr(r->tokens, n), tokens, n * sizeof *tokens);
-    r->generated += (uint32_t)n;
-    if (r->max_new && r->generated >= r->max_new) return kvs__end(sched, r, 0);
+    if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
+    if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
+    if (n == 1) r->tokens[r->len] = *tokens;
+    else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);
+    r->len += (uint32_t)n;
+    if (r->len >= r->end) return kvs__end(sched, r, 0); /* max_new_tokens generated */
     return KVS_OK;
 }
 
@@ -3538,11 +3889,15 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
     if (!(r = kvs__find(sched, request))) return KVS_ENOTFOUND;
     if (kvs__wants(sched->cfg.bus, KVS_EV_RELEASE)) kvs__emit_call(sched, KVS_EV_RELEASE, request);
     if (r->state != KVS_SLOT_FINISHED) return KVS_ESTATE;
-    if (r->drop_after_step) sched->drops--;
     (void)kvs__id_del(&sched->reqs, request);
     stbds_arrdelswap(sched->all, r->at);
     if (r->at < stbds_arrlenu(sched->all)) sched->all[r->at]->at = r->at;
-    kvs__req_free(r);
+    if (r->drop_after_step) {
+        r->released = 1; /* the engine holds its block table until the step completes */
+    } else {
+        r->id = 0;
+        stbds_arrput(sched->spare, r);
+    }
     return KVS_OK;
 }
 
@@ -3599,11 +3954,11 @@ KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_sl
     memset(out, 0, sizeof *out);
     out->state = r->state;
     out->priority = r->priority;
-    out->num_tokens = stbds_arrlenu(r->tokens);
-    out->num_computed = r->computed;
+    out->num_tokens = r->len;
+    out->num_computed = kvs__computed(sched, r);
     out->num_cached = r->cached;
     out->num_lower_hit_tokens = r->lower_hit;
-    out->generated = r->generated;
+    out->generated = (uint32_t)(r->len - r->num_prompt);
     out->preemptions = r->preemptions;
     out->pending_transfers = r->state == KVS_SLOT_ONBOARD_STAGED || r->state == KVS_SLOT_ONBOARDING;
     return KVS_OK;

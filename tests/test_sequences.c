@@ -1,6 +1,7 @@
 /* Sequences of kvblock.h: incremental hashing as tokens arrive, fork and copy-on-write of the shared
- * partial block (bytes included), reference counting across forks, truncation, chunked commits, an
- * append that does not fit changing nothing, and those copies through the pool's copy_block hook. */
+ * partial block (bytes included), reference counting across forks, truncation, chunked commits, reserved
+ * room and a reset that keep the same memory, an append that does not fit changing nothing, and those
+ * copies through the pool's copy_block hook. */
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"
 #include "kvtest.h"
@@ -285,6 +286,50 @@ static void test_chunked_commit_registers_full_blocks_only(void)
     kvb_pool_destroy(pool);
 }
 
+/* Reserved room keeps appends in place; a reset gives the blocks back as a destroy does (full ones stay
+ * cached) and starts over with the new salt and keys, in the same memory; a bad config changes nothing. */
+static void test_reset_releases_blocks_and_starts_over(void)
+{
+    kvb_pool *pool = fx_pool(16);
+    uint64_t extra[1] = {3};
+    kvb_seq_config first = {.salt = 1}, again = {.salt = 2, .extra = extra, .n_extra = 1};
+    kvb_seq_config bad = {.n_extra = 1};
+    kvb_seq *s = fx_seq(pool, &first);
+    uint32_t tokens[40];
+    const uint32_t *kept = NULL, *now = NULL;
+    size_t n = 0;
+    kvb_hash h[2];
+    fx_iota(tokens, 40, 11);
+    KVT_EQ(kvb_seq_reserve(s, 64), KVB_OK);
+    KVT_EQ(kvb_seq_reserve(NULL, 64), KVB_EINVAL);
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_tokens(s, &kept, &n), KVB_OK);
+    KVT_EQ(kvb_seq_append(s, tokens + 20, 20, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(s, 40), KVB_OK);
+    KVT_EQ(kvb_seq_tokens(s, &now, &n), KVB_OK);
+    KVT_CHECK(now == kept); /* appends within the reserved room did not move the array */
+    KVT_EQ(kvb_seq_reset(s, &bad), KVB_EINVAL);
+    KVT_EQ(fx_seq_info(s).num_tokens, 40); /* nothing changed */
+    KVT_EQ(kvb_seq_reset(NULL, NULL), KVB_EINVAL);
+
+    KVT_EQ(kvb_seq_reset(s, &again), KVB_OK);
+    KVT_EQ(fx_seq_info(s).num_tokens, 0);
+    KVT_EQ(fx_seq_info(s).num_blocks, 0);
+    KVT_EQ(fx_stats(pool).active_blocks, 0);
+    KVT_EQ(fx_stats(pool).inactive_blocks, 2); /* the full blocks stay cached */
+    KVT_EQ(kvb_hash_prompt(tokens, 40, 16, NULL, 0, 1, h, 2, &n), KVB_OK);
+    KVT_EQ(fx_lookup(pool, h, 2), 2);
+
+    KVT_EQ(kvb_seq_append(s, tokens, 40, NULL), KVB_OK); /* the new salt and keys: no hit */
+    KVT_EQ(fx_seq_info(s).num_cached, 0);
+    check_hashes(s, tokens, 40, extra, 1, 2);
+    KVT_EQ(kvb_seq_tokens(s, &now, &n), KVB_OK);
+    KVT_CHECK(now == kept); /* the same array after the reset */
+    kvb_seq_destroy(s);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 static void test_append_without_space_changes_nothing(void)
 {
     kvb_pool *pool = fx_pool(4);
@@ -490,6 +535,7 @@ int main(void)
     KVT_RUN(test_shared_blocks_freed_by_last_owner);
     KVT_RUN(test_truncate_releases_tail_and_copies_kept_partial);
     KVT_RUN(test_chunked_commit_registers_full_blocks_only);
+    KVT_RUN(test_reset_releases_blocks_and_starts_over);
     KVT_RUN(test_append_without_space_changes_nothing);
     KVT_RUN(test_copy_on_write_without_space_changes_nothing);
     KVT_RUN(test_copy_hook_carries_fork_and_truncate);

@@ -5,7 +5,10 @@
  *   - a multi-turn chat trace (examples/workloads.h) replayed as serve_sim --sequential does, under every
  *     built-in policy, with an event sink: after two passes over the trace, a third allocates nothing;
  *   - blocks through their whole lifecycle (init, tokens, schedule, compute, register) and sequences
- *     (append, commit, release): after a warm-up round, more rounds allocate nothing.
+ *     (append, commit, release): after a warm-up round, more rounds allocate nothing;
+ *   - an engine's scheduler steps (kvsched.h) with the connector and a host tier (eager offload through
+ *     the memcpy backend, onboarding of host hits): requests arrive, prefill, decode, finish and are
+ *     released, so every step sees all of that; after warm-up, 1,000 steps allocate nothing.
  */
 #include <stdlib.h>
 static int armed;
@@ -17,7 +20,9 @@ static void count_free_macro(void *p) { if (p) macro_calls++; free(p); }
 #define KVB_REALLOC(p, sz) count_realloc(p, sz)
 #define KVB_FREE(p) count_free_macro(p)
 #define KVBLOCK_IMPLEMENTATION
-#include "kvblock.h"
+#define KVOFFLOAD_IMPLEMENTATION
+#define KVSCHED_IMPLEMENTATION
+#include "kvsched.h"
 #define WORKLOADS_IMPLEMENTATION
 #include "../examples/workloads.h"
 #include "kvtest.h"
@@ -153,6 +158,143 @@ static void test_block_lifecycle(void)
     kvb_pool_destroy(pool);
 }
 
+/* ---- the scheduler's steady state ------------------------------------------------------------------ */
+
+enum { SYSTEMS = 6, SYSTEM_TOKENS = 64, QUESTIONS = 150, RUNNING = 48, BT = 16 };
+
+typedef struct engine {
+    kvb_pool *device, *host;
+    kvo_backend *copy;
+    kvo_manager *tiers;
+    kvs_sched *sched;
+    uint64_t rng, *live;      /* the requests not yet released (RUNNING of them) */
+    size_t live_n;
+    uint32_t prompt[SYSTEM_TOKENS + 200];
+    uint64_t finished, decoded, admitted_with_hits;
+} engine;
+
+static uint32_t eng_rand(engine *e, uint32_t below)
+{
+    e->rng ^= e->rng << 13;
+    e->rng ^= e->rng >> 7;
+    e->rng ^= e->rng << 17;
+    return (uint32_t)(e->rng % below);
+}
+
+static kvb_pool *eng_pool(uint32_t blocks, uint32_t tier)
+{
+    kvb_pool_config cfg = config(blocks, KVB_EVICT_LINEAGE);
+    cfg.block_tokens = BT;
+    cfg.tier = tier;
+    cfg.storage = KVB_STORAGE_HOST;
+    cfg.layout.kind = KVB_LAYOUT_BLOCK_CONTIGUOUS;
+    cfg.layout.num_layers = 1;
+    cfg.layout.num_parts = 2;
+    cfg.layout.page_bytes = 64;
+    cfg.on_events = NULL;
+    kvb_pool *pool = NULL;
+    KVT_EQ(kvb_pool_create(&cfg, &pool), KVB_OK);
+    return pool;
+}
+
+/* A request: one of a few system prompts, then one of QUESTIONS questions (asked again now and then:
+ * by then the device has evicted it, the host tier still holds it); it generates 4..60 tokens. */
+static void eng_add(engine *e)
+{
+    uint32_t sys = eng_rand(e, SYSTEMS), q = eng_rand(e, QUESTIONS), own = 8 + (q * 37u) % 150u;
+    kvs_request rq;
+    uint64_t id;
+    for (uint32_t i = 0; i < SYSTEM_TOKENS; i++) e->prompt[i] = sys * 1000u + i;
+    for (uint32_t i = 0; i < own; i++) e->prompt[SYSTEM_TOKENS + i] = 100000u + q * 1000u + i;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = e->prompt;
+    rq.num_prompt = SYSTEM_TOKENS + own;
+    rq.max_new_tokens = 4 + eng_rand(e, 57);
+    KVT_EQ(kvs_sched_add(e->sched, &rq, &id), KVS_OK);
+    e->live[e->live_n++] = id;
+}
+
+/* One engine step: plan, complete, sample a token for every item that ends its tokens; then release
+ * the requests that finished and add as many new ones. */
+static void eng_step(engine *e)
+{
+    kvs_step st;
+    KVT_EQ(kvs_sched_step(e->sched, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(e->sched, &st), KVS_OK);
+    for (size_t i = 0; i < st.num_prefill + st.num_decode; i++) {
+        const kvs_sched_item *it = i < st.num_prefill ? &st.prefill[i] : &st.decode[i - st.num_prefill];
+        uint32_t t = (uint32_t)(it->request * 7919u + it->num_tokens);
+        if (it->num_computed + it->num_new < it->num_tokens) continue;
+        KVT_EQ(kvs_sched_append(e->sched, it->request, &t, 1), KVS_OK);
+        e->decoded++;
+    }
+    for (size_t i = 0; i < e->live_n;) {
+        kvs_slot_info info;
+        KVT_EQ(kvs_sched_get_slot(e->sched, e->live[i], &info), KVS_OK);
+        if (info.state != KVS_SLOT_FINISHED) {
+            i++;
+            continue;
+        }
+        e->admitted_with_hits += info.num_lower_hit_tokens > 0;
+        KVT_EQ(kvs_sched_release(e->sched, e->live[i]), KVS_OK);
+        e->live[i] = e->live[--e->live_n];
+        e->finished++;
+        eng_add(e);
+    }
+}
+
+static void test_sched_steps(void)
+{
+    engine e;
+    size_t before;
+    uint64_t finished, hits, decoded;
+    memset(&e, 0, sizeof e);
+    e.rng = 0x2545f4914f6cdd1dull;
+    e.device = eng_pool(600, 0); /* small: the device evicts, the host tier serves hits back */
+    e.host = eng_pool(4096, 1);
+    KVT_EQ(kvo_memcpy_backend_create(0, &e.copy), KVO_OK);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = e.device;
+    mc.pools[1] = e.host;
+    mc.down[0] = e.copy;
+    mc.up[1] = e.copy;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.pipeline.min_batch = 1;
+    KVT_EQ(kvo_manager_create(&mc, &e.tiers), KVO_OK);
+    kvs_sched_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.device = e.device;
+    sc.tiers = e.tiers;
+    KVT_EQ(kvs_sched_create(&sc, &e.sched), KVS_OK);
+    e.live = (uint64_t *)malloc(RUNNING * sizeof *e.live);
+    for (int i = 0; i < RUNNING; i++) eng_add(&e);
+    for (int i = 0; i < 3000; i++) eng_step(&e); /* warm-up: buffers, tables and spares reach their size */
+    finished = e.finished;
+    hits = e.admitted_with_hits;
+    decoded = e.decoded;
+    before = calls();
+    armed = getenv("ARM") && !strcmp(getenv("ARM"), "sched");
+    for (int i = 0; i < 1000; i++) eng_step(&e);
+    armed = 0;
+    if (calls() != before) fprintf(stderr, "  scheduler: %zu allocator calls in 1,000 steps\n", calls() - before);
+    KVT_EQ(calls() - before, 0);
+    printf("  (1,000 steps: %llu requests finished, %llu of them onboarded from the host tier, %llu tokens sampled)\n",
+           (unsigned long long)(e.finished - finished), (unsigned long long)(e.admitted_with_hits - hits),
+           (unsigned long long)(e.decoded - decoded));
+    KVT_CHECK(e.finished - finished > 100);           /* requests came and went */
+    KVT_CHECK(e.admitted_with_hits - hits > 10);       /* some were onboarded from the host tier */
+    KVT_CHECK(e.decoded - decoded > 10000);
+    kvs_sched_destroy(e.sched);
+    kvo_manager_destroy(e.tiers);
+    kvo_backend_destroy(e.copy);
+    KVT_EQ(kvb_pool_check(e.device, NULL, 0), KVB_OK);
+    kvb_pool_destroy(e.device);
+    kvb_pool_destroy(e.host);
+    free(e.live);
+}
+
 int main(void)
 {
     KVT_RUN(test_replay_lru);
@@ -161,5 +303,6 @@ int main(void)
     KVT_RUN(test_replay_arc);
     KVT_RUN(test_replay_s3fifo);
     KVT_RUN(test_block_lifecycle);
+    KVT_RUN(test_sched_steps);
     return kvt_summary();
 }
