@@ -804,7 +804,10 @@ typedef struct kvb__meta { /* one cache line per block */
 } kvb__meta;
 typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
-typedef struct kvb__slot { uint64_t lo; uint32_t hi32; uint32_t ref; } kvb__slot; /* ref = index + 1 */
+/* An index slot: the low 32 bits of the hash (its home slot and a filter: the metadata confirms a match)
+ * and the block, index + 1 (0 = empty). 8 bytes, so the index is sparse (load <= 1/3, short probes and
+ * short deletion shifts) in the memory a denser one with wider slots would take. */
+typedef struct kvb__slot { uint32_t tag; uint32_t ref; } kvb__slot;
 
 typedef struct kvb__mut { /* what a mutable block needs until it is registered */
     uint64_t salt;
@@ -1156,18 +1159,22 @@ static void kvb__unlock(kvb_pool *p)
 
 /* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
 
+static uint32_t kvb__tag(const kvb_hash *h) { return (uint32_t)h->lo; }
+
+static int kvb__same_hash(const kvb_hash *a, const kvb_hash *b) { return a->lo == b->lo && a->hi == b->hi; }
+
 /* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
 static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
 {
     uint64_t pos = h->lo & p->slot_mask;
+    uint32_t tag = kvb__tag(h);
     for (;;) {
         const kvb__slot *s = &p->slots[pos];
         if (!s->ref) {
             if (empty) *empty = pos;
             return KVB__NIL;
         }
-        if (s->lo == h->lo && s->hi32 == (uint32_t)h->hi && p->meta[s->ref - 1].hash.hi == h->hi)
-            return s->ref - 1;
+        if (s->tag == tag && kvb__same_hash(&p->meta[s->ref - 1].hash, h)) return s->ref - 1;
         pos = (pos + 1) & p->slot_mask;
     }
 }
@@ -1184,21 +1191,18 @@ static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 /* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash. */
 static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
 {
-    const kvb_hash *h = &p->meta[idx].hash;
-    p->slots[pos].lo = h->lo;
-    p->slots[pos].hi32 = (uint32_t)h->hi;
+    p->slots[pos].tag = kvb__tag(&p->meta[idx].hash);
     p->slots[pos].ref = idx + 1;
     p->n_cached++;
 }
 
 static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
 {
-    uint64_t i = (uint64_t)(slot - p->slots), j = i, k, m = p->slot_mask;
+    uint64_t i = (uint64_t)(slot - p->slots), j = i, m = p->slot_mask;
     for (;;) {
         j = (j + 1) & m;
         if (!p->slots[j].ref) break;
-        k = p->slots[j].lo & m;
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue; /* home lies between: stays */
+        if (((j - p->slots[j].tag) & m) < ((j - i) & m)) continue; /* its home lies after i: it stays */
         p->slots[i] = p->slots[j];
         i = j;
     }
@@ -2366,7 +2370,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->cfg = c;
     p->block_bytes = block_bytes;
     p->storage_bytes = block_bytes * c.num_blocks;
-    while (slots < (uint64_t)c.num_blocks + c.num_blocks / 2 + 1) slots <<= 1; /* load <= 2/3, one slot empty */
+    while (slots < 3 * (uint64_t)c.num_blocks && slots < (UINT64_C(1) << 32)) slots <<= 1; /* load <= 1/3; the tag holds the home slot */
     p->slot_mask = slots - 1;
     p->meta_bytes = (size_t)c.num_blocks * sizeof(kvb__meta);
     p->slot_bytes = (size_t)slots * sizeof(kvb__slot);
@@ -2781,8 +2785,9 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 static uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 {
     uint64_t pos = h->lo & p->slot_mask;
+    uint32_t tag = kvb__tag(h);
     for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
-        if (p->slots[pos].lo == h->lo && p->slots[pos].hi32 == (uint32_t)h->hi) return p->slots[pos].ref - 1;
+        if (p->slots[pos].tag == tag) return p->slots[pos].ref - 1;
     return KVB__NIL;
 }
 
@@ -2803,7 +2808,8 @@ static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_
             else KVB__PREFETCH(&p->meta[idx[probed]]);
         }
         if (i >= limit) break;
-        if (p->meta[idx[i]].hash.hi != hashes[i].hi && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL) return i;
+        if (!kvb__same_hash(&p->meta[idx[i]].hash, &hashes[i]) && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL)
+            return i;
     }
     return limit;
 }
@@ -3024,7 +3030,7 @@ static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
 
 static int kvb__findable(const kvb_pool *p, uint64_t slot)
 {
-    uint64_t pos = p->slots[slot].lo & p->slot_mask;
+    uint64_t pos = p->slots[slot].tag & p->slot_mask;
     for (; pos != slot; pos = (pos + 1) & p->slot_mask)
         if (!p->slots[pos].ref) return 0;
     return 1;
@@ -3116,7 +3122,7 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         uint32_t ref = pool->slots[s].ref;
         if (!ref) continue;
         n_cached++;
-        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) || pool->meta[ref - 1].hash.lo != pool->slots[s].lo)
+        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) || kvb__tag(&pool->meta[ref - 1].hash) != pool->slots[s].tag)
             KVB__FAIL("index slot %llu names block %u wrongly", (unsigned long long)s, ref - 1);
         if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
     }
