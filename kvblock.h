@@ -743,6 +743,8 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__LIKELY(x) (x)
 #endif
 
+/* Helpers on the per-block path of the batch calls are `static inline`: as calls (registers saved and
+ * restored per block) they were about a fifth of a block cycle's instructions. */
 #define KVB__NIL UINT32_MAX
 /* Shrink an stb_ds array (stbds_arrsetlen also grows, and warns under -Wtype-limits for 0). */
 #define KVB__ARR_SHRINK(a, n) ((a) ? (void)(stbds_header(a)->length = (size_t)(n)) : (void)0)
@@ -1164,7 +1166,7 @@ static uint32_t kvb__tag(const kvb_hash *h) { return (uint32_t)h->lo; }
 static int kvb__same_hash(const kvb_hash *a, const kvb_hash *b) { return a->lo == b->lo && a->hi == b->hi; }
 
 /* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
-static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
+static inline uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
 {
     uint64_t pos = h->lo & p->slot_mask;
     uint32_t tag = kvb__tag(h);
@@ -1181,7 +1183,7 @@ static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_
 
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, NULL); }
 
-static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
+static inline kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 {
     uint64_t pos = p->meta[idx].hash.lo & p->slot_mask;
     while (p->slots[pos].ref != idx + 1) pos = (pos + 1) & p->slot_mask;
@@ -1196,7 +1198,7 @@ static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
     p->n_cached++;
 }
 
-static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
+static inline void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
 {
     uint64_t i = (uint64_t)(slot - p->slots), j = i, m = p->slot_mask;
     for (;;) {
@@ -1327,7 +1329,7 @@ static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
 /* Count a registered child in (+1) or out (-1) of its parent. */
-static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
+static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
@@ -1338,14 +1340,14 @@ static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
-static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
+static inline int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
     return (m->flags & KVB__F_INACTIVE) && m->stamp == e->stamp;
 }
 
 /* An entry to keep: valid, or holding the place of an S3-FIFO block in use. */
-static int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
+static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
     return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp;
@@ -1355,48 +1357,50 @@ static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KV
 
 /* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
  * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
-static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
+static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
 {
-    kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    if (len < 2 * ((size_t)r->live + r->held) + 64) return;
-    for (i = r->head; i < len; i++)
-        if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    if (p->cfg.eviction != KVB_EVICT_S3FIFO && len - r->head == r->live) { /* only evicted ones, before the head */
+        w = len - r->head;
+        memmove(r->e, r->e + r->head, w * sizeof *r->e);
+    } else {
+        for (i = r->head; i < len; i++)
+            if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
+    }
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
     r->held = (uint32_t)(w - r->live);
 }
 
-static void kvb__ring_push(kvb_pool *p, uint32_t idx)
+static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
-    uint32_t rid = kvb__ring_of(m);
+    kvb__ring *r = &p->rings[kvb__ring_of(m)];
     kvb__ring_entry e;
     e.idx = idx;
     e.stamp = ++m->stamp;
-    stbds_arrput(p->rings[rid].e, e);
-    p->rings[rid].live++;
-    kvb__ring_compact(p, rid);
+    stbds_arrput(r->e, e);
+    r->live++;
+    if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
 }
 
-static void kvb__list_push(kvb_pool *p, uint32_t idx)
+static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     m->flags |= KVB__F_INACTIVE;
     p->n_inactive++;
-    if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
+    if (KVB__LIKELY(!(m->flags & KVB__F_QUEUED) && p->cfg.eviction != KVB_EVICT_CUSTOM)) {
+        kvb__ring_push(p, idx);
+    } else if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
-        return;
-    }
-    if (m->flags & KVB__F_QUEUED) { /* S3-FIFO: back in its old place */
+    } else { /* S3-FIFO: back in its old place */
         m->flags &= (uint8_t)~KVB__F_QUEUED;
         p->rings[kvb__ring_of(m)].live++;
-        return;
     }
-    kvb__ring_push(p, idx);
 }
 
-static void kvb__list_remove(kvb_pool *p, uint32_t idx)
+static inline void kvb__list_remove(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     m->flags &= (uint8_t)~KVB__F_INACTIVE;
@@ -1409,7 +1413,7 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
     if (p->cfg.eviction == KVB_EVICT_S3FIFO) m->flags |= KVB__F_QUEUED; /* .. but keeps its place */
 }
 
-static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
+static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
@@ -1427,7 +1431,7 @@ static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
 
 /* The oldest block of a ring (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
  * KVB__NIL. Stale entries at the head are dropped on the way. */
-static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
+static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
@@ -2128,7 +2132,7 @@ static void kvb__mut_drop(kvb_pool *p, uint32_t idx)
 }
 
 /* Take a registered block out of the index (promoting a duplicate) or out of its duplicate chain. */
-static void kvb__unindex(kvb_pool *p, uint32_t idx)
+static inline void kvb__unindex(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     if (m->flags & KVB__F_INDEXED) {
@@ -2153,48 +2157,62 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
     kvb__kids_add(p, &m->parent, -1);
 }
 
-/* A block onto the free stack as new, keeping only its eviction-ring stamp; a new generation
- * invalidates every handle to it. */
-static void kvb__push_free(kvb_pool *p, uint32_t idx)
+/* A block as new (free state), keeping only its eviction-ring stamp; a new generation invalidates
+ * every handle to it. */
+static inline void kvb__reset_meta(kvb__meta *m)
 {
-    kvb__meta *m = &p->meta[idx];
     uint32_t gen = (m->gen + 1) & KVB__GEN_MASK, stamp = m->stamp;
     memset(m, 0, sizeof *m);
     m->gen = gen;
     m->stamp = stamp;
     m->dup_next = KVB__NIL;
+}
+
+/* A registered block leaves: out of its list's count and the index. */
+static inline void kvb__forget(kvb_pool *p, uint32_t idx)
+{
+    if (kvb__two_lists(p)) p->n_cls[p->meta[idx].cls]--;
+    kvb__unindex(p, idx);
+}
+
+/* A block onto the free stack as new. */
+static void kvb__push_free(kvb_pool *p, uint32_t idx)
+{
+    kvb__reset_meta(&p->meta[idx]);
     p->free_stack[p->n_free++] = idx;
 }
 
 /* Any block back to the free set. */
 static void kvb__make_free(kvb_pool *p, uint32_t idx)
 {
-    if (p->meta[idx].state == KVB_STATE_REGISTERED && kvb__two_lists(p)) p->n_cls[p->meta[idx].cls]--;
-    if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
+    if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__forget(p, idx);
     else kvb__mut_drop(p, idx);
     kvb__push_free(p, idx);
 }
 
-static uint32_t kvb__alloc_one(kvb_pool *p)
+/* Evict the policy's victim: off its list, out of the index, reset as new. KVB__NIL when none. */
+static inline uint32_t kvb__evict_one(kvb_pool *p)
+{
+    uint32_t idx = kvb__choose_victim(p);
+    if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
+    kvb__list_remove(p, idx);
+    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
+    else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
+    kvb__forget(p, idx); /* inactive blocks are registered */
+    kvb__reset_meta(&p->meta[idx]);
+    p->stats.evictions++;
+    return idx;
+}
+
+static inline uint32_t kvb__alloc_one(kvb_pool *p)
 {
     uint32_t idx;
     kvb__meta *m;
-    if (p->n_free) {
-        idx = p->free_stack[--p->n_free];
-    } else {
-        idx = kvb__choose_victim(p);
-        if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
-        kvb__list_remove(p, idx);
-        if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
-        else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
-        kvb__make_free(p, idx);
-        p->n_free--;
-        p->stats.evictions++;
-    }
+    if (p->n_free) idx = p->free_stack[--p->n_free];
+    else if ((idx = kvb__evict_one(p)) == KVB__NIL) return KVB__NIL;
     m = &p->meta[idx];
     m->state = KVB_STATE_EMPTY;
     m->refs = 1;
-    m->dup_next = KVB__NIL;
     p->n_active++;
     p->stats.allocations++;
     return idx;
@@ -2212,7 +2230,7 @@ static void kvb__unalloc(kvb_pool *p, uint32_t idx)
 
 static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
 
-static void kvb__take_ref(kvb_pool *p, uint32_t idx)
+static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     if (m->refs++ == 0) {
@@ -2223,11 +2241,10 @@ static void kvb__take_ref(kvb_pool *p, uint32_t idx)
 }
 
 /* Drop one reference; the last one makes the block inactive or free. */
-static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
+/* The last reference to a block went: it becomes inactive (registered) or free. */
+static inline void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
-    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
-    if (--m->refs) return;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
         if (m->prio != prio) m->flags &= (uint8_t)~KVB__F_QUEUED; /* S3-FIFO: another level, another place */
@@ -2238,26 +2255,38 @@ static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     }
 }
 
+static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
+    if (!--m->refs) kvb__unreferenced(p, idx, prio);
+}
+
+/* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. */
+static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
+{
+    size_t i, tail = n;
+    for (i = n; i-- > 0 && tail == n;)
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
+    if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
+                                                                             which blocks were cached */
+    for (i = n; i-- > 0;)
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
+    p->clock += (uint32_t)n;
+}
+
 /* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them (unless the
  * release only drops rejected tokens), then each drops one reference. */
 static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch)
 {
-    size_t i, tail = n;
-    if (touch && p->cfg.eviction == KVB_EVICT_FOL) {
-        for (i = n; i-- > 0 && tail == n;)
-            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
-        if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
-                                                                                 which blocks were cached */
-        for (i = n; i-- > 0;)
-            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
-        p->clock += (uint32_t)n;
-    }
+    size_t i;
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
     for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
 }
 
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
  * existing one when the pool rejects duplicates). */
-static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
+static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
                                   uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
@@ -2370,7 +2399,8 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->cfg = c;
     p->block_bytes = block_bytes;
     p->storage_bytes = block_bytes * c.num_blocks;
-    while (slots < 3 * (uint64_t)c.num_blocks && slots < (UINT64_C(1) << 32)) slots <<= 1; /* load <= 1/3; the tag holds the home slot */
+    /* load <= 1/3; at most 2^32 slots, so a slot's tag holds its home */
+    while (slots < 3 * (uint64_t)c.num_blocks && slots < (UINT64_C(1) << 32)) slots <<= 1;
     p->slot_mask = slots - 1;
     p->meta_bytes = (size_t)c.num_blocks * sizeof(kvb__meta);
     p->slot_bytes = (size_t)slots * sizeof(kvb__slot);
@@ -2580,6 +2610,43 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
     return KVB_OK;
 }
 
+/* kvb_release's one pass: resolve each handle and take its reference off, tentatively (marked). Returns 0
+ * with nothing changed at the first bad handle, count at zero or block met twice; the careful path then
+ * finds the exact error, or releases the repeated block in order. */
+static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uint32_t *idx)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t id = blocks[i].id;
+        uint32_t x = (uint32_t)id - 1; /* handle 0 wraps out of range */
+        kvb__meta *m = &p->meta[x < p->cfg.num_blocks ? x : 0];
+        if ((id & KVB_WEAK_BIT) || x >= p->cfg.num_blocks || m->state == KVB__S_FREE ||
+            m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs || (m->flags & KVB__F_MARK))
+            break;
+        m->refs--;
+        m->flags |= KVB__F_MARK;
+        idx[i] = x;
+    }
+    if (i == n) return 1;
+    while (i-- > 0) {
+        p->meta[idx[i]].refs++;
+        p->meta[idx[i]].flags &= (uint8_t)~KVB__F_MARK;
+    }
+    return 0;
+}
+
+/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first. */
+static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+{
+    size_t i;
+    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
+    for (i = n; i-- > 0;) {
+        kvb__meta *m = &p->meta[idx[i]];
+        m->flags &= (uint8_t)~KVB__F_MARK;
+        if (!m->refs) kvb__unreferenced(p, idx[i], prio);
+    }
+}
+
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
 {
     uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0;
@@ -2591,6 +2658,11 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
+    }
+    if (KVB__LIKELY(kvb__release_take(pool, blocks, n, idx))) {
+        kvb__release_taken(pool, idx, n, prio);
+        kvb__unlock(pool);
+        return KVB_OK;
     }
     for (i = 0; i < n && r == KVB_OK; i++) {
         if (blocks[i].id & KVB_WEAK_BIT) r = KVB_EWEAK;
@@ -2782,7 +2854,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 }
 
 /* Probe the index slots for h without touching block metadata: the candidate block or KVB__NIL. */
-static uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
+static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 {
     uint64_t pos = h->lo & p->slot_mask;
     uint32_t tag = kvb__tag(h);
