@@ -1429,6 +1429,26 @@ static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
         KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
 }
 
+/* Victims leave a ring from its head in order, so their misses can start well before they are needed:
+ * each eviction drops the stale entries at the head, then prefetches the metadata of the entry
+ * 2 x KVB__VICTIM_AHEAD past it and the index slots (its own, and its parent's where child counts are
+ * kept) of the entry KVB__VICTIM_AHEAD past it, whose metadata came in meanwhile. The window rolls on
+ * from one call to the next. (The head's update also keeps compilers from taking a helper that only
+ * prefetches for one without effects, and dropping its calls.) */
+#define KVB__VICTIM_AHEAD 8
+static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
+{
+    size_t at, len = stbds_arrlenu(r->e);
+    const kvb__meta *m;
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    at = r->head + KVB__VICTIM_AHEAD;
+    if (at + KVB__VICTIM_AHEAD < len) KVB__PREFETCH(&p->meta[r->e[at + KVB__VICTIM_AHEAD].idx]);
+    if (at >= len) return;
+    m = &p->meta[r->e[at].idx];
+    KVB__PREFETCH(&p->slots[m->hash.lo & p->slot_mask]);
+    if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(&p->slots[m->parent.lo & p->slot_mask]);
+}
+
 /* The oldest block of a ring (lineage: the oldest leaf among the first KVB__LEAF_SCAN_LIMIT), or
  * KVB__NIL. Stale entries at the head are dropped on the way. */
 static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
@@ -2067,7 +2087,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 
 
 /* The next victim under the pool's policy, lowest priority level first; KVB__NIL for none. */
-static uint32_t kvb__choose_victim(kvb_pool *p)
+static uint32_t kvb__policy_victim(kvb_pool *p)
 {
     uint32_t lvl, i;
     int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
@@ -2083,7 +2103,7 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
         if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
         if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
         if (!p->rings[lvl * KVB__CLASSES].live) continue;
-        kvb__prefetch_victims(p, lvl * KVB__CLASSES, 8);
+        kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
@@ -2091,6 +2111,20 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
             (kvb__two_lists(p) && (i = kvb__ring_victim(p, lvl * KVB__CLASSES + KVB__T2, 0)) != KVB__NIL))
             return i;
     return KVB__NIL;
+}
+
+/* The same, LRU and lineage first: the oldest block (leaf) of the lowest level that has one. */
+static inline uint32_t kvb__choose_victim(kvb_pool *p)
+{
+    uint32_t lvl, i;
+    int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
+    if (!lineage && p->cfg.eviction != KVB_EVICT_LRU) return kvb__policy_victim(p);
+    for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
+        if (!p->rings[lvl * KVB__CLASSES].live) continue;
+        kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
+        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
+    }
+    return kvb__policy_victim(p); /* only inner blocks left */
 }
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
@@ -2863,27 +2897,27 @@ static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
     return KVB__NIL;
 }
 
-/* Length of the longest cached prefix, block indices in idx. A rolling software pipeline keeps many
- * cache misses in flight: the slot of hash i + 16 is prefetched, the slot of i + 8 is probed and its
- * block prefetched, and block i is confirmed. */
+/* Length of the longest cached prefix, block indices in idx. The slots are probed in order with the
+ * slot KVB__SLOT_AHEAD hashes on already on its way, and the metadata of each candidate is prefetched as
+ * it is found, so a long chain keeps many misses in flight; a second pass confirms the full hashes (the
+ * slot holds 96 bits of them) on metadata that has arrived by then. */
 #define KVB__SLOT_AHEAD 16
-#define KVB__META_AHEAD 8
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
-    size_t i, probed = 0, limit = n; /* idx[0, probed) hold candidates; limit = first probe miss */
+    size_t i, k = n;
     for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(&p->slots[hashes[i].lo & p->slot_mask]);
-    for (i = 0; i < limit; i++) {
-        if (i + KVB__SLOT_AHEAD < limit) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
-        for (; probed < limit && probed <= i + KVB__META_AHEAD; probed++) {
-            idx[probed] = kvb__probe(p, &hashes[probed]);
-            if (idx[probed] == KVB__NIL) limit = probed;
-            else KVB__PREFETCH(&p->meta[idx[probed]]);
+    for (i = 0; i < n; i++) {
+        if (i + KVB__SLOT_AHEAD < n) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
+        if ((idx[i] = kvb__probe(p, &hashes[i])) == KVB__NIL) {
+            k = i;
+            break;
         }
-        if (i >= limit) break;
+        KVB__PREFETCH(&p->meta[idx[i]]);
+    }
+    for (i = 0; i < k; i++)
         if (!kvb__same_hash(&p->meta[idx[i]].hash, &hashes[i]) && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL)
             return i;
-    }
-    return limit;
+    return k;
 }
 
 /* Take references on the k matched blocks of a lookup of n hashes, and count it. */
