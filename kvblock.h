@@ -2878,8 +2878,8 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
     }
-    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
-    for (i = 0; r == KVB_OK && i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
+    for (i = 0; i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]); /* they come in while .. */
+    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);                  /* .. this runs */
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens));
