@@ -2274,7 +2274,6 @@ static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
     if (kvb__two_lists(p) && m->state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
 }
 
-/* Drop one reference; the last one makes the block inactive or free. */
 /* The last reference to a block went: it becomes inactive (registered) or free. */
 static inline void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
@@ -2289,6 +2288,7 @@ static inline void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
     }
 }
 
+/* Drop one reference; the last one makes the block inactive or free. */
 static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
@@ -2321,7 +2321,7 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
  * existing one when the pool rejects duplicates). */
 static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
-                                  uint32_t ntok)
+                                         uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t slot = 0;
@@ -2688,6 +2688,7 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
     if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
+    if (!n) return KVB_OK;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);
@@ -2899,8 +2900,8 @@ static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 
 /* Length of the longest cached prefix, block indices in idx. The slots are probed in order with the
  * slot KVB__SLOT_AHEAD hashes on already on its way, and the metadata of each candidate is prefetched as
- * it is found, so a long chain keeps many misses in flight; a second pass confirms the full hashes (the
- * slot holds 96 bits of them) on metadata that has arrived by then. */
+ * it is found, so a long chain keeps many misses in flight; a second pass confirms the full hashes (a
+ * slot holds 32 bits of them) on metadata that has arrived by then. */
 #define KVB__SLOT_AHEAD 16
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
@@ -3228,7 +3229,8 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         uint32_t ref = pool->slots[s].ref;
         if (!ref) continue;
         n_cached++;
-        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) || kvb__tag(&pool->meta[ref - 1].hash) != pool->slots[s].tag)
+        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) ||
+            kvb__tag(&pool->meta[ref - 1].hash) != pool->slots[s].tag)
             KVB__FAIL("index slot %llu names block %u wrongly", (unsigned long long)s, ref - 1);
         if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
     }
