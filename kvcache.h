@@ -823,6 +823,8 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__KEEP(v) ((void)0)
 #endif
 
+/* Helpers on the per-block path of the batch calls are `static inline`: as calls (registers saved and
+ * restored per block) they were about a fifth of a block cycle's instructions. */
 #define KVB__NIL UINT32_MAX
 /* Shrink an stb_ds array (stbds_arrsetlen also grows, and warns under -Wtype-limits for 0). */
 #define KVB__ARR_SHRINK(a, n) ((a) ? (void)(stbds_header(a)->length = (size_t)(n)) : (void)0)
@@ -884,7 +886,10 @@ typedef struct kvb__meta { /* one cache line per block */
 } kvb__meta;
 typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
-typedef struct kvb__slot { uint64_t lo; uint32_t hi32; uint32_t ref; } kvb__slot; /* ref = index + 1 */
+/* An index slot: the low 32 bits of the hash (its home slot and a filter: the metadata confirms a match)
+ * and the block, index + 1 (0 = empty). 8 bytes, so the index is sparse (load <= 1/3, short probes and
+ * short deletion shifts) in the memory a denser one with wider slots would take. */
+typedef struct kvb__slot { uint32_t tag; uint32_t ref; } kvb__slot;
 
 typedef struct kvb__mut { /* what a mutable block needs until it is registered */
     uint64_t salt;
@@ -1282,25 +1287,29 @@ static void kvb__unlock(kvb_pool *p)
 
 /* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
 
+static uint32_t kvb__tag(const kvb_hash *h) { return (uint32_t)h->lo; }
+
+static int kvb__same_hash(const kvb_hash *a, const kvb_hash *b) { return a->lo == b->lo && a->hi == b->hi; }
+
 /* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
-static uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
+static inline uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
 {
     uint64_t pos = h->lo & p->slot_mask;
+    uint32_t tag = kvb__tag(h);
     for (;;) {
         const kvb__slot *s = &p->slots[pos];
         if (!s->ref) {
             if (empty) *empty = pos;
             return KVB__NIL;
         }
-        if (s->lo == h->lo && s->hi32 == (uint32_t)h->hi && p->meta[s->ref - 1].hash.hi == h->hi)
-            return s->ref - 1;
+        if (s->tag == tag && kvb__same_hash(&p->meta[s->ref - 1].hash, h)) return s->ref - 1;
         pos = (pos + 1) & p->slot_mask;
     }
 }
 
 static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, NULL); }
 
-static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
+static inline kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 {
     uint64_t pos = p->meta[idx].hash.lo & p->slot_mask;
     while (p->slots[pos].ref != idx + 1) pos = (pos + 1) & p->slot_mask;
@@ -1310,21 +1319,18 @@ static kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 /* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash. */
 static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
 {
-    const kvb_hash *h = &p->meta[idx].hash;
-    p->slots[pos].lo = h->lo;
-    p->slots[pos].hi32 = (uint32_t)h->hi;
+    p->slots[pos].tag = kvb__tag(&p->meta[idx].hash);
     p->slots[pos].ref = idx + 1;
     p->n_cached++;
 }
 
-static void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
+static inline void kvb__index_delete(kvb_pool *p, kvb__slot *slot)
 {
-    uint64_t i = (uint64_t)(slot - p->slots), j = i, k, m = p->slot_mask;
+    uint64_t i = (uint64_t)(slot - p->slots), j = i, m = p->slot_mask;
     for (;;) {
         j = (j + 1) & m;
         if (!p->slots[j].ref) break;
-        k = p->slots[j].lo & m;
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue; /* home lies between: stays */
+        if (((j - p->slots[j].tag) & m) < ((j - i) & m)) continue; /* its home lies after i: it stays */
         p->slots[i] = p->slots[j];
         i = j;
     }
@@ -1456,7 +1462,7 @@ static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
 }
 
 /* Count a registered child in (+1) or out (-1) of its parent. */
-static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
+static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 {
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
@@ -1468,14 +1474,14 @@ static void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
-static int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
+static inline int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
     return (m->flags & KVB__F_INACTIVE) && m->stamp == e->stamp;
 }
 
 /* An entry to keep: valid, or holding the place of an S3-FIFO block in use. */
-static int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
+static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
     return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp;
@@ -1485,49 +1491,51 @@ static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KV
 
 /* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
  * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
-static void kvb__ring_compact(kvb_pool *p, uint32_t rid)
+static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
 {
-    kvb__ring *r = &p->rings[rid];
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    if (len < 2 * ((size_t)r->live + r->held) + 64) return;
-    for (i = r->head; i < len; i++)
-        if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    if (p->cfg.eviction != KVB_EVICT_S3FIFO && len - r->head == r->live) { /* only evicted ones, before the head */
+        w = len - r->head;
+        memmove(r->e, r->e + r->head, w * sizeof *r->e);
+    } else {
+        for (i = r->head; i < len; i++)
+            if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
+    }
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
     r->leafless_to = 0;
     r->held = (uint32_t)(w - r->live);
 }
 
-static void kvb__ring_push(kvb_pool *p, uint32_t idx)
+static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
-    uint32_t rid = kvb__ring_of(m);
+    kvb__ring *r = &p->rings[kvb__ring_of(m)];
     kvb__ring_entry e;
     e.idx = idx;
     e.stamp = ++m->stamp;
-    stbds_arrput(p->rings[rid].e, e);
-    p->rings[rid].live++;
-    kvb__ring_compact(p, rid);
+    stbds_arrput(r->e, e);
+    r->live++;
+    if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
 }
 
-static void kvb__list_push(kvb_pool *p, uint32_t idx)
+static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     m->flags |= KVB__F_INACTIVE;
     p->n_inactive++;
-    if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
+    if (KVB__LIKELY(!(m->flags & KVB__F_QUEUED) && p->cfg.eviction != KVB_EVICT_CUSTOM)) {
+        kvb__ring_push(p, idx);
+    } else if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
-        return;
-    }
-    if (m->flags & KVB__F_QUEUED) { /* S3-FIFO: back in its old place */
+    } else { /* S3-FIFO: back in its old place */
         m->flags &= (uint8_t)~KVB__F_QUEUED;
         p->rings[kvb__ring_of(m)].live++;
-        return;
     }
-    kvb__ring_push(p, idx);
 }
 
-static void kvb__list_remove(kvb_pool *p, uint32_t idx)
+static inline void kvb__list_remove(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     m->flags &= (uint8_t)~KVB__F_INACTIVE;
@@ -1540,7 +1548,7 @@ static void kvb__list_remove(kvb_pool *p, uint32_t idx)
     if (p->cfg.eviction == KVB_EVICT_S3FIFO) m->flags |= KVB__F_QUEUED; /* .. but keeps its place */
 }
 
-static int kvb__is_leaf(kvb_pool *p, uint32_t idx)
+static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
@@ -1556,9 +1564,29 @@ static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
         KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
 }
 
+/* Victims leave a ring from its head in order, so their misses can start well before they are needed:
+ * each eviction drops the stale entries at the head, then prefetches the metadata of the entry
+ * 2 x KVB__VICTIM_AHEAD past it and the index slots (its own, and its parent's where child counts are
+ * kept) of the entry KVB__VICTIM_AHEAD past it, whose metadata came in meanwhile. The window rolls on
+ * from one call to the next. (The head's update also keeps compilers from taking a helper that only
+ * prefetches for one without effects, and dropping its calls.) */
+#define KVB__VICTIM_AHEAD 8
+static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
+{
+    size_t at, len = stbds_arrlenu(r->e);
+    const kvb__meta *m;
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    at = r->head + KVB__VICTIM_AHEAD;
+    if (at + KVB__VICTIM_AHEAD < len) KVB__PREFETCH(&p->meta[r->e[at + KVB__VICTIM_AHEAD].idx]);
+    if (at >= len) return;
+    m = &p->meta[r->e[at].idx];
+    KVB__PREFETCH(&p->slots[m->hash.lo & p->slot_mask]);
+    if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(&p->slots[m->parent.lo & p->slot_mask]);
+}
+
 /* The oldest block of a ring (want_leaf: the oldest leaf, passing at most KVB__LEAF_SCAN_LIMIT other
  * blocks in one call), or KVB__NIL. Stale entries at the head are dropped on the way. */
-static uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
+static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
@@ -2211,7 +2239,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 
 
 /* The next victim under the pool's policy, lowest priority level first; KVB__NIL for none. */
-static uint32_t kvb__choose_victim(kvb_pool *p)
+static uint32_t kvb__policy_victim(kvb_pool *p)
 {
     uint32_t lvl, i;
     int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
@@ -2227,7 +2255,7 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
         if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
         if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
         if (!p->rings[lvl * KVB__CLASSES].live) continue;
-        kvb__prefetch_victims(p, lvl * KVB__CLASSES, 8);
+        kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
@@ -2235,6 +2263,20 @@ static uint32_t kvb__choose_victim(kvb_pool *p)
             (kvb__two_lists(p) && (i = kvb__ring_victim(p, lvl * KVB__CLASSES + KVB__T2, 0)) != KVB__NIL))
             return i;
     return KVB__NIL;
+}
+
+/* The same, LRU and lineage first: the oldest block (leaf) of the lowest level that has one. */
+static inline uint32_t kvb__choose_victim(kvb_pool *p)
+{
+    uint32_t lvl, i;
+    int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
+    if (!lineage && p->cfg.eviction != KVB_EVICT_LRU) return kvb__policy_victim(p);
+    for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
+        if (!p->rings[lvl * KVB__CLASSES].live) continue;
+        kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
+        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
+    }
+    return kvb__policy_victim(p); /* only inner blocks left */
 }
 
 /* ---- block state changes (pool locked) ----------------------------------------------------------- */
@@ -2276,7 +2318,7 @@ static void kvb__mut_drop(kvb_pool *p, uint32_t idx)
 }
 
 /* Take a registered block out of the index (promoting a duplicate) or out of its duplicate chain. */
-static void kvb__unindex(kvb_pool *p, uint32_t idx)
+static inline void kvb__unindex(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     if (m->flags & KVB__F_INDEXED) {
@@ -2301,48 +2343,62 @@ static void kvb__unindex(kvb_pool *p, uint32_t idx)
     kvb__kids_add(p, &m->parent, -1);
 }
 
-/* A block onto the free stack as new, keeping only its eviction-ring stamp; a new generation
- * invalidates every handle to it. */
-static void kvb__push_free(kvb_pool *p, uint32_t idx)
+/* A block as new (free state), keeping only its eviction-ring stamp; a new generation invalidates
+ * every handle to it. */
+static inline void kvb__reset_meta(kvb__meta *m)
 {
-    kvb__meta *m = &p->meta[idx];
     uint32_t gen = (m->gen + 1) & KVB__GEN_MASK, stamp = m->stamp;
     memset(m, 0, sizeof *m);
     m->gen = gen;
     m->stamp = stamp;
     m->dup_next = KVB__NIL;
+}
+
+/* A registered block leaves: out of its list's count and the index. */
+static inline void kvb__forget(kvb_pool *p, uint32_t idx)
+{
+    if (kvb__two_lists(p)) p->n_cls[p->meta[idx].cls]--;
+    kvb__unindex(p, idx);
+}
+
+/* A block onto the free stack as new. */
+static void kvb__push_free(kvb_pool *p, uint32_t idx)
+{
+    kvb__reset_meta(&p->meta[idx]);
     p->free_stack[p->n_free++] = idx;
 }
 
 /* Any block back to the free set. */
 static void kvb__make_free(kvb_pool *p, uint32_t idx)
 {
-    if (p->meta[idx].state == KVB_STATE_REGISTERED && kvb__two_lists(p)) p->n_cls[p->meta[idx].cls]--;
-    if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__unindex(p, idx);
+    if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__forget(p, idx);
     else kvb__mut_drop(p, idx);
     kvb__push_free(p, idx);
 }
 
-static uint32_t kvb__alloc_one(kvb_pool *p)
+/* Evict the policy's victim: off its list, out of the index, reset as new. KVB__NIL when none. */
+static inline uint32_t kvb__evict_one(kvb_pool *p)
+{
+    uint32_t idx = kvb__choose_victim(p);
+    if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
+    kvb__list_remove(p, idx);
+    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
+    else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
+    kvb__forget(p, idx); /* inactive blocks are registered */
+    kvb__reset_meta(&p->meta[idx]);
+    p->stats.evictions++;
+    return idx;
+}
+
+static inline uint32_t kvb__alloc_one(kvb_pool *p)
 {
     uint32_t idx;
     kvb__meta *m;
-    if (p->n_free) {
-        idx = p->free_stack[--p->n_free];
-    } else {
-        idx = kvb__choose_victim(p);
-        if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
-        kvb__list_remove(p, idx);
-        if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
-        else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
-        kvb__make_free(p, idx);
-        p->n_free--;
-        p->stats.evictions++;
-    }
+    if (p->n_free) idx = p->free_stack[--p->n_free];
+    else if ((idx = kvb__evict_one(p)) == KVB__NIL) return KVB__NIL;
     m = &p->meta[idx];
     m->state = KVB_STATE_EMPTY;
     m->refs = 1;
-    m->dup_next = KVB__NIL;
     p->n_active++;
     p->stats.allocations++;
     return idx;
@@ -2360,7 +2416,7 @@ static void kvb__unalloc(kvb_pool *p, uint32_t idx)
 
 static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
 
-static void kvb__take_ref(kvb_pool *p, uint32_t idx)
+static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
     if (m->refs++ == 0) {
@@ -2370,12 +2426,10 @@ static void kvb__take_ref(kvb_pool *p, uint32_t idx)
     if (kvb__two_lists(p) && m->state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
 }
 
-/* Drop one reference; the last one makes the block inactive or free. */
-static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
+/* The last reference to a block went: it becomes inactive (registered) or free. */
+static inline void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
-    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
-    if (--m->refs) return;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
         if (m->prio != prio) m->flags &= (uint8_t)~KVB__F_QUEUED; /* S3-FIFO: another level, another place */
@@ -2386,27 +2440,40 @@ static void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     }
 }
 
+/* Drop one reference; the last one makes the block inactive or free. */
+static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (!m->refs) return; /* a caller released a reference it did not own: never wrap the count */
+    if (!--m->refs) kvb__unreferenced(p, idx, prio);
+}
+
+/* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. */
+static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
+{
+    size_t i, tail = n;
+    for (i = n; i-- > 0 && tail == n;)
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
+    if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
+                                                                             which blocks were cached */
+    for (i = n; i-- > 0;)
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
+    p->clock += (uint32_t)n;
+}
+
 /* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them (unless the
  * release only drops rejected tokens), then each drops one reference. */
 static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch)
 {
-    size_t i, tail = n;
-    if (touch && p->cfg.eviction == KVB_EVICT_FOL) {
-        for (i = n; i-- > 0 && tail == n;)
-            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
-        if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
-                                                                                 which blocks were cached */
-        for (i = n; i-- > 0;)
-            if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
-        p->clock += (uint32_t)n;
-    }
+    size_t i;
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
     for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
 }
 
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
  * existing one when the pool rejects duplicates). */
-static uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
-                                  uint32_t ntok)
+static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
+                                         uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t slot = 0;
@@ -2519,7 +2586,8 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->cfg = c;
     p->block_bytes = block_bytes;
     p->storage_bytes = block_bytes * c.num_blocks;
-    while (slots < (uint64_t)c.num_blocks + c.num_blocks / 2 + 1) slots <<= 1; /* load <= 2/3, one slot empty */
+    /* load <= 1/3; at most 2^32 slots, so a slot's tag holds its home */
+    while (slots < 3 * (uint64_t)c.num_blocks && slots < (UINT64_C(1) << 32)) slots <<= 1;
     p->slot_mask = slots - 1;
     p->meta_bytes = (size_t)c.num_blocks * sizeof(kvb__meta);
     p->slot_bytes = (size_t)slots * sizeof(kvb__slot);
@@ -2730,6 +2798,43 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
     return KVB_OK;
 }
 
+/* kvb_release's one pass: resolve each handle and take its reference off, tentatively (marked). Returns 0
+ * with nothing changed at the first bad handle, count at zero or block met twice; the careful path then
+ * finds the exact error, or releases the repeated block in order. */
+static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uint32_t *idx)
+{
+    size_t i;
+    for (i = 0; i < n; i++) {
+        uint64_t id = blocks[i].id;
+        uint32_t x = (uint32_t)id - 1; /* handle 0 wraps out of range */
+        kvb__meta *m = &p->meta[x < p->cfg.num_blocks ? x : 0];
+        if ((id & KVB_WEAK_BIT) || x >= p->cfg.num_blocks || m->state == KVB__S_FREE ||
+            m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs || (m->flags & KVB__F_MARK))
+            break;
+        m->refs--;
+        m->flags |= KVB__F_MARK;
+        idx[i] = x;
+    }
+    if (i == n) return 1;
+    while (i-- > 0) {
+        p->meta[idx[i]].refs++;
+        p->meta[idx[i]].flags &= (uint8_t)~KVB__F_MARK;
+    }
+    return 0;
+}
+
+/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first. */
+static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+{
+    size_t i;
+    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
+    for (i = n; i-- > 0;) {
+        kvb__meta *m = &p->meta[idx[i]];
+        m->flags &= (uint8_t)~KVB__F_MARK;
+        if (!m->refs) kvb__unreferenced(p, idx[i], prio);
+    }
+}
+
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
 {
     uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0;
@@ -2737,10 +2842,16 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
     if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
+    if (!n) return KVB_OK;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
+    }
+    if (KVB__LIKELY(kvb__release_take(pool, blocks, n, idx))) {
+        kvb__release_taken(pool, idx, n, prio);
+        kvb__unlock(pool);
+        return KVB_OK;
     }
     for (i = 0; i < n && r == KVB_OK; i++) {
         if (blocks[i].id & KVB_WEAK_BIT) r = KVB_EWEAK;
@@ -2922,8 +3033,8 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
     }
-    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
-    for (i = 0; r == KVB_OK && i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
+    for (i = 0; i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]); /* they come in while .. */
+    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);                  /* .. this runs */
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens));
@@ -2932,34 +3043,36 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 }
 
 /* Probe the index slots for h without touching block metadata: the candidate block or KVB__NIL. */
-static uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
+static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 {
     uint64_t pos = h->lo & p->slot_mask;
+    uint32_t tag = kvb__tag(h);
     for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
-        if (p->slots[pos].lo == h->lo && p->slots[pos].hi32 == (uint32_t)h->hi) return p->slots[pos].ref - 1;
+        if (p->slots[pos].tag == tag) return p->slots[pos].ref - 1;
     return KVB__NIL;
 }
 
-/* Length of the longest cached prefix, block indices in idx. A rolling software pipeline keeps many
- * cache misses in flight: the slot of hash i + 16 is prefetched, the slot of i + 8 is probed and its
- * block prefetched, and block i is confirmed. */
+/* Length of the longest cached prefix, block indices in idx. The slots are probed in order with the
+ * slot KVB__SLOT_AHEAD hashes on already on its way, and the metadata of each candidate is prefetched as
+ * it is found, so a long chain keeps many misses in flight; a second pass confirms the full hashes (a
+ * slot holds 32 bits of them) on metadata that has arrived by then. */
 #define KVB__SLOT_AHEAD 16
-#define KVB__META_AHEAD 8
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
-    size_t i, probed = 0, limit = n; /* idx[0, probed) hold candidates; limit = first probe miss */
+    size_t i, k = n;
     for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(&p->slots[hashes[i].lo & p->slot_mask]);
-    for (i = 0; i < limit; i++) {
-        if (i + KVB__SLOT_AHEAD < limit) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
-        for (; probed < limit && probed <= i + KVB__META_AHEAD; probed++) {
-            idx[probed] = kvb__probe(p, &hashes[probed]);
-            if (idx[probed] == KVB__NIL) limit = probed;
-            else KVB__PREFETCH(&p->meta[idx[probed]]);
+    for (i = 0; i < n; i++) {
+        if (i + KVB__SLOT_AHEAD < n) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
+        if ((idx[i] = kvb__probe(p, &hashes[i])) == KVB__NIL) {
+            k = i;
+            break;
         }
-        if (i >= limit) break;
-        if (p->meta[idx[i]].hash.hi != hashes[i].hi && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL) return i;
+        KVB__PREFETCH(&p->meta[idx[i]]);
     }
-    return limit;
+    for (i = 0; i < k; i++)
+        if (!kvb__same_hash(&p->meta[idx[i]].hash, &hashes[i]) && (idx[i] = kvb__find(p, &hashes[i])) == KVB__NIL)
+            return i;
+    return k;
 }
 
 /* Take references on the k matched blocks of a lookup of n hashes, and count it. */
@@ -3178,7 +3291,7 @@ static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
 
 static int kvb__findable(const kvb_pool *p, uint64_t slot)
 {
-    uint64_t pos = p->slots[slot].lo & p->slot_mask;
+    uint64_t pos = p->slots[slot].tag & p->slot_mask;
     for (; pos != slot; pos = (pos + 1) & p->slot_mask)
         if (!p->slots[pos].ref) return 0;
     return 1;
@@ -3270,7 +3383,8 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         uint32_t ref = pool->slots[s].ref;
         if (!ref) continue;
         n_cached++;
-        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) || pool->meta[ref - 1].hash.lo != pool->slots[s].lo)
+        if (ref > n || !(pool->meta[ref - 1].flags & KVB__F_INDEXED) ||
+            kvb__tag(&pool->meta[ref - 1].hash) != pool->slots[s].tag)
             KVB__FAIL("index slot %llu names block %u wrongly", (unsigned long long)s, ref - 1);
         if (!kvb__findable(pool, s)) KVB__FAIL("index slot %llu unreachable by probing", (unsigned long long)s);
     }

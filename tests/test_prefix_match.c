@@ -432,6 +432,43 @@ static void test_lookup_takes_no_reference(void)
     kvb_pool_destroy(pool);
 }
 
+/* Hashes that share their home slot, their low 32 bits (what an index slot keeps of them) or their whole
+ * low half are different hashes: each finds its own block, an absent one finds none, and taking one out
+ * of the index leaves the others findable. */
+static void test_near_collisions_told_apart(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    const uint64_t low = 0x1234567u, far = UINT64_C(1) << 40;
+    kvb_hash h[6] = {fx_hash(low, 1), fx_hash(low + far, 2), fx_hash(low + 2 * far, 3), fx_hash(low, 4),
+                     fx_hash(low + 64, 5), fx_hash(low + 3 * far, 6)}; /* h[5] is never registered */
+    kvb_block b[5] = {{0}}, got[1];
+    uint8_t present[6];
+    size_t n = 0, count = 0;
+    KVT_EQ(kvb_alloc(pool, 5, b), KVB_OK);
+    fx_import(pool, b, 5, h, NULL);
+    KVT_EQ(kvb_release(pool, b, 5, NULL), KVB_OK);
+    for (int i = 0; i < 5; i++) {
+        KVT_EQ(kvb_match(pool, &h[i], 1, got, &n), KVB_OK);
+        KVT_EQ(n, 1);
+        KVT_EQ(got[0].id, b[i].id);
+        FX_HASH_EQ(fx_info(pool, got[0].id).hash, h[i]);
+        KVT_EQ(kvb_release(pool, got, 1, NULL), KVB_OK);
+    }
+    KVT_EQ(fx_lookup(pool, &h[5], 1), 0);
+    KVT_EQ(kvb_presence(pool, h, 6, present, &count), KVB_OK);
+    KVT_EQ(count, 5);
+    KVT_EQ(present[5], 0);
+
+    kvb_block fresh[4] = {{0}}; /* the 3 free blocks, then the least recently released (h[0]) is evicted */
+    KVT_EQ(kvb_alloc(pool, 4, fresh), KVB_OK);
+    KVT_EQ(fx_stats(pool).evictions, 1);
+    KVT_EQ(fx_lookup(pool, &h[0], 1), 0);
+    for (int i = 1; i < 5; i++) KVT_EQ(fx_lookup(pool, &h[i], 1), 1);
+    KVT_EQ(kvb_release(pool, fresh, 4, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -447,5 +484,6 @@ int main(void)
     KVT_RUN(test_duplicate_commits_allowed);
     KVT_RUN(test_duplicate_commits_rejected);
     KVT_RUN(test_lookup_takes_no_reference);
+    KVT_RUN(test_near_collisions_told_apart);
     return kvt_summary();
 }
