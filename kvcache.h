@@ -866,6 +866,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__F_INACTIVE 4u /* on an eviction list (refs == 0, registered) */
 #define KVB__F_MARK 8u     /* scratch for argument validation */
 #define KVB__F_QUEUED 16u  /* S3-FIFO: in use, and its ring entry keeps its place for when it is released */
+#define KVB__F_SAMPLED 32u /* FOL self-tuning: registered, and its hash is in the shadows' sample */
 #define KVB__S_FREE 0      /* state of a block in the free set */
 
 typedef struct kvb__meta { /* one cache line per block */
@@ -910,6 +911,7 @@ typedef struct kvb__ring {
     uint32_t live;      /* inactive blocks at this level */
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
     size_t leafless_to; /* entries before it are stale or not leaves: a leaf search resumes there */
+    uint32_t leaf, leaf_stamp; /* the oldest leaf the last search found (KVB__NIL: none known) */
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
@@ -919,9 +921,12 @@ typedef struct kvb__ctab { /* a count per hash: open addressing on the hash; gro
     uint32_t used;
 } kvb__ctab;
 typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
+/* A ghost-index slot: the hash's low 32 bits (its home and a filter, so probes and deletions read no
+ * ghost but the one they are after) and its circle position + 1, 0 = empty. */
+typedef struct kvb__gslot { uint32_t lo32, ref; } kvb__gslot;
 typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
     kvb__ghost *e;
-    uint32_t *index;      /* open addressing on the hash: circle position + 1, 0 = empty */
+    kvb__gslot *index;    /* open addressing on the hash (at most 2^32 slots: lo32 is the home) */
     uint64_t mask;
     uint32_t cap, pos, live, skip; /* pos: where the next one goes (the oldest is there or after it) */
 } kvb__gset;
@@ -1458,7 +1463,11 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
 static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
-    if (m->flags & KVB__F_INACTIVE) p->rings[(uint32_t)m->prio * KVB__CLASSES + m->cls].leafless_to = 0;
+    if (m->flags & KVB__F_INACTIVE) {
+        kvb__ring *r = &p->rings[(uint32_t)m->prio * KVB__CLASSES + m->cls];
+        r->leafless_to = 0;
+        r->leaf = KVB__NIL; /* it may be older than the leaf found last */
+    }
 }
 
 /* Count a registered child in (+1) or out (-1) of its parent. */
@@ -1554,16 +1563,6 @@ static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
 }
 
-/* Prefetch the metadata of the next victims and the index slots of the ones after the first. */
-static void kvb__prefetch_victims(const kvb_pool *p, uint32_t rid, size_t ahead)
-{
-    const kvb__ring *r = &p->rings[rid];
-    size_t i, len = stbds_arrlenu(r->e);
-    for (i = r->head + 1; i < len && i <= r->head + ahead; i++) KVB__PREFETCH(&p->meta[r->e[i].idx]);
-    for (i = r->head + 1; i < len && i <= r->head + 2; i++)
-        KVB__PREFETCH(&p->slots[p->meta[r->e[i].idx].hash.lo & p->slot_mask]);
-}
-
 /* Victims leave a ring from its head in order, so their misses can start well before they are needed:
  * each eviction drops the stale entries at the head, then prefetches the metadata of the entry
  * 2 x KVB__VICTIM_AHEAD past it and the index slots (its own, and its parent's where child counts are
@@ -1606,7 +1605,23 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
         seen++;
     }
     r->leafless_to = i;
-    return i < len && seen < KVB__LEAF_SCAN_LIMIT ? r->e[i].idx : KVB__NIL;
+    if (i >= len || seen >= KVB__LEAF_SCAN_LIMIT) return KVB__NIL;
+    r->leaf = r->e[i].idx;
+    r->leaf_stamp = r->e[i].stamp;
+    return r->leaf;
+}
+
+/* FOL, which looks at five rings per eviction and takes from one: a ring's oldest leaf, the one its
+ * last search found while that is still in the ring and a leaf (nothing older turned into one: that
+ * forgets it), else a search. */
+static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
+{
+    const kvb__ring *r = &p->rings[rid];
+    if (r->leaf != KVB__NIL) {
+        const kvb__meta *m = &p->meta[r->leaf];
+        if ((m->flags & KVB__F_INACTIVE) && m->stamp == r->leaf_stamp && kvb__is_leaf(p, r->leaf)) return r->leaf;
+    }
+    return kvb__ring_victim(p, rid, 1);
 }
 
 /* FOL: how far block v is from eviction in its class: age minus W[class]; larger goes first. Ages are
@@ -1624,28 +1639,47 @@ static int kvb__fol_before(const kvb_pool *p, uint32_t a, int64_t ka, uint32_t b
     return ka > kb || (ka == kb && p->meta[a].depth > p->meta[b].depth); /* ties: the deeper block */
 }
 
+/* FOL's rings roll their victim windows as LRU's do, and also fetch the ghost-index slot each coming
+ * victim will take when it leaves (FOL remembers an evicted block's count). */
+static inline void kvb__fol_ring_advance(const kvb_pool *p, kvb__ring *r)
+{
+    size_t at;
+    kvb__ring_advance(p, r);
+    at = r->head + KVB__VICTIM_AHEAD;
+    if (p->ghost[0].index && at < stbds_arrlenu(r->e))
+        KVB__PREFETCH(&p->ghost[0].index[p->meta[r->e[at].idx].hash.lo & p->ghost[0].mask]);
+}
+
+/* The index slot of the ghost that the next puts will push out (the circle's oldest, a few on). */
+static inline void kvb__gset_prefetch_oldest(const kvb__gset *g)
+{
+    const kvb__ghost *e;
+    if (!g->index || g->cap <= KVB__VICTIM_AHEAD) return;
+    e = &g->e[g->pos + KVB__VICTIM_AHEAD < g->cap ? g->pos + KVB__VICTIM_AHEAD : g->pos + KVB__VICTIM_AHEAD - g->cap];
+    if (e->live) KVB__PREFETCH(&g->index[e->hash.lo & g->mask]);
+}
+
 /* FOL: of the oldest leaf of each class ring of one level, the one with the smallest last + W[class].
  * Only leaves: a parent whose count restarted may score below its children, and evicting it would
  * orphan them (lineage_only = 0 takes the plain heads, the fallback when no leaf is found). */
 static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 {
-    uint32_t cls, best = KVB__NIL;
+    uint32_t cls, best = KVB__NIL, best_rid = 0;
     int64_t best_key = 0;
-    for (cls = 0; cls < KVB__CLASSES; cls++) { /* the heads' misses overlap */
-        const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + cls];
-        if (r->live) kvb__prefetch_victims(p, lvl * KVB__CLASSES + cls, 2);
-        if (r->live && r->head < stbds_arrlenu(r->e)) KVB__PREFETCH(&p->meta[r->e[r->head].idx]);
-    }
     for (cls = 0; cls < KVB__CLASSES; cls++) {
         uint32_t rid = lvl * KVB__CLASSES + cls, v;
         int64_t key;
-        if (!p->rings[rid].live || (v = kvb__ring_victim(p, rid, leaves_only)) == KVB__NIL) continue;
+        if (!p->rings[rid].live) continue;
+        if ((v = leaves_only ? kvb__ring_leaf(p, rid) : kvb__ring_victim(p, rid, 0)) == KVB__NIL) continue;
         key = kvb__fol_key(p, v);
         if (best == KVB__NIL || kvb__fol_before(p, v, key, best, best_key)) {
             best = v;
             best_key = key;
+            best_rid = rid;
         }
     }
+    if (best != KVB__NIL) kvb__fol_ring_advance(p, &p->rings[best_rid]); /* only its head moves on */
+    kvb__gset_prefetch_oldest(&p->ghost[0]);
     return best;
 }
 
@@ -1847,15 +1881,36 @@ static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h)
 
 /* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest): first
  * the hits (counted, then touched, deepest first), then the misses come in. Returns the blocks sampled. */
+/* Where the shadows keep the sampled blocks of a request: every shadow's index slot of each, then the
+ * nodes those slots name, so the misses of ten shadows overlap instead of following one another (in a
+ * large pool the shadows are touched rarely and are out of cache). */
+static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
+{
+    const kvb__tuner *t = &p->tune;
+    size_t i, k, seen;
+    for (int pass = 0; pass < 2; pass++)
+        for (i = n, seen = 0; i-- > 0 && seen < 8;) {
+            const kvb__meta *m = &p->meta[idx[i]];
+            if (!(m->flags & KVB__F_SAMPLED)) continue;
+            seen++;
+            for (k = 0; k < KVB__TUNE_K; k++) {
+                const uint32_t *slot = &t->sh[k].index[m->hash.lo & t->imask];
+                if (!pass) KVB__PREFETCH(slot);
+                else if (*slot) KVB__PREFETCH(&t->sh[k].node[*slot - 1]);
+            }
+        }
+}
+
 static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
 {
     kvb__tuner *t = &p->tune;
     uint32_t k, now = p->clock, hit, live;
     size_t i, sampled = 0;
     double live_lead = 0; /* the live pool's hits less LRU order's, in this request */
+    kvb__tune_prefetch(p, idx, n);
     for (i = n; i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
-        if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
+        if (!(m->flags & KVB__F_SAMPLED)) continue;
         sampled++;
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
@@ -1878,7 +1933,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     t->live_differ += live_lead * live_lead;
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
-        if (m->state != KVB_STATE_REGISTERED || !kvb__tune_sampled(t, &m->hash)) continue;
+        if (!(m->flags & KVB__F_SAMPLED)) continue;
         for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], m->hash.lo, now, (uint32_t)i, i == tail);
     }
     return sampled;
@@ -1974,9 +2029,10 @@ static int kvb__gset_init(kvb__gset *g, uint32_t cap)
     uint64_t slots = 1;
     if (g->e) return 1;
     if (!cap) return 0;
+    if (cap > UINT32_C(1) << 31) cap = UINT32_C(1) << 31; /* the slots' home is the hash's low 32 bits */
     while (slots < 2 * (uint64_t)cap) slots <<= 1;
     g->e = (kvb__ghost *)KVB_MALLOC(cap * sizeof *g->e);
-    g->index = (uint32_t *)KVB_MALLOC(slots * sizeof *g->index);
+    g->index = (kvb__gslot *)KVB_MALLOC(slots * sizeof *g->index);
     if (!g->e || !g->index) {
         KVB_FREE(g->e);
         KVB_FREE(g->index);
@@ -2003,9 +2059,12 @@ static void kvb__gset_free(kvb__gset *g)
 static uint64_t kvb__gset_slot(const kvb__gset *g, const kvb_hash *h)
 {
     uint64_t s = h->lo & g->mask;
-    while (g->index[s]) {
-        const kvb__ghost *e = &g->e[g->index[s] - 1];
-        if (e->hash.lo == h->lo && e->hash.hi == h->hi) break;
+    uint32_t lo32 = (uint32_t)h->lo;
+    while (g->index[s].ref) {
+        if (g->index[s].lo32 == lo32) {
+            const kvb__ghost *e = &g->e[g->index[s].ref - 1];
+            if (e->hash.lo == h->lo && e->hash.hi == h->hi) break;
+        }
         s = (s + 1) & g->mask;
     }
     return s;
@@ -2017,27 +2076,34 @@ static kvb__ghost *kvb__gset_find(const kvb__gset *g, const kvb_hash *h)
     uint64_t s;
     if (!g->e || !g->live) return NULL;
     s = kvb__gset_slot(g, h);
-    return g->index[s] ? &g->e[g->index[s] - 1] : NULL;
+    return g->index[s].ref ? &g->e[g->index[s].ref - 1] : NULL;
 }
 
 /* Forget the ghost named at index slot s (backward-shift deletion). */
 static void kvb__gset_drop_slot(kvb__gset *g, uint64_t s)
 {
     uint64_t i = s, j = s, k, m = g->mask;
-    g->e[g->index[s] - 1].live = 0;
+    g->e[g->index[s].ref - 1].live = 0;
     g->live--;
     for (;;) {
         j = (j + 1) & m;
-        if (!g->index[j]) break;
-        k = g->e[g->index[j] - 1].hash.lo & m;
+        if (!g->index[j].ref) break;
+        k = g->index[j].lo32 & m;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
         g->index[i] = g->index[j];
         i = j;
     }
-    g->index[i] = 0;
+    g->index[i].ref = 0;
 }
 
-static void kvb__gset_drop(kvb__gset *g, const kvb__ghost *e) { kvb__gset_drop_slot(g, kvb__gset_slot(g, &e->hash)); }
+/* Forget ghost e: its slot is the one on its probe path that names its circle position. */
+static void kvb__gset_drop(kvb__gset *g, const kvb__ghost *e)
+{
+    uint64_t s = e->hash.lo & g->mask;
+    uint32_t ref = (uint32_t)(e - g->e) + 1;
+    while (g->index[s].ref != ref) s = (s + 1) & g->mask;
+    kvb__gset_drop_slot(g, s);
+}
 
 /* Forget the oldest ghost. The circle runs oldest to newest from pos; `skip` slots from pos are known
  * empty, so repeated calls do not rescan them. */
@@ -2065,7 +2131,7 @@ static kvb__ghost *kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
     g->skip = g->skip ? g->skip - 1 : 0;
     if (g->e[pos].live) kvb__gset_drop(g, &g->e[pos]); /* the oldest leaves */
     s = kvb__gset_slot(g, h);
-    if (g->index[s]) { /* put again: the older entry goes */
+    if (g->index[s].ref) { /* put again: the older entry goes */
         kvb__gset_drop_slot(g, s);
         s = kvb__gset_slot(g, h);
     }
@@ -2074,7 +2140,8 @@ static kvb__ghost *kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
     e->hash = *h;
     e->live = 1;
     g->live++;
-    g->index[s] = pos + 1;
+    g->index[s].lo32 = (uint32_t)h->lo;
+    g->index[s].ref = pos + 1;
     return e;
 }
 
@@ -2451,11 +2518,16 @@ static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 /* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. */
 static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
 {
-    size_t i, tail = n;
-    for (i = n; i-- > 0 && tail == n;)
-        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) tail = i;
-    if (p->fol_adaptive && tail < n) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads
-                                                                             which blocks were cached */
+    const kvb__gset *g = &p->ghost[0];
+    size_t i, tail = n, sampled = 0;
+    for (i = n; i-- > 0;) { /* the deepest registered block; the sampled ones; the ghosts to look up */
+        const kvb__meta *m = &p->meta[idx[i]];
+        if (m->state != KVB_STATE_REGISTERED) continue;
+        if (tail == n) tail = i;
+        sampled += (m->flags & KVB__F_SAMPLED) != 0;
+        if (!m->cnt && g->index) KVB__PREFETCH(&g->index[m->hash.lo & g->mask]); /* their misses overlap */
+    }
+    if (sampled) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads which blocks were cached */
     for (i = n; i-- > 0;)
         if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
     p->clock += (uint32_t)n;
@@ -2492,6 +2564,7 @@ static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_ha
     m->parent = parent ? *parent : m->parent;
     m->ntok = (uint16_t)ntok;
     m->state = KVB_STATE_REGISTERED;
+    if (p->fol_adaptive && kvb__tune_sampled(&p->tune, hash)) m->flags |= KVB__F_SAMPLED;
     kvb__kids_add(p, &m->parent, +1);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
@@ -2614,6 +2687,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
     p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
+    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) p->rings[i].leaf = KVB__NIL;
     p->fol_step = c.fol_class_step;
     if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
         pthread_mutex_destroy(&p->lock);
@@ -2704,6 +2778,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].live = 0;
         pool->rings[i].held = 0;
         pool->rings[i].leafless_to = 0;
+        pool->rings[i].leaf = KVB__NIL;
     }
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
