@@ -937,6 +937,7 @@ struct kvb_pool {
     kvb__slot *slots;
     uint64_t slot_mask;
     kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
+    uint8_t ring_mask[KVB__MAX_LEVELS]; /* per level, bit c: ring (level, c) has inactive blocks */
     uint32_t clock;                  /* FOL: block references so far */
     kvb__gset ghost[2];              /* FOL: the last fol_ghost evicted hashes; ARC: B1, B2; S3-FIFO: G */
     double arc_p;                    /* ARC: the target size of T1 */
@@ -1462,6 +1463,18 @@ static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
+/* One more, or one fewer, inactive block in m's ring; the level's mask names the rings that have some,
+ * so FOL looks only at those. */
+static inline void kvb__ring_gain(kvb_pool *p, const kvb__meta *m)
+{
+    if (!p->rings[kvb__ring_of(m)].live++) p->ring_mask[m->prio] |= (uint8_t)(1u << m->cls);
+}
+
+static inline void kvb__ring_lose(kvb_pool *p, const kvb__meta *m)
+{
+    if (!--p->rings[kvb__ring_of(m)].live) p->ring_mask[m->prio] &= (uint8_t)~(1u << m->cls);
+}
+
 /* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
  * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
 static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
@@ -1489,7 +1502,7 @@ static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
     e.idx = idx;
     e.stamp = ++m->stamp;
     stbds_arrput(r->e, e);
-    r->live++;
+    kvb__ring_gain(p, m);
     if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
 }
 
@@ -1504,7 +1517,7 @@ static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
     } else { /* S3-FIFO: back in its old place */
         m->flags &= (uint8_t)~KVB__F_QUEUED;
-        p->rings[kvb__ring_of(m)].live++;
+        kvb__ring_gain(p, m);
     }
 }
 
@@ -1517,7 +1530,7 @@ static inline void kvb__list_remove(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_removed(p->cfg.custom_eviction.user, idx);
         return;
     }
-    p->rings[kvb__ring_of(m)].live--; /* its entry is stale from now on */
+    kvb__ring_lose(p, m); /* its entry is stale from now on */
     if (p->cfg.eviction == KVB_EVICT_S3FIFO) m->flags |= KVB__F_QUEUED; /* .. but keeps its place */
 }
 
@@ -1628,12 +1641,12 @@ static inline void kvb__gset_prefetch_oldest(const kvb__gset *g)
  * orphan them (lineage_only = 0 takes the plain heads, the fallback when no leaf is found). */
 static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 {
-    uint32_t cls, best = KVB__NIL, best_rid = 0;
+    uint32_t cls, bits, best = KVB__NIL, best_rid = 0;
     int64_t best_key = 0;
-    for (cls = 0; cls < KVB__CLASSES; cls++) {
+    for (cls = 0, bits = p->ring_mask[lvl]; bits; cls++, bits >>= 1) {
         uint32_t rid = lvl * KVB__CLASSES + cls, v;
         int64_t key;
-        if (!p->rings[rid].live) continue;
+        if (!(bits & 1)) continue;
         if ((v = leaves_only ? kvb__ring_leaf(p, rid) : kvb__ring_victim(p, rid, 0)) == KVB__NIL) continue;
         key = kvb__fol_key(p, v);
         if (best == KVB__NIL || kvb__fol_before(p, v, key, best, best_key)) {
@@ -2155,7 +2168,7 @@ static void kvb__set_cls(kvb_pool *p, uint32_t idx, uint32_t c)
     p->n_cls[m->cls]--;
     p->n_cls[c]++;
     if (m->flags & KVB__F_INACTIVE) {
-        p->rings[kvb__ring_of(m)].live--;
+        kvb__ring_lose(p, m);
         m->cls = (uint8_t)c;
         kvb__ring_push(p, idx);
     } else {
@@ -2255,7 +2268,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
             }
             if (cls == KVB__T2 && m->cnt) { /* hit in the main queue: round again */
                 m->cnt--;
-                p->rings[rid].live--;
+                kvb__ring_lose(p, m);
                 kvb__ring_push(p, v); /* may compact this very ring: scan again from its head */
                 r = &p->rings[rid];
                 i = r->head;
@@ -2744,6 +2757,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].leafless_to = 0;
         pool->rings[i].leaf = KVB__NIL;
     }
+    memset(pool->ring_mask, 0, sizeof pool->ring_mask);
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
     return KVB_OK;
