@@ -102,9 +102,10 @@
  * the noise of whole requests: a request's blocks hit or miss together), it goes back to LRU order and
  * waits twice as long before the next switch (the wait decays again). The shadows cost
  * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
- * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 3-11 times one through LRU in pools
- * of 1,000-30,000 blocks, and the cycle of a full pool of a million about 1.3-1.7 times LRU's (kvbench
- * evict_fol_vs_lru; README, Eviction). Memory: about 6 MiB for a pool of 4,096 blocks or more (less
+ * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
+ * of 1,000-30,000 blocks (0.2-0.75 us a prompt block, LRU 0.05), and the cycle of a full pool of a
+ * million about 1.6-1.7 times LRU's (kvbench evict_fol_vs_lru; README, Eviction). Memory: about 7 MiB
+ * for a pool of 4,096 to 20,000 blocks, less below and above (less
  * for a smaller one), taken from the pool's allocator when it is created; nothing per reference. A
  * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
  * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads
@@ -904,7 +905,7 @@ typedef struct kvb__tnode {
 } kvb__tnode;
 typedef struct kvb__shadow {
     kvb__tnode *node;
-    uint32_t *index;           /* open addressing on key: node + 1, 0 = empty */
+    kvb__gslot *index;         /* open addressing on key: its low 32 bits (home and filter), node + 1 */
     uint32_t *ghost;           /* circle of evicted nodes, gcap long */
     uint32_t *free;            /* free node stack */
     uint32_t nfree, gpos, resident;
@@ -1690,7 +1691,7 @@ static kvb_result kvb__tune_create(kvb_pool *p)
     t->nodes = t->cap + t->gcap + 1;
     while (slots < 2 * (uint64_t)t->nodes) slots <<= 1;
     t->imask = slots - 1;
-    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(uint32_t) +
+    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(kvb__gslot) +
           ((size_t)t->gcap + 1) * sizeof(uint32_t) + (size_t)t->nodes * sizeof(uint32_t);
     per = (per + 63) & ~(size_t)63;
     bytes = per * KVB__TUNE_K;
@@ -1704,8 +1705,8 @@ static kvb_result kvb__tune_create(kvb_pool *p)
         off = per * k;
         sh->node = (kvb__tnode *)(mem + off);
         off += (size_t)t->nodes * sizeof(kvb__tnode);
-        sh->index = (uint32_t *)(mem + off);
-        off += (size_t)slots * sizeof(uint32_t);
+        sh->index = (kvb__gslot *)(mem + off);
+        off += (size_t)slots * sizeof(kvb__gslot);
         sh->ghost = (uint32_t *)(mem + off);
         off += ((size_t)t->gcap + 1) * sizeof(uint32_t);
         sh->free = (uint32_t *)(mem + off);
@@ -1731,7 +1732,8 @@ static void kvb__tune_free(kvb_pool *p)
 static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key)
 {
     uint64_t s = key & t->imask;
-    while (sh->index[s] && sh->node[sh->index[s] - 1].key != key) s = (s + 1) & t->imask;
+    while (sh->index[s].ref && (sh->index[s].lo32 != (uint32_t)key || sh->node[sh->index[s].ref - 1].key != key))
+        s = (s + 1) & t->imask;
     return s;
 }
 
@@ -1739,18 +1741,18 @@ static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint6
 static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t s)
 {
     uint64_t i = s, j = s, k, m = t->imask;
-    uint32_t node = sh->index[s] - 1;
+    uint32_t node = sh->index[s].ref - 1;
     sh->node[node].where = 0;
     sh->free[sh->nfree++] = node;
     for (;;) {
         j = (j + 1) & m;
-        if (!sh->index[j]) break;
-        k = sh->node[sh->index[j] - 1].key & m;
+        if (!sh->index[j].ref) break;
+        k = sh->index[j].lo32 & m;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
         sh->index[i] = sh->index[j];
         i = j;
     }
-    sh->index[i] = 0;
+    sh->index[i].ref = 0;
 }
 
 static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
@@ -1795,6 +1797,22 @@ static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
     return best;
 }
 
+/* The ghosts a shadow's next evictions push out are known in advance (the circle's next places), and
+ * forgetting one reads its node and then its index slot, two misses in a row: like the live pool's
+ * victim window, fetch the node of the ghost 2 x KVB__TUNE_AHEAD places on, and the slot of the one
+ * KVB__TUNE_AHEAD on, whose node came in meanwhile. */
+#define KVB__TUNE_AHEAD 2
+static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
+{
+    uint32_t near = sh->gpos + KVB__TUNE_AHEAD, far = near + KVB__TUNE_AHEAD, x;
+    if (t->gcap <= 2 * KVB__TUNE_AHEAD) return;
+    near = near < t->gcap ? near : near - t->gcap;
+    far = far < t->gcap ? far : far - t->gcap;
+    if ((x = sh->ghost[far]) != KVB__NIL) KVB__PREFETCH(&sh->node[x]);
+    if ((x = sh->ghost[near]) != KVB__NIL && sh->node[x].where == 2 && sh->node[x].gpos == near)
+        KVB__PREFETCH(&sh->index[sh->node[x].key & t->imask]);
+}
+
 /* Evict the shadow's victim into its ghost circle (the oldest ghost goes). */
 static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
 {
@@ -1813,6 +1831,7 @@ static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
     sh->node[v].gpos = sh->gpos;
     sh->node[v].where = 2;
     sh->gpos = sh->gpos + 1 < t->gcap ? sh->gpos + 1 : 0;
+    kvb__tune_ghost_ahead(t, sh);
 }
 
 /* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown). */
@@ -1833,18 +1852,19 @@ static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, u
     const kvb__tuner *t = &p->tune;
     uint64_t s = kvb__tune_slot(t, sh, key);
     uint32_t x;
-    if (sh->index[s] && sh->node[sh->index[s] - 1].where == 1) return; /* a hash twice in one request */
+    if (sh->index[s].ref && sh->node[sh->index[s].ref - 1].where == 1) return; /* a hash twice in one request */
     if (sh->resident >= t->cap) {
         kvb__tune_evict(t, sh, now);
         s = kvb__tune_slot(t, sh, key); /* the eviction may have moved slots */
     }
-    if (sh->index[s]) {
-        x = sh->index[s] - 1; /* a ghost: its count and last touch come back */
+    if (sh->index[s].ref) {
+        x = sh->index[s].ref - 1; /* a ghost: its count and last touch come back */
     } else {
         x = sh->free[--sh->nfree];
         memset(&sh->node[x], 0, sizeof sh->node[x]);
         sh->node[x].key = key;
-        sh->index[s] = x + 1;
+        sh->index[s].lo32 = (uint32_t)key;
+        sh->index[s].ref = x + 1;
     }
     sh->resident++;
     kvb__tune_touch(p, sh, x, now, depth, tail);
@@ -1871,9 +1891,9 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
             if (!(m->flags & KVB__F_SAMPLED)) continue;
             seen++;
             for (k = 0; k < KVB__TUNE_K; k++) {
-                const uint32_t *slot = &t->sh[k].index[m->hash.lo & t->imask];
+                const kvb__gslot *slot = &t->sh[k].index[m->hash.lo & t->imask];
                 if (!pass) KVB__PREFETCH(slot);
-                else if (*slot) KVB__PREFETCH(&t->sh[k].node[*slot - 1]);
+                else if (slot->ref && slot->lo32 == (uint32_t)m->hash.lo) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
             }
         }
 }
@@ -1892,7 +1912,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
             uint64_t s = kvb__tune_slot(t, sh, m->hash.lo);
-            uint32_t x = sh->index[s] ? sh->index[s] - 1 : KVB__NIL;
+            uint32_t x = sh->index[s].ref ? sh->index[s].ref - 1 : KVB__NIL;
             if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
             sh->score += 1.0;
             hit |= 1u << k;
