@@ -138,10 +138,11 @@
  * the noise of whole requests: a request's blocks hit or miss together), it goes back to LRU order and
  * waits twice as long before the next switch (the wait decays again). The shadows cost
  * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
- * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 3-11 times one through LRU in pools
- * of 1,000-30,000 blocks, and the cycle of a full pool of a million about 1.3-1.7 times LRU's (kvbench
- * evict_fol_vs_lru; README, Eviction). Memory: about 6 MiB for a pool of 4,096 blocks or more (less
- * for a smaller one), taken from the pool's allocator when it is created; nothing per reference. A
+ * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
+ * of 1,000-30,000 blocks (0.2-0.75 us a prompt block, LRU 0.05), and the cycle of a full pool of a
+ * million about 1.6-1.7 times LRU's (kvbench evict_fol_vs_lru; README, Eviction). Memory: at most about
+ * 7 MiB (pools of 4,096 to 20,000 blocks; less below and above), taken from the pool's allocator when
+ * it is created; nothing per reference. A
  * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
  * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads
  * (examples/workloads.h): never more than 0.002 below LRU, and most of the best fixed step's gain where
@@ -940,7 +941,7 @@ typedef struct kvb__tnode {
 } kvb__tnode;
 typedef struct kvb__shadow {
     kvb__tnode *node;
-    uint32_t *index;           /* open addressing on key: node + 1, 0 = empty */
+    kvb__gslot *index;         /* open addressing on key: its low 32 bits (home and filter), node + 1 */
     uint32_t *ghost;           /* circle of evicted nodes, gcap long */
     uint32_t *free;            /* free node stack */
     uint32_t nfree, gpos, resident;
@@ -973,6 +974,7 @@ struct kvb_pool {
     kvb__slot *slots;
     uint64_t slot_mask;
     kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
+    uint8_t ring_mask[KVB__MAX_LEVELS]; /* per level, bit c: ring (level, c) has inactive blocks */
     uint32_t clock;                  /* FOL: block references so far */
     kvb__gset ghost[2];              /* FOL: the last fol_ghost evicted hashes; ARC: B1, B2; S3-FIFO: G */
     double arc_p;                    /* ARC: the target size of T1 */
@@ -1498,6 +1500,18 @@ static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
 
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
+/* One more, or one fewer, inactive block in m's ring; the level's mask names the rings that have some,
+ * so FOL looks only at those. */
+static inline void kvb__ring_gain(kvb_pool *p, const kvb__meta *m)
+{
+    if (!p->rings[kvb__ring_of(m)].live++) p->ring_mask[m->prio] |= (uint8_t)(1u << m->cls);
+}
+
+static inline void kvb__ring_lose(kvb_pool *p, const kvb__meta *m)
+{
+    if (!--p->rings[kvb__ring_of(m)].live) p->ring_mask[m->prio] &= (uint8_t)~(1u << m->cls);
+}
+
 /* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
  * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
 static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
@@ -1525,7 +1539,7 @@ static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
     e.idx = idx;
     e.stamp = ++m->stamp;
     stbds_arrput(r->e, e);
-    r->live++;
+    kvb__ring_gain(p, m);
     if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
 }
 
@@ -1540,7 +1554,7 @@ static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
     } else { /* S3-FIFO: back in its old place */
         m->flags &= (uint8_t)~KVB__F_QUEUED;
-        p->rings[kvb__ring_of(m)].live++;
+        kvb__ring_gain(p, m);
     }
 }
 
@@ -1553,7 +1567,7 @@ static inline void kvb__list_remove(kvb_pool *p, uint32_t idx)
         p->cfg.custom_eviction.on_removed(p->cfg.custom_eviction.user, idx);
         return;
     }
-    p->rings[kvb__ring_of(m)].live--; /* its entry is stale from now on */
+    kvb__ring_lose(p, m); /* its entry is stale from now on */
     if (p->cfg.eviction == KVB_EVICT_S3FIFO) m->flags |= KVB__F_QUEUED; /* .. but keeps its place */
 }
 
@@ -1664,12 +1678,12 @@ static inline void kvb__gset_prefetch_oldest(const kvb__gset *g)
  * orphan them (lineage_only = 0 takes the plain heads, the fallback when no leaf is found). */
 static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 {
-    uint32_t cls, best = KVB__NIL, best_rid = 0;
+    uint32_t cls, bits, best = KVB__NIL, best_rid = 0;
     int64_t best_key = 0;
-    for (cls = 0; cls < KVB__CLASSES; cls++) {
+    for (cls = 0, bits = p->ring_mask[lvl]; bits; cls++, bits >>= 1) {
         uint32_t rid = lvl * KVB__CLASSES + cls, v;
         int64_t key;
-        if (!p->rings[rid].live) continue;
+        if (!(bits & 1)) continue;
         if ((v = leaves_only ? kvb__ring_leaf(p, rid) : kvb__ring_victim(p, rid, 0)) == KVB__NIL) continue;
         key = kvb__fol_key(p, v);
         if (best == KVB__NIL || kvb__fol_before(p, v, key, best, best_key)) {
@@ -1713,7 +1727,7 @@ static kvb_result kvb__tune_create(kvb_pool *p)
     t->nodes = t->cap + t->gcap + 1;
     while (slots < 2 * (uint64_t)t->nodes) slots <<= 1;
     t->imask = slots - 1;
-    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(uint32_t) +
+    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(kvb__gslot) +
           ((size_t)t->gcap + 1) * sizeof(uint32_t) + (size_t)t->nodes * sizeof(uint32_t);
     per = (per + 63) & ~(size_t)63;
     bytes = per * KVB__TUNE_K;
@@ -1727,8 +1741,8 @@ static kvb_result kvb__tune_create(kvb_pool *p)
         off = per * k;
         sh->node = (kvb__tnode *)(mem + off);
         off += (size_t)t->nodes * sizeof(kvb__tnode);
-        sh->index = (uint32_t *)(mem + off);
-        off += (size_t)slots * sizeof(uint32_t);
+        sh->index = (kvb__gslot *)(mem + off);
+        off += (size_t)slots * sizeof(kvb__gslot);
         sh->ghost = (uint32_t *)(mem + off);
         off += ((size_t)t->gcap + 1) * sizeof(uint32_t);
         sh->free = (uint32_t *)(mem + off);
@@ -1754,7 +1768,8 @@ static void kvb__tune_free(kvb_pool *p)
 static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key)
 {
     uint64_t s = key & t->imask;
-    while (sh->index[s] && sh->node[sh->index[s] - 1].key != key) s = (s + 1) & t->imask;
+    while (sh->index[s].ref && (sh->index[s].lo32 != (uint32_t)key || sh->node[sh->index[s].ref - 1].key != key))
+        s = (s + 1) & t->imask;
     return s;
 }
 
@@ -1762,18 +1777,18 @@ static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint6
 static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t s)
 {
     uint64_t i = s, j = s, k, m = t->imask;
-    uint32_t node = sh->index[s] - 1;
+    uint32_t node = sh->index[s].ref - 1;
     sh->node[node].where = 0;
     sh->free[sh->nfree++] = node;
     for (;;) {
         j = (j + 1) & m;
-        if (!sh->index[j]) break;
-        k = sh->node[sh->index[j] - 1].key & m;
+        if (!sh->index[j].ref) break;
+        k = sh->index[j].lo32 & m;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
         sh->index[i] = sh->index[j];
         i = j;
     }
-    sh->index[i] = 0;
+    sh->index[i].ref = 0;
 }
 
 static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
@@ -1818,6 +1833,22 @@ static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
     return best;
 }
 
+/* The ghosts a shadow's next evictions push out are known in advance (the circle's next places), and
+ * forgetting one reads its node and then its index slot, two misses in a row: like the live pool's
+ * victim window, fetch the node of the ghost 2 x KVB__TUNE_AHEAD places on, and the slot of the one
+ * KVB__TUNE_AHEAD on, whose node came in meanwhile. */
+#define KVB__TUNE_AHEAD 2
+static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
+{
+    uint32_t near = sh->gpos + KVB__TUNE_AHEAD, far = near + KVB__TUNE_AHEAD, x;
+    if (t->gcap <= 2 * KVB__TUNE_AHEAD) return;
+    near = near < t->gcap ? near : near - t->gcap;
+    far = far < t->gcap ? far : far - t->gcap;
+    if ((x = sh->ghost[far]) != KVB__NIL) KVB__PREFETCH(&sh->node[x]);
+    if ((x = sh->ghost[near]) != KVB__NIL && sh->node[x].where == 2 && sh->node[x].gpos == near)
+        KVB__PREFETCH(&sh->index[sh->node[x].key & t->imask]);
+}
+
 /* Evict the shadow's victim into its ghost circle (the oldest ghost goes). */
 static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
 {
@@ -1836,6 +1867,7 @@ static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
     sh->node[v].gpos = sh->gpos;
     sh->node[v].where = 2;
     sh->gpos = sh->gpos + 1 < t->gcap ? sh->gpos + 1 : 0;
+    kvb__tune_ghost_ahead(t, sh);
 }
 
 /* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown). */
@@ -1856,18 +1888,19 @@ static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, u
     const kvb__tuner *t = &p->tune;
     uint64_t s = kvb__tune_slot(t, sh, key);
     uint32_t x;
-    if (sh->index[s] && sh->node[sh->index[s] - 1].where == 1) return; /* a hash twice in one request */
+    if (sh->index[s].ref && sh->node[sh->index[s].ref - 1].where == 1) return; /* a hash twice in one request */
     if (sh->resident >= t->cap) {
         kvb__tune_evict(t, sh, now);
         s = kvb__tune_slot(t, sh, key); /* the eviction may have moved slots */
     }
-    if (sh->index[s]) {
-        x = sh->index[s] - 1; /* a ghost: its count and last touch come back */
+    if (sh->index[s].ref) {
+        x = sh->index[s].ref - 1; /* a ghost: its count and last touch come back */
     } else {
         x = sh->free[--sh->nfree];
         memset(&sh->node[x], 0, sizeof sh->node[x]);
         sh->node[x].key = key;
-        sh->index[s] = x + 1;
+        sh->index[s].lo32 = (uint32_t)key;
+        sh->index[s].ref = x + 1;
     }
     sh->resident++;
     kvb__tune_touch(p, sh, x, now, depth, tail);
@@ -1894,9 +1927,9 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
             if (!(m->flags & KVB__F_SAMPLED)) continue;
             seen++;
             for (k = 0; k < KVB__TUNE_K; k++) {
-                const uint32_t *slot = &t->sh[k].index[m->hash.lo & t->imask];
+                const kvb__gslot *slot = &t->sh[k].index[m->hash.lo & t->imask];
                 if (!pass) KVB__PREFETCH(slot);
-                else if (*slot) KVB__PREFETCH(&t->sh[k].node[*slot - 1]);
+                else if (slot->ref && slot->lo32 == (uint32_t)m->hash.lo) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
             }
         }
 }
@@ -1915,7 +1948,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
             uint64_t s = kvb__tune_slot(t, sh, m->hash.lo);
-            uint32_t x = sh->index[s] ? sh->index[s] - 1 : KVB__NIL;
+            uint32_t x = sh->index[s].ref ? sh->index[s].ref - 1 : KVB__NIL;
             if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
             sh->score += 1.0;
             hit |= 1u << k;
@@ -2191,7 +2224,7 @@ static void kvb__set_cls(kvb_pool *p, uint32_t idx, uint32_t c)
     p->n_cls[m->cls]--;
     p->n_cls[c]++;
     if (m->flags & KVB__F_INACTIVE) {
-        p->rings[kvb__ring_of(m)].live--;
+        kvb__ring_lose(p, m);
         m->cls = (uint8_t)c;
         kvb__ring_push(p, idx);
     } else {
@@ -2291,7 +2324,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
             }
             if (cls == KVB__T2 && m->cnt) { /* hit in the main queue: round again */
                 m->cnt--;
-                p->rings[rid].live--;
+                kvb__ring_lose(p, m);
                 kvb__ring_push(p, v); /* may compact this very ring: scan again from its head */
                 r = &p->rings[rid];
                 i = r->head;
@@ -2780,6 +2813,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].leafless_to = 0;
         pool->rings[i].leaf = KVB__NIL;
     }
+    memset(pool->ring_mask, 0, sizeof pool->ring_mask);
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
     kvb__unlock(pool);
     return KVB_OK;
