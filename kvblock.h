@@ -1425,12 +1425,15 @@ static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void
 
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
+/* The eviction ring of a block: its priority level and class. */
+static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
+
 /* A cached block turned into a leaf: its ring's leaf search must look at its entry again. */
 static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     if (m->flags & KVB__F_INACTIVE) {
-        kvb__ring *r = &p->rings[(uint32_t)m->prio * KVB__CLASSES + m->cls];
+        kvb__ring *r = &p->rings[kvb__ring_of(m)];
         r->leafless_to = 0;
         r->leaf = KVB__NIL; /* it may be older than the leaf found last */
     }
@@ -1462,7 +1465,12 @@ static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
     return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp;
 }
 
-static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
+/* Move a ring's head past its stale entries (evicted, or taken again since they were pushed). */
+static inline void kvb__ring_skip_stale(const kvb_pool *p, kvb__ring *r)
+{
+    size_t len = stbds_arrlenu(r->e);
+    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+}
 
 /* One more, or one fewer, inactive block in m's ring; the level's mask names the rings that have some,
  * so FOL looks only at those. */
@@ -1481,7 +1489,7 @@ static inline void kvb__ring_lose(kvb_pool *p, const kvb__meta *m)
 static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
 {
     size_t i, w = 0, len = stbds_arrlenu(r->e);
-    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    kvb__ring_skip_stale(p, r);
     if (p->cfg.eviction != KVB_EVICT_S3FIFO && len - r->head == r->live) { /* only evicted ones, before the head */
         w = len - r->head;
         memmove(r->e, r->e + r->head, w * sizeof *r->e);
@@ -1552,7 +1560,7 @@ static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
 {
     size_t at, len = stbds_arrlenu(r->e);
     const kvb__meta *m;
-    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    kvb__ring_skip_stale(p, r);
     at = r->head + KVB__VICTIM_AHEAD;
     if (at + KVB__VICTIM_AHEAD < len) KVB__PREFETCH(&p->meta[r->e[at + KVB__VICTIM_AHEAD].idx]);
     if (at >= len) return;
@@ -1568,7 +1576,7 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
     uint32_t seen = 0;
-    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    kvb__ring_skip_stale(p, r);
     if (!want_leaf) {
         for (i = r->head; i < len; i++)
             if (kvb__ring_valid(p, &r->e[i])) return r->e[i].idx;
@@ -1728,6 +1736,22 @@ static void kvb__tune_free(kvb_pool *p)
     p->tune.mem = NULL;
 }
 
+/* Empty slot s of an open-addressing index of kvb__gslot (the shadows', the ghost sets'): backward-shift
+ * deletion, each later entry of the run moving back unless its home (lo32) lies after the gap. */
+static void kvb__gslot_delete(kvb__gslot *index, uint64_t mask, uint64_t s)
+{
+    uint64_t i = s, j = s, k;
+    for (;;) {
+        j = (j + 1) & mask;
+        if (!index[j].ref) break;
+        k = index[j].lo32 & mask;
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        index[i] = index[j];
+        i = j;
+    }
+    index[i].ref = 0;
+}
+
 /* The index slot naming key in shadow sh, or the empty slot where it would go. */
 static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key)
 {
@@ -1740,19 +1764,10 @@ static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint6
 /* Forget the node named at slot s and put it back on the free stack (backward-shift deletion). */
 static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t s)
 {
-    uint64_t i = s, j = s, k, m = t->imask;
     uint32_t node = sh->index[s].ref - 1;
     sh->node[node].where = 0;
     sh->free[sh->nfree++] = node;
-    for (;;) {
-        j = (j + 1) & m;
-        if (!sh->index[j].ref) break;
-        k = sh->index[j].lo32 & m;
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        sh->index[i] = sh->index[j];
-        i = j;
-    }
-    sh->index[i].ref = 0;
+    kvb__gslot_delete(sh->index, t->imask, s);
 }
 
 static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
@@ -2079,18 +2094,9 @@ static kvb__ghost *kvb__gset_find(const kvb__gset *g, const kvb_hash *h)
 /* Forget the ghost named at index slot s (backward-shift deletion). */
 static void kvb__gset_drop_slot(kvb__gset *g, uint64_t s)
 {
-    uint64_t i = s, j = s, k, m = g->mask;
     g->e[g->index[s].ref - 1].live = 0;
     g->live--;
-    for (;;) {
-        j = (j + 1) & m;
-        if (!g->index[j].ref) break;
-        k = g->index[j].lo32 & m;
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        g->index[i] = g->index[j];
-        i = j;
-    }
-    g->index[i].ref = 0;
+    kvb__gslot_delete(g->index, g->mask, s);
 }
 
 /* Forget ghost e: its slot is the one on its probe path that names its circle position. */
@@ -2273,7 +2279,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
         kvb__ring *r = &p->rings[rid];
         size_t i;
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
-        while (r->head < stbds_arrlenu(r->e) && !kvb__ring_kept(p, &r->e[r->head])) r->head++; /* dead: not rescanned */
+        kvb__ring_skip_stale(p, r); /* dead: not rescanned */
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];
