@@ -865,14 +865,17 @@ typedef struct kvb__mut { /* what a mutable block needs until it is registered *
 } kvb__mut;
 
 
-/* Eviction order of one priority level: an array of (block, stamp) in release order, oldest at head.
- * A block taken back or evicted leaves a stale entry behind (its stamp moved on, or it is no longer
- * inactive), skipped when met and dropped by compaction. Unlike a linked list, the next victims sit
- * next to each other, so their metadata can be prefetched. */
+/* Eviction order of one priority level and class: an array of (block, stamp) in release order, oldest
+ * at head. A block taken back or evicted leaves a stale entry behind (no longer inactive, or its stamp
+ * moved on), skipped when met and dropped by compaction. Unlike a linked list, the next victims sit
+ * next to each other, so their metadata can be prefetched. An entry's stamp is its position plus the
+ * ring's base, so a block's stamp also says where its entry is (compaction renumbers). */
 typedef struct kvb__ring_entry { uint32_t idx, stamp; } kvb__ring_entry;
 typedef struct kvb__ring {
     kvb__ring_entry *e; /* stb_ds array; live part [head, len) */
     size_t head;
+    uint32_t base;      /* e[i].stamp == base + i */
+    uint32_t id;        /* its place in the pool's rings: a block's entry is valid in its own ring only */
     uint32_t live;      /* inactive blocks at this level */
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
     size_t leafless_to; /* entries before it are stale or not leaves: a leaf search resumes there */
@@ -1428,14 +1431,18 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* A cached block turned into a leaf: its ring's leaf search must look at its entry again. */
+/* A cached block turned into a leaf: where its entry comes before the place its ring's leaf search
+ * reached, the search resumes there (it is the oldest leaf known) instead. */
 static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     if (m->flags & KVB__F_INACTIVE) {
         kvb__ring *r = &p->rings[kvb__ring_of(m)];
-        r->leafless_to = 0;
-        r->leaf = KVB__NIL; /* it may be older than the leaf found last */
+        size_t at = (uint32_t)(m->stamp - r->base);
+        if (at < r->leafless_to) {
+            r->leafless_to = at;
+            r->leaf = KVB__NIL;
+        }
     }
 }
 
@@ -1452,24 +1459,30 @@ static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
-static inline int kvb__ring_valid(const kvb_pool *p, const kvb__ring_entry *e)
+/* Block m is inactive in ring r (its entry there is current where the stamps agree). */
+static inline int kvb__ring_valid_meta(const kvb__meta *m, const kvb__ring *r)
+{
+    return (m->flags & KVB__F_INACTIVE) && kvb__ring_of(m) == r->id;
+}
+
+static inline int kvb__ring_valid(const kvb_pool *p, const kvb__ring *r, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
-    return (m->flags & KVB__F_INACTIVE) && m->stamp == e->stamp;
+    return m->stamp == e->stamp && kvb__ring_valid_meta(m, r);
 }
 
 /* An entry to keep: valid, or holding the place of an S3-FIFO block in use. */
-static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring_entry *e)
+static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring *r, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
-    return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp;
+    return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp && kvb__ring_of(m) == r->id;
 }
 
 /* Move a ring's head past its stale entries (evicted, or taken again since they were pushed). */
 static inline void kvb__ring_skip_stale(const kvb_pool *p, kvb__ring *r)
 {
     size_t len = stbds_arrlenu(r->e);
-    while (r->head < len && !kvb__ring_kept(p, &r->e[r->head])) r->head++;
+    while (r->head < len && !kvb__ring_kept(p, r, &r->e[r->head])) r->head++;
 }
 
 /* One more, or one fewer, inactive block in m's ring; the level's mask names the rings that have some,
@@ -1485,21 +1498,33 @@ static inline void kvb__ring_lose(kvb_pool *p, const kvb__meta *m)
 }
 
 /* Drop stale entries, those before the head included, once they outnumber the kept ones: the array
- * stays within twice the most entries a ring ever keeps, so a steady state never grows it. */
+ * stays within twice the most entries a ring ever keeps, so a steady state never grows it. Kept entries
+ * are renumbered from past the old stamps, and the leaf search keeps its place. */
 static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
 {
-    size_t i, w = 0, len = stbds_arrlenu(r->e);
+    size_t i, w = 0, len = stbds_arrlenu(r->e), leafless = 0;
+    uint32_t base = r->base + (uint32_t)len;
     kvb__ring_skip_stale(p, r);
     if (p->cfg.eviction != KVB_EVICT_S3FIFO && len - r->head == r->live) { /* only evicted ones, before the head */
         w = len - r->head;
         memmove(r->e, r->e + r->head, w * sizeof *r->e);
+        base = r->base + (uint32_t)r->head; /* positions and stamps moved together */
+        leafless = r->leafless_to > r->head ? r->leafless_to - r->head : 0;
     } else {
-        for (i = r->head; i < len; i++)
-            if (kvb__ring_kept(p, &r->e[i])) r->e[w++] = r->e[i];
+        for (i = r->head; i < len; i++) {
+            if (i == r->leafless_to) leafless = w;
+            if (!kvb__ring_kept(p, r, &r->e[i])) continue;
+            r->e[w] = r->e[i];
+            r->e[w].stamp = p->meta[r->e[i].idx].stamp = base + (uint32_t)w;
+            w++;
+        }
+        if (r->leafless_to >= len) leafless = w;
+        r->leaf = KVB__NIL; /* the search finds it again at once */
     }
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
-    r->leafless_to = 0;
+    r->base = base;
+    r->leafless_to = leafless;
     r->held = (uint32_t)(w - r->live);
 }
 
@@ -1509,7 +1534,7 @@ static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
     kvb__ring *r = &p->rings[kvb__ring_of(m)];
     kvb__ring_entry e;
     e.idx = idx;
-    e.stamp = ++m->stamp;
+    e.stamp = m->stamp = r->base + (uint32_t)stbds_arrlenu(r->e);
     stbds_arrput(r->e, e);
     kvb__ring_gain(p, m);
     if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
@@ -1579,14 +1604,14 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
     kvb__ring_skip_stale(p, r);
     if (!want_leaf) {
         for (i = r->head; i < len; i++)
-            if (kvb__ring_valid(p, &r->e[i])) return r->e[i].idx;
+            if (kvb__ring_valid(p, r, &r->e[i])) return r->e[i].idx;
         return KVB__NIL;
     }
     /* Parents whose children are cached stay where they are until one turns into a leaf
      * (kvb__became_leaf), so a search resumes where the last one stopped instead of passing them again
      * on every eviction (FOL keeps shared prefixes in their own class rings, in front of their children). */
     for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
-        if (!kvb__ring_valid(p, &r->e[i])) continue;
+        if (!kvb__ring_valid(p, r, &r->e[i])) continue;
         if (kvb__is_leaf(p, r->e[i].idx)) break;
         seen++;
     }
@@ -1605,7 +1630,7 @@ static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
     const kvb__ring *r = &p->rings[rid];
     if (r->leaf != KVB__NIL) {
         const kvb__meta *m = &p->meta[r->leaf];
-        if ((m->flags & KVB__F_INACTIVE) && m->stamp == r->leaf_stamp && kvb__is_leaf(p, r->leaf)) return r->leaf;
+        if (m->stamp == r->leaf_stamp && kvb__ring_valid_meta(m, r) && kvb__is_leaf(p, r->leaf)) return r->leaf;
     }
     return kvb__ring_victim(p, rid, 1);
 }
@@ -2283,7 +2308,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];
-            if (!kvb__ring_valid(p, &r->e[i])) continue;
+            if (!kvb__ring_valid(p, r, &r->e[i])) continue;
             steps++;
             if (cls == KVB__T1 && m->cnt) { /* hit while small: promoted */
                 m->cnt = 0;
@@ -2690,7 +2715,10 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
     p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
-    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) p->rings[i].leaf = KVB__NIL;
+    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
+        p->rings[i].leaf = KVB__NIL;
+        p->rings[i].id = (uint32_t)i;
+    }
     p->fol_step = c.fol_class_step;
     if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
         pthread_mutex_destroy(&p->lock);
@@ -3257,7 +3285,7 @@ static size_t kvb__fol_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size
         int64_t bk = 0;
         for (cls = 0; cls < KVB__CLASSES; cls++) {
             const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + cls];
-            while (cur[cls] < stbds_arrlenu(r->e) && !kvb__ring_valid(p, &r->e[cur[cls]])) cur[cls]++;
+            while (cur[cls] < stbds_arrlenu(r->e) && !kvb__ring_valid(p, r, &r->e[cur[cls]])) cur[cls]++;
             if (cur[cls] < stbds_arrlenu(r->e)) {
                 uint32_t v = r->e[cur[cls]].idx;
                 int64_t key = kvb__fol_key(p, v);
@@ -3289,7 +3317,7 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
         for (c = 0; c < (kvb__two_lists(pool) ? 2u : 1u); c++) { /* ARC, S3-FIFO: T1 / small queue first */
             const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES + c];
             for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
-                if (kvb__ring_valid(pool, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
+                if (kvb__ring_valid(pool, r, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
         }
     }
     pthread_mutex_unlock(&pool->lock);
@@ -3447,10 +3475,14 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
             const kvb__ring *rg = &pool->rings[lvl];
             uint32_t live = 0;
             size_t e;
+            if (rg->id != lvl) KVB__FAIL("eviction ring %u numbered %u", lvl, rg->id);
+            for (e = 0; e < stbds_arrlenu(rg->e); e++)
+                if (rg->e[e].stamp != rg->base + (uint32_t)e) KVB__FAIL("eviction ring %u: entry %zu stamped out of place", lvl, e);
             for (e = rg->head; e < stbds_arrlenu(rg->e); e++) {
                 if (rg->e[e].idx >= n) KVB__FAIL("eviction ring %u names block %u", lvl, rg->e[e].idx);
-                if (!kvb__ring_valid(pool, &rg->e[e])) continue;
-                if (kvb__ring_of(&pool->meta[rg->e[e].idx]) != lvl) KVB__FAIL("block %u in the wrong ring", rg->e[e].idx);
+                if (!kvb__ring_valid(pool, rg, &rg->e[e])) continue;
+                if (e < rg->leafless_to && kvb__is_leaf(pool, rg->e[e].idx))
+                    KVB__FAIL("eviction ring %u: leaf %u before where its leaf search resumes", lvl, rg->e[e].idx);
                 live++;
             }
             if (live != rg->live) KVB__FAIL("eviction ring %u: %u live entries, counted %u", lvl, live, rg->live);
