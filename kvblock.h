@@ -73,13 +73,17 @@
  * request touching its blocks (deepest first): every touched block gets last = clock, then the clock
  * advances by the count. A touch within the horizon H of the previous one raises the block's count
  * (saturating at 255), otherwise resets it to 1; the previous count and time come from the block, or
- * from a ghost FIFO of the last G evicted hashes. Class 0 = seen once and the request's tail block (and a
- * leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of each
- * ring, the one with the smallest last + W[class]; ties go to the deeper block. With a step s set in the
- * config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent is touched
- * whenever its child is, so it scores no lower unless its count restarted (horizon); victims are
- * leaves, so no block is evicted before its cached children. Defaults: H = 40,000 block references,
- * G = 2 x num_blocks (at most 40,000). (Issue 6's policy: step 10,000 and G 40,000, set explicitly.)
+ * from a ghost table of about the last G evicted hashes: G / 8 sets of 8 (one cache line each), a
+ * hash's set fixed by its hash, each set remembering its last 8 evicted hashes (a ghost that comes
+ * back leaves its place empty), so that a lookup and a remembering read one line; 8 bytes a ghost,
+ * taken from the pool's allocator when it is created. Class 0 = seen once and the request's tail block
+ * (and a leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of
+ * each ring, the one with the smallest last + W[class]; ties go to the deeper block. With a step s set
+ * in the config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent
+ * is touched whenever its child is, so it scores no lower unless its count restarted (horizon);
+ * victims are leaves, so no block is evicted before its cached children. Defaults: H = 40,000 block
+ * references, G = 2 x num_blocks (at most 40,000). (Issue 6's policy: step 10,000 and G 40,000, set
+ * explicitly.)
  *
  * FOL's self-tuning step (fol_class_step = 0, the default). No fixed step suits every workload and pool
  * size: the best one on real traffic runs from 0.3 to 30 times the pool's size, and a wrong one loses
@@ -888,7 +892,7 @@ typedef struct kvb__ctab { /* a count per hash: open addressing on the hash; gro
     uint64_t mask;
     uint32_t used;
 } kvb__ctab;
-typedef struct kvb__ghost { kvb_hash hash; uint32_t last; uint8_t cnt, live, cls; } kvb__ghost;
+typedef struct kvb__ghost { kvb_hash hash; uint8_t live; } kvb__ghost;
 /* A ghost-index slot: the hash's low 32 bits (its home and a filter, so probes and deletions read no
  * ghost but the one they are after) and its circle position + 1, 0 = empty. */
 typedef struct kvb__gslot { uint32_t lo32, ref; } kvb__gslot;
@@ -898,6 +902,13 @@ typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction or
     uint64_t mask;
     uint32_t cap, pos, live, skip; /* pos: where the next one goes (the oldest is there or after it) */
 } kvb__gset;
+/* FOL's ghosts: sets of up to KVB__GWAYS words, one cache line each, newest first; a word is
+ * (last << 32) | (tag << 8) | count, 0 = empty (a ghost's count is at least 1). */
+#define KVB__GWAYS 8
+typedef struct kvb__gtab {
+    uint64_t *w;
+    uint32_t sets, ways, live;
+} kvb__gtab;
 
 /* FOL's self-tuning (section 2): a shadow node is a sampled block, resident (where 1) or a ghost (2). */
 typedef struct kvb__tnode {
@@ -943,7 +954,8 @@ struct kvb_pool {
     kvb__ring rings[KVB__MAX_LEVELS * KVB__CLASSES]; /* eviction order per (priority level, class) */
     uint8_t ring_mask[KVB__MAX_LEVELS]; /* per level, bit c: ring (level, c) has inactive blocks */
     uint32_t clock;                  /* FOL: block references so far */
-    kvb__gset ghost[2];              /* FOL: the last fol_ghost evicted hashes; ARC: B1, B2; S3-FIFO: G */
+    kvb__gset ghost[2];              /* ARC: B1, B2; S3-FIFO: G */
+    kvb__gtab fol_ghost;             /* FOL: about the last fol_ghost evicted hashes (section 2) */
     double arc_p;                    /* ARC: the target size of T1 */
     uint32_t n_cls[KVB__CLASSES];    /* ARC, S3-FIFO: registered blocks per list */
     int64_t fol_step;                /* FOL: the class step the keys use */
@@ -1457,6 +1469,81 @@ static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
     else kvb__orphans_drop(p, parent);
 }
 
+/* ---- FOL's ghosts ------------------------------------------------------------------------------- */
+
+/* FOL's ghosts (section 2) are a table of G words in sets of 8, one cache line each: a hash's set and
+ * its 24-bit tag come from one mix of the hash (callers and tests may use structured hashes). A set
+ * keeps its last 8 puts, newest first, and a ghost that comes back leaves a hole that ages out with the
+ * others, as in a circle of the last G evictions. Lookups and puts read one line each and delete
+ * nothing elsewhere: an exact circle with an index (kvb__gset) costs three random lines of a table six
+ * times the size. A false match (another hash with the same set and tag: about 1 in 2 million lookups
+ * of a hash that is no ghost) gives a block another's past count, which the policy survives. */
+static uint64_t kvb__gtab_mix(const kvb_hash *h)
+{
+    uint64_t x = h->lo ^ (h->hi * UINT64_C(0x9e3779b97f4a7c15));
+    x ^= x >> 29;
+    x *= UINT64_C(0xbf58476d1ce4e5b9);
+    return x ^ (x >> 32);
+}
+
+static uint64_t *kvb__gtab_set(const kvb__gtab *t, uint64_t mix)
+{
+    return t->w + (size_t)(((mix >> 32) * t->sets) >> 32) * t->ways;
+}
+
+static uint32_t kvb__gtab_tag(uint64_t mix) { return (uint32_t)mix & ~UINT32_C(0xff); }
+
+/* ceil(G / 8) sets of 8 (one set of G when G < 8), allocated with the pool. */
+static int kvb__gtab_init(kvb_pool *p, kvb__gtab *t, uint32_t cap)
+{
+    size_t bytes;
+    t->ways = cap < KVB__GWAYS ? cap : KVB__GWAYS;
+    t->sets = (cap + t->ways - 1) / t->ways;
+    if ((uint64_t)t->sets * t->ways > SIZE_MAX / sizeof *t->w) return 0;
+    bytes = (size_t)t->sets * t->ways * sizeof *t->w;
+    if (!(t->w = (uint64_t *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64))) return 0;
+    memset(t->w, 0, bytes);
+    t->live = 0;
+    return 1;
+}
+
+static void kvb__gtab_free(kvb_pool *p, kvb__gtab *t)
+{
+    kvb__mem_free(&p->cfg.allocator, t->w, (size_t)t->sets * t->ways * sizeof *t->w);
+    memset(t, 0, sizeof *t);
+}
+
+/* The line a lookup or a put of h reads (to prefetch). */
+static const uint64_t *kvb__gtab_line(const kvb__gtab *t, const kvb_hash *h)
+{
+    return kvb__gtab_set(t, kvb__gtab_mix(h));
+}
+
+/* The ghost of the hash mixed to `mix`, taken out of its set (it came back): its word, or 0. */
+static uint64_t kvb__gtab_take(kvb__gtab *t, uint64_t mix)
+{
+    uint64_t *set = kvb__gtab_set(t, mix), word;
+    uint32_t i, tag = kvb__gtab_tag(mix);
+    for (i = 0; i < t->ways; i++)
+        if ((uint8_t)set[i] && ((uint32_t)set[i] & ~UINT32_C(0xff)) == tag) break;
+    if (i == t->ways) return 0;
+    word = set[i];
+    set[i] = 0;
+    t->live--;
+    return word;
+}
+
+/* Remember an evicted hash with its count (>= 1) and last touch, newest in its set (an older ghost of
+ * the same hash goes; the set's oldest word leaves). */
+static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t last)
+{
+    uint64_t mix = kvb__gtab_mix(h), *set = kvb__gtab_set(t, mix);
+    if (t->live) kvb__gtab_take(t, mix);
+    t->live += !(uint8_t)set[t->ways - 1];
+    memmove(set + 1, set, (t->ways - 1) * sizeof *set);
+    set[0] = ((uint64_t)last << 32) | kvb__gtab_tag(mix) | cnt;
+}
+
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
 /* Block m is inactive in ring r (its entry there is current where the stamps agree). */
@@ -1657,17 +1744,8 @@ static inline void kvb__fol_ring_advance(const kvb_pool *p, kvb__ring *r)
     size_t at;
     kvb__ring_advance(p, r);
     at = r->head + KVB__VICTIM_AHEAD;
-    if (p->ghost[0].index && at < stbds_arrlenu(r->e))
-        KVB__PREFETCH(&p->ghost[0].index[p->meta[r->e[at].idx].hash.lo & p->ghost[0].mask]);
-}
-
-/* The index slot of the ghost that the next puts will push out (the circle's oldest, a few on). */
-static inline void kvb__gset_prefetch_oldest(const kvb__gset *g)
-{
-    const kvb__ghost *e;
-    if (!g->index || g->cap <= KVB__VICTIM_AHEAD) return;
-    e = &g->e[g->pos + KVB__VICTIM_AHEAD < g->cap ? g->pos + KVB__VICTIM_AHEAD : g->pos + KVB__VICTIM_AHEAD - g->cap];
-    if (e->live) KVB__PREFETCH(&g->index[e->hash.lo & g->mask]);
+    if (p->fol_ghost.w && at < stbds_arrlenu(r->e))
+        KVB__PREFETCH(kvb__gtab_line(&p->fol_ghost, &p->meta[r->e[at].idx].hash));
 }
 
 /* FOL: of the oldest leaf of each class ring of one level, the one with the smallest last + W[class].
@@ -1690,12 +1768,9 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
         }
     }
     if (best != KVB__NIL) kvb__fol_ring_advance(p, &p->rings[best_rid]); /* only its head moves on */
-    kvb__gset_prefetch_oldest(&p->ghost[0]);
     return best;
 }
 
-
-/* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
 
 /* ---- FOL's self-tuning step: miniature simulation (section 2) ---------------------------------- */
 
@@ -2058,9 +2133,10 @@ static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t
     if (!kvb__tune_fall_back(p)) kvb__tune_choose(p, sampled);
 }
 
-/* A ghost set: a circle of the last `cap` evicted hashes with what the policy keeps of them, found
- * through an open-addressing index on the (uniform) hash, like the prefix index. FOL keeps one (count,
- * last touch), ARC two (B1, B2), S3-FIFO one (G). Allocated when first used. */
+/* A ghost set: a circle of exactly the last `cap` evicted hashes, found through an open-addressing
+ * index on the (uniform) hash, like the prefix index: ARC keeps two (B1, B2), whose sizes steer it,
+ * S3-FIFO one (G). (FOL's ghosts, which carry a count and need no exact size, are kvb__gtab below.)
+ * Allocated when first used. */
 static int kvb__gset_init(kvb__gset *g, uint32_t cap)
 {
     uint64_t slots = 1;
@@ -2148,12 +2224,12 @@ static void kvb__gset_drop_oldest(kvb__gset *g)
 }
 
 /* Remember a block's hash (an older ghost of the same hash goes; when full, the oldest goes). */
-static kvb__ghost *kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
+static void kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
 {
     uint32_t pos;
     uint64_t s;
     kvb__ghost *e;
-    if (!kvb__gset_init(g, cap)) return NULL;
+    if (!kvb__gset_init(g, cap)) return;
     pos = g->pos;
     g->pos = pos + 1 < g->cap ? pos + 1 : 0;
     g->skip = g->skip ? g->skip - 1 : 0;
@@ -2164,24 +2240,23 @@ static kvb__ghost *kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
         s = kvb__gset_slot(g, h);
     }
     e = &g->e[pos];
-    memset(e, 0, sizeof *e);
     e->hash = *h;
     e->live = 1;
     g->live++;
     g->index[s].lo32 = (uint32_t)h->lo;
     g->index[s].ref = pos + 1;
-    return e;
 }
+
+/* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
 
 /* One reference to a registered block by the request releasing it. */
 static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 {
     kvb__meta *m = &p->meta[idx];
-    kvb__ghost *g;
-    if (!m->cnt && (g = kvb__gset_find(&p->ghost[0], &m->hash)) != NULL) {
-        m->cnt = g->cnt; /* first touch since it was registered: its evicted past comes back */
-        m->last = g->last;
-        kvb__gset_drop(&p->ghost[0], g);
+    uint64_t g;
+    if (!m->cnt && p->fol_ghost.live && (g = kvb__gtab_take(&p->fol_ghost, kvb__gtab_mix(&m->hash))) != 0) {
+        m->cnt = (uint8_t)g; /* first touch since it was registered: its evicted past comes back */
+        m->last = (uint32_t)(g >> 32);
     }
     m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
                                                                               : 1;
@@ -2194,11 +2269,7 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 /* FOL: a victim with a count leaves a ghost (its count and last touch). */
 static void kvb__fol_forget(kvb_pool *p, const kvb__meta *m)
 {
-    kvb__ghost *g;
-    if (!m->cnt || !(g = kvb__gset_put(&p->ghost[0], p->cfg.fol_ghost, &m->hash))) return;
-    g->last = m->last;
-    g->cnt = m->cnt;
-    g->cls = m->cls;
+    if (m->cnt) kvb__gtab_put(&p->fol_ghost, &m->hash, m->cnt, m->last);
 }
 
 /* ---- ARC and S3-FIFO (section 2) ----------------------------------------------------------------- */
@@ -2546,14 +2617,14 @@ static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 /* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. */
 static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
 {
-    const kvb__gset *g = &p->ghost[0];
+    const kvb__gtab *g = &p->fol_ghost;
     size_t i, tail = n, sampled = 0;
     for (i = n; i-- > 0;) { /* the deepest registered block; the sampled ones; the ghosts to look up */
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED) continue;
         if (tail == n) tail = i;
         sampled += (m->flags & KVB__F_SAMPLED) != 0;
-        if (!m->cnt && g->index) KVB__PREFETCH(&g->index[m->hash.lo & g->mask]); /* their misses overlap */
+        if (!m->cnt && g->live) KVB__PREFETCH(kvb__gtab_line(g, &m->hash)); /* their misses overlap */
     }
     if (sampled) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads which blocks were cached */
     for (i = n; i-- > 0;)
@@ -2664,6 +2735,7 @@ static void kvb__pool_free_parts(kvb_pool *p)
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) stbds_arrfree(p->rings[i].e);
     kvb__gset_free(&p->ghost[0]);
     kvb__gset_free(&p->ghost[1]);
+    kvb__gtab_free(p, &p->fol_ghost);
     kvb__tune_free(p);
     kvb__mem_free(a, p->meta, p->meta_bytes);
     kvb__mem_free(a, p->slots, p->slot_bytes);
@@ -2720,7 +2792,8 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
         p->rings[i].id = (uint32_t)i;
     }
     p->fol_step = c.fol_class_step;
-    if (p->fol_adaptive && kvb__tune_create(p) != KVB_OK) {
+    if ((c.eviction == KVB_EVICT_FOL && !kvb__gtab_init(p, &p->fol_ghost, c.fol_ghost)) ||
+        (p->fol_adaptive && kvb__tune_create(p) != KVB_OK)) {
         pthread_mutex_destroy(&p->lock);
         kvb__pool_free_parts(p);
         kvb__mem_free(&c.allocator, p, sizeof *p);
@@ -2762,7 +2835,7 @@ KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
         out->list_blocks[0] = pool->n_cls[KVB__T1];
         out->list_blocks[1] = pool->n_cls[KVB__T2];
     }
-    out->ghost_blocks[0] = pool->ghost[0].live;
+    out->ghost_blocks[0] = pool->cfg.eviction == KVB_EVICT_FOL ? pool->fol_ghost.live : pool->ghost[0].live;
     out->ghost_blocks[1] = pool->ghost[1].live;
     out->arc_target = pool->cfg.eviction == KVB_EVICT_ARC ? (uint32_t)(pool->arc_p + 0.5) : 0;
     pthread_mutex_unlock(&pool->lock);
