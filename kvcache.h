@@ -837,7 +837,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__MAX_LEVELS 16
 #define KVB__MAX_BLOCK_TOKENS 32768
 #define KVB__STORAGE_ALIGN 4096
-#define KVB__LEAF_SCAN_LIMIT 1024
+#define KVB__S3_SCAN_LIMIT 4096 /* S3-FIFO: blocks one victim search may pass (promote, requeue, skip) */
 #define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
 /* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
 #define KVB__TUNE_K 10       /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
@@ -1717,13 +1717,12 @@ static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
     if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(&p->slots[m->parent.lo & p->slot_mask]);
 }
 
-/* The oldest block of a ring (want_leaf: the oldest leaf, passing at most KVB__LEAF_SCAN_LIMIT other
- * blocks in one call), or KVB__NIL. Stale entries at the head are dropped on the way. */
+/* The oldest block of a ring (want_leaf: the oldest leaf), or KVB__NIL. Stale entries at the head are
+ * dropped on the way. */
 static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
-    uint32_t seen = 0;
     kvb__ring_skip_stale(p, r);
     if (!want_leaf) {
         for (i = r->head; i < len; i++)
@@ -1731,15 +1730,13 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
         return KVB__NIL;
     }
     /* Parents whose children are cached stay where they are until one turns into a leaf
-     * (kvb__became_leaf), so a search resumes where the last one stopped instead of passing them again
-     * on every eviction (FOL keeps shared prefixes in their own class rings, in front of their children). */
-    for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len && seen < KVB__LEAF_SCAN_LIMIT; i++) {
-        if (!kvb__ring_valid(p, r, &r->e[i])) continue;
-        if (kvb__is_leaf(p, r->e[i].idx)) break;
-        seen++;
-    }
+     * (kvb__became_leaf moves the search back to it), so a search resumes where the last one stopped
+     * and passes each parent once, however many come before the oldest leaf (FOL keeps shared
+     * prefixes in their own class rings, in front of their children). */
+    for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len; i++)
+        if (kvb__ring_valid(p, r, &r->e[i]) && kvb__is_leaf(p, r->e[i].idx)) break;
     r->leafless_to = i;
-    if (i >= len || seen >= KVB__LEAF_SCAN_LIMIT) return KVB__NIL;
+    if (i >= len) return KVB__NIL;
     r->leaf = r->e[i].idx;
     r->leaf_stamp = r->e[i].stamp;
     return r->leaf;
@@ -2405,14 +2402,14 @@ static uint32_t kvb__arc_victim(kvb_pool *p, uint32_t lvl)
 static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 {
     uint32_t target = p->cfg.num_blocks / 10 ? p->cfg.num_blocks / 10 : 1, steps = 0, q;
-    for (q = 0; q < 4 && steps < 4 * KVB__LEAF_SCAN_LIMIT; q++) {
+    for (q = 0; q < 4 && steps < KVB__S3_SCAN_LIMIT; q++) {
         uint32_t cls = (p->n_cls[KVB__T1] >= target || !p->rings[lvl * KVB__CLASSES + KVB__T2].live) ? KVB__T1 : KVB__T2;
         uint32_t rid = lvl * KVB__CLASSES + cls;
         kvb__ring *r = &p->rings[rid];
         size_t i;
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
         kvb__ring_skip_stale(p, r); /* dead: not rescanned */
-        for (i = r->head; i < stbds_arrlenu(r->e) && steps < 4 * KVB__LEAF_SCAN_LIMIT; i++) {
+        for (i = r->head; i < stbds_arrlenu(r->e) && steps < KVB__S3_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];
             if (!kvb__ring_valid(p, r, &r->e[i])) continue;

@@ -132,6 +132,45 @@ static void test_lineage_evicts_leaves_first(void)
     CHECK_ORDER(KVB_EVICT_DEFAULT, PARENTS_FIRST_ONE_BY_ONE, "BAYX");
 }
 
+/* A chain of 3,000 blocks released root first, one by one: its only leaf sits behind 2,999 of its own
+ * parents in release order. Each eviction still takes the oldest leaf (the deepest block, then its
+ * parent, which just became one), never a parent whose child is cached. */
+static void deep_chain_scenario(kvb_evict_policy policy)
+{
+    enum { N = 3000 };
+    fx_events rec;
+    kvb_pool *pool = pool_with_events(N, policy, &rec);
+    static kvb_hash h[N], parents[N];
+    static kvb_block blk[N];
+    for (uint32_t i = 0; i < N; i++) {
+        h[i] = fx_hash(0x100000u + i, 7);
+        parents[i] = i ? h[i - 1] : fx_hash(0, 0);
+    }
+    KVT_EQ(kvb_alloc(pool, N, blk), KVB_OK);
+    for (uint32_t i = 0; i < N; i += 60) fx_import(pool, blk + i, 60, h + i, parents + i);
+    for (uint32_t i = 0; i < N; i++) KVT_EQ(kvb_release(pool, &blk[i], 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_block fresh[3] = {{0}};
+    for (uint32_t step = 0; step < 3; step++) {
+        kvb_hash gone = {0, 0};
+        fx_events_clear(&rec);
+        KVT_EQ(kvb_alloc(pool, 1, &fresh[step]), KVB_OK);
+        KVT_EQ(removed_hashes(&rec, &gone, 1), 1);
+        KVT_CHECK(fx_hash_eq(gone, h[N - 1 - step]));
+        KVT_EQ(fx_lookup(pool, h, N - 1 - step), N - 1 - step); /* the rest of the chain still matches */
+        FX_CHECK_POOL(pool);
+    }
+    KVT_EQ(kvb_release(pool, fresh, 3, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+}
+
+static void test_leaf_behind_thousands_of_parents(void)
+{
+    deep_chain_scenario(KVB_EVICT_LINEAGE);
+    deep_chain_scenario(KVB_EVICT_ARC);
+    deep_chain_scenario(KVB_EVICT_FOL);
+}
+
 static void test_lru_follows_release_order(void)
 {
     CHECK_ORDER(KVB_EVICT_LRU, CHAINS_AS_ARRAYS, "BAYX"); /* kvb_release goes deepest first */
@@ -374,6 +413,7 @@ int main(void)
     KVT_RUN(test_issue_prompts_evicted_lru);
     KVT_RUN(test_lineage_evicts_leaves_first);
     KVT_RUN(test_lru_follows_release_order);
+    KVT_RUN(test_leaf_behind_thousands_of_parents);
     KVT_RUN(test_priority_outlives_lower_level_lineage);
     KVT_RUN(test_priority_outlives_lower_level_lru);
     KVT_RUN(test_custom_policy_is_obeyed);
