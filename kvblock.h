@@ -247,6 +247,9 @@
 #define KVB_MAX_EXTRA_KEYS 8
 #endif
 
+#ifndef KVB_FOL_GHOST_MAX
+#define KVB_FOL_GHOST_MAX (UINT32_C(1) << 28) /* largest kvb_pool_config.fol_ghost: a 2 GiB ghost table */
+#endif
 #ifndef KVB_FOL_SHADOW_BLOCKS
 #define KVB_FOL_SHADOW_BLOCKS 4096 /* FOL self-tuning: blocks each shadow pool holds (section 2) */
 #endif
@@ -406,7 +409,8 @@ typedef struct kvb_pool_config {
     void *hash_user;
     kvb_evict_ops custom_eviction; /* with KVB_EVICT_CUSTOM */
     uint32_t fol_horizon;       /* KVB_EVICT_FOL: H, default 40,000 block references */
-    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 2 x num_blocks, at most 40,000 */
+    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 2 x num_blocks but at most 40,000;
+                                   KVB_FOL_GHOST_MAX at most (8 bytes each) */
     uint32_t fol_class_step;    /* W[c] = (c - 1) * step for classes 1..4; 0 (default): adapted online */
 } kvb_pool_config;
 
@@ -801,6 +805,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__MAX_LEVELS 16
 #define KVB__MAX_BLOCK_TOKENS 32768
 #define KVB__STORAGE_ALIGN 4096
+#define KVB__LEAF_PENDING 8     /* new leaves a ring remembers behind its leaf search's place */
 #define KVB__S3_SCAN_LIMIT 4096 /* S3-FIFO: blocks one victim search may pass (promote, requeue, skip) */
 #define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
 /* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
@@ -882,8 +887,9 @@ typedef struct kvb__ring {
     uint32_t id;        /* its place in the pool's rings: a block's entry is valid in its own ring only */
     uint32_t live;      /* inactive blocks at this level */
     uint32_t held;      /* S3-FIFO: entries kept for blocks in use, at the last compaction */
-    size_t leafless_to; /* entries before it are stale or not leaves: a leaf search resumes there */
-    uint32_t leaf, leaf_stamp; /* the oldest leaf the last search found (KVB__NIL: none known) */
+    size_t leafless_to; /* entries before it are stale, parents or pending: a leaf search resumes there */
+    uint32_t pending[KVB__LEAF_PENDING]; /* stamps of blocks before leafless_to that turned into leaves */
+    uint32_t n_pending;
 } kvb__ring;
 typedef struct kvb__kid_entry { kvb_hash key; uint32_t value; } kvb__kid_entry;
 typedef struct kvb__count { kvb_hash key; uint32_t count; } kvb__count; /* count 0 = empty */
@@ -1443,17 +1449,33 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* A cached block turned into a leaf: where its entry comes before the place its ring's leaf search
- * reached, the search resumes there (it is the oldest leaf known) instead. */
+/* Where ring r's leaf search would resume if its pending leaves were folded back into the search. */
+static size_t kvb__ring_fold_pending(kvb__ring *r)
+{
+    uint32_t k;
+    for (k = 0; k < r->n_pending; k++) {
+        size_t at = (uint32_t)(r->pending[k] - r->base);
+        if (at < r->leafless_to) r->leafless_to = at;
+    }
+    r->n_pending = 0;
+    return r->leafless_to;
+}
+
+/* A cached block turned into a leaf. Where its entry comes before the place its ring's leaf search
+ * reached, the ring remembers it (the search's place stays, so the parents passed are not passed
+ * again); with too many remembered, the search moves back to the oldest of them. */
 static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
 {
     const kvb__meta *m = &p->meta[idx];
     if (m->flags & KVB__F_INACTIVE) {
         kvb__ring *r = &p->rings[kvb__ring_of(m)];
         size_t at = (uint32_t)(m->stamp - r->base);
-        if (at < r->leafless_to) {
-            r->leafless_to = at;
-            r->leaf = KVB__NIL;
+        if (at >= r->leafless_to) return;
+        if (r->n_pending == KVB__LEAF_PENDING) {
+            kvb__ring_fold_pending(r);
+            if (at < r->leafless_to) r->leafless_to = at;
+        } else {
+            r->pending[r->n_pending++] = m->stamp;
         }
     }
 }
@@ -1498,7 +1520,7 @@ static int kvb__gtab_init(kvb_pool *p, kvb__gtab *t, uint32_t cap)
 {
     size_t bytes;
     t->ways = cap < KVB__GWAYS ? cap : KVB__GWAYS;
-    t->sets = (cap + t->ways - 1) / t->ways;
+    t->sets = (uint32_t)(((uint64_t)cap + t->ways - 1) / t->ways);
     if ((uint64_t)t->sets * t->ways > SIZE_MAX / sizeof *t->w) return 0;
     bytes = (size_t)t->sets * t->ways * sizeof *t->w;
     if (!(t->w = (uint64_t *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64))) return 0;
@@ -1598,6 +1620,7 @@ static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
         base = r->base + (uint32_t)r->head; /* positions and stamps moved together */
         leafless = r->leafless_to > r->head ? r->leafless_to - r->head : 0;
     } else {
+        kvb__ring_fold_pending(r); /* renumbering: the pending stamps would name other entries */
         for (i = r->head; i < len; i++) {
             if (i == r->leafless_to) leafless = w;
             if (!kvb__ring_kept(p, r, &r->e[i])) continue;
@@ -1606,7 +1629,6 @@ static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
             w++;
         }
         if (r->leafless_to >= len) leafless = w;
-        r->leaf = KVB__NIL; /* the search finds it again at once */
     }
     KVB__ARR_SHRINK(r->e, w);
     r->head = 0;
@@ -1681,40 +1703,67 @@ static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
     if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(&p->slots[m->parent.lo & p->slot_mask]);
 }
 
+/* The oldest of ring r's pending leaves that is still current and a leaf, or KVB__NIL; the others are
+ * forgotten (stale, or parents again: the search's place holds for them). */
+static uint32_t kvb__ring_pending_leaf(kvb_pool *p, kvb__ring *r)
+{
+    size_t best = SIZE_MAX, len = stbds_arrlenu(r->e);
+    uint32_t k = 0;
+    while (k < r->n_pending) {
+        size_t at = (uint32_t)(r->pending[k] - r->base);
+        if (at < len && at >= r->head && kvb__ring_valid(p, r, &r->e[at]) && kvb__is_leaf(p, r->e[at].idx)) {
+            if (at < best) best = at;
+            k++;
+        } else {
+            r->pending[k] = r->pending[--r->n_pending];
+        }
+    }
+    return best == SIZE_MAX ? KVB__NIL : r->e[best].idx;
+}
+
+static int kvb__ring_is_pending(const kvb__ring *r, uint32_t stamp)
+{
+    uint32_t k;
+    for (k = 0; k < r->n_pending; k++)
+        if (r->pending[k] == stamp) return 1;
+    return 0;
+}
+
 /* The oldest block of a ring (want_leaf: the oldest leaf), or KVB__NIL. Stale entries at the head are
  * dropped on the way. */
 static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf)
 {
     kvb__ring *r = &p->rings[rid];
     size_t i, len = stbds_arrlenu(r->e);
+    uint32_t v;
     kvb__ring_skip_stale(p, r);
     if (!want_leaf) {
         for (i = r->head; i < len; i++)
             if (kvb__ring_valid(p, r, &r->e[i])) return r->e[i].idx;
         return KVB__NIL;
     }
-    /* Parents whose children are cached stay where they are until one turns into a leaf
-     * (kvb__became_leaf moves the search back to it), so a search resumes where the last one stopped
-     * and passes each parent once, however many come before the oldest leaf (FOL keeps shared
-     * prefixes in their own class rings, in front of their children). */
+    /* Parents whose children are cached stay where they are until one turns into a leaf (then it is
+     * pending, kvb__became_leaf), so a search resumes where the last one stopped and passes each
+     * parent once, however many come before the oldest leaf (FOL keeps shared prefixes in their own
+     * class rings, in front of their children). The pending ones come before that place: the oldest
+     * that is still current and a leaf goes first. */
+    if (r->n_pending && (v = kvb__ring_pending_leaf(p, r)) != KVB__NIL) return v;
     for (i = r->leafless_to > r->head ? r->leafless_to : r->head; i < len; i++)
         if (kvb__ring_valid(p, r, &r->e[i]) && kvb__is_leaf(p, r->e[i].idx)) break;
     r->leafless_to = i;
     if (i >= len) return KVB__NIL;
-    r->leaf = r->e[i].idx;
-    r->leaf_stamp = r->e[i].stamp;
-    return r->leaf;
+    return r->e[i].idx;
 }
 
-/* FOL, which looks at five rings per eviction and takes from one: a ring's oldest leaf, the one its
- * last search found while that is still in the ring and a leaf (nothing older turned into one: that
- * forgets it), else a search. */
+/* FOL, which looks at five rings per eviction and takes from one: a ring's oldest leaf, read straight
+ * from the place its last search stopped while that entry is current and a leaf (every current entry
+ * before it is a parent), else a search. */
 static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
 {
     const kvb__ring *r = &p->rings[rid];
-    if (r->leaf != KVB__NIL) {
-        const kvb__meta *m = &p->meta[r->leaf];
-        if (m->stamp == r->leaf_stamp && kvb__ring_valid_meta(m, r) && kvb__is_leaf(p, r->leaf)) return r->leaf;
+    if (!r->n_pending && r->leafless_to < stbds_arrlenu(r->e)) {
+        const kvb__ring_entry *e = &r->e[r->leafless_to];
+        if (kvb__ring_valid(p, r, e) && kvb__is_leaf(p, e->idx)) return e->idx;
     }
     return kvb__ring_victim(p, rid, 1);
 }
@@ -2699,7 +2748,7 @@ static kvb_result kvb__resolve_config(const kvb_pool_config *in, kvb_pool_config
     if (!c->fol_ghost) c->fol_ghost = c->num_blocks > 20000 ? 40000 : c->num_blocks ? 2 * c->num_blocks : 1;
     c->layout = kvb__layout_resolved(&c->layout);
     if (!c->num_blocks || c->num_blocks > INT32_MAX || c->block_tokens > KVB__MAX_BLOCK_TOKENS ||
-        c->priority_levels > KVB__MAX_LEVELS || (unsigned)c->eviction >= KVB_EVICT__COUNT ||
+        c->priority_levels > KVB__MAX_LEVELS || (unsigned)c->eviction >= KVB_EVICT__COUNT || c->fol_ghost > KVB_FOL_GHOST_MAX ||
         (unsigned)c->duplicates >= KVB_DUP__COUNT || (unsigned)c->storage >= KVB_STORAGE__COUNT ||
         (unsigned)c->layout.kind >= KVB_LAYOUT__COUNT || (!c->allocator.alloc != !c->allocator.free))
         return KVB_ECONFIG;
@@ -2784,10 +2833,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->n_free = c.num_blocks;
     p->fol_adaptive = c.eviction == KVB_EVICT_FOL && !c.fol_class_step;
     p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
-    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) {
-        p->rings[i].leaf = KVB__NIL;
-        p->rings[i].id = (uint32_t)i;
-    }
+    for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) p->rings[i].id = (uint32_t)i;
     p->fol_step = c.fol_class_step;
     if ((c.eviction == KVB_EVICT_FOL && !kvb__gtab_init(p, &p->fol_ghost, c.fol_ghost)) ||
         (p->fol_adaptive && kvb__tune_create(p) != KVB_OK)) {
@@ -2879,7 +2925,7 @@ KVB_API kvb_result kvb_pool_reset(kvb_pool *pool)
         pool->rings[i].live = 0;
         pool->rings[i].held = 0;
         pool->rings[i].leafless_to = 0;
-        pool->rings[i].leaf = KVB__NIL;
+        pool->rings[i].n_pending = 0;
     }
     memset(pool->ring_mask, 0, sizeof pool->ring_mask);
     kvb__emit(pool, KVB_EVENT_CLEARED, NULL);
@@ -3551,7 +3597,7 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
             for (e = rg->head; e < stbds_arrlenu(rg->e); e++) {
                 if (rg->e[e].idx >= n) KVB__FAIL("eviction ring %u names block %u", lvl, rg->e[e].idx);
                 if (!kvb__ring_valid(pool, rg, &rg->e[e])) continue;
-                if (e < rg->leafless_to && kvb__is_leaf(pool, rg->e[e].idx))
+                if (e < rg->leafless_to && kvb__is_leaf(pool, rg->e[e].idx) && !kvb__ring_is_pending(rg, rg->e[e].stamp))
                     KVB__FAIL("eviction ring %u: leaf %u before where its leaf search resumes", lvl, rg->e[e].idx);
                 live++;
             }

@@ -164,6 +164,47 @@ static void deep_chain_scenario(kvb_evict_policy policy)
     kvb_pool_destroy(pool);
 }
 
+/* Roots P_1..P_k released first (their children still held), then the children C_1..C_k: the ring
+ * holds P_1..P_k, C_1..C_k, and evictions alternate C_1, P_1, C_2, P_2, .. (each P_j is a leaf once
+ * C_j is gone, and older than every C). The search keeps its place past the P's: the P_j that turn
+ * into leaves are remembered, not found by passing the others again. */
+static void roots_then_children_scenario(kvb_evict_policy policy)
+{
+    enum { K = 50 };
+    fx_events rec;
+    kvb_pool *pool = pool_with_events(2 * K, policy, &rec);
+    kvb_hash h[2 * K], parents[2 * K];
+    kvb_block blk[2 * K], fresh[2 * K];
+    for (uint32_t j = 0; j < K; j++) {
+        h[2 * j] = fx_hash(0x9e3779b97f4a7c15ull * (j + 1), 1);
+        h[2 * j + 1] = fx_hash(0xc2b2ae3d27d4eb4full * (j + 1), 2);
+        parents[2 * j] = fx_hash(0, 0);
+        parents[2 * j + 1] = h[2 * j];
+    }
+    KVT_EQ(kvb_alloc(pool, 2 * K, blk), KVB_OK);
+    for (uint32_t i = 0; i < 2 * K; i += 50) fx_import(pool, blk + i, 50, h + i, parents + i); /* pairs whole */
+    for (uint32_t j = 0; j < K; j++) KVT_EQ(kvb_release(pool, &blk[2 * j], 1, NULL), KVB_OK);
+    for (uint32_t j = 0; j < K; j++) KVT_EQ(kvb_release(pool, &blk[2 * j + 1], 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    for (uint32_t step = 0; step < 2 * K; step++) {
+        kvb_hash gone = {0, 0};
+        uint32_t j = step / 2, want = step % 2 ? 2 * j : 2 * j + 1;
+        fx_events_clear(&rec);
+        KVT_EQ(kvb_alloc(pool, 1, &fresh[step]), KVB_OK);
+        KVT_EQ(removed_hashes(&rec, &gone, 1), 1);
+        KVT_CHECK(fx_hash_eq(gone, h[want]));
+        FX_CHECK_POOL(pool);
+    }
+    KVT_EQ(kvb_release(pool, fresh, 2 * K, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+}
+
+static void test_new_leaves_behind_the_search(void)
+{
+    roots_then_children_scenario(KVB_EVICT_LINEAGE);
+    roots_then_children_scenario(KVB_EVICT_ARC);
+}
+
 static void test_leaf_behind_thousands_of_parents(void)
 {
     deep_chain_scenario(KVB_EVICT_LINEAGE);
@@ -414,6 +455,7 @@ int main(void)
     KVT_RUN(test_lineage_evicts_leaves_first);
     KVT_RUN(test_lru_follows_release_order);
     KVT_RUN(test_leaf_behind_thousands_of_parents);
+    KVT_RUN(test_new_leaves_behind_the_search);
     KVT_RUN(test_priority_outlives_lower_level_lineage);
     KVT_RUN(test_priority_outlives_lower_level_lru);
     KVT_RUN(test_custom_policy_is_obeyed);

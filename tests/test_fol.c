@@ -378,6 +378,33 @@ static void test_fol_ghost_restores_count(void)
 /* G = 2: only the last two evicted hashes are remembered. Blocks 1, 2, 3 are each used twice (class 2)
  * and evicted in that order; brought back, 2 and 3 resume at count 3 (class 3) while 1, the
  * third-oldest evicted, starts at count 1 (a tail: class 0) and goes first. */
+/* A ghost table larger than KVB_FOL_GHOST_MAX is refused (fol_ghost near UINT32_MAX once wrapped its
+ * set count to 0 and the first eviction wrote past the table); 1..7 ghosts make one short set. */
+static void test_fol_ghost_size_checked(void)
+{
+    kvb_pool_config cfg = fx_config(4);
+    kvb_pool *pool = NULL;
+    cfg.eviction = KVB_EVICT_FOL;
+    cfg.fol_class_step = 100;
+    cfg.fol_ghost = UINT32_MAX;
+    KVT_EQ(kvb_pool_create(&cfg, &pool), KVB_ECONFIG);
+    KVT_CHECK(pool == NULL);
+    cfg.fol_ghost = KVB_FOL_GHOST_MAX + 1;
+    KVT_EQ(kvb_pool_create(&cfg, &pool), KVB_ECONFIG);
+    for (uint32_t g = 1; g <= 9; g += 4) {
+        fx_events rec;
+        uint64_t order[8];
+        pool = fol_pool(4, 0, g, ISSUE_STEP, &rec);
+        for (uint64_t k = 1; k <= 6; k++) {
+            REQ(pool, k);
+            REQ(pool, k); /* counts of 2: every victim leaves a ghost */
+        }
+        KVT_EQ(evict_all(pool, &rec, order, 8), 4);
+        FX_CHECK_POOL(pool);
+        kvb_pool_destroy(pool);
+    }
+}
+
 static void test_fol_ghost_bound(void)
 {
     fx_events rec;
@@ -1050,6 +1077,7 @@ int main(void)
     KVT_RUN(test_fol_horizon_reset);
     KVT_RUN(test_fol_ghost_restores_count);
     KVT_RUN(test_fol_ghost_bound);
+    KVT_RUN(test_fol_ghost_size_checked);
     KVT_RUN(test_fol_keeps_thrice_used_block);
     KVT_RUN(test_fol_matches_reference_model);
     KVT_RUN(test_fol_no_orphan_after_horizon_reset);
