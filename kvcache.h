@@ -236,6 +236,8 @@
  *     KVB_MAX_EXTRA_KEYS      extra hash keys per block (default 8)
  *     KVB_NO_INT128           hash with the portable 128-bit product (four 32 x 32-bit products) even
  *                             where the compiler has unsigned __int128: the same values, slower
+ *     KVB_FOL_SHADOW_BLOCKS   FOL self-tuning: blocks each shadow pool holds (default 4,096; section 2)
+ *     KVB_FOL_GHOST_MAX       the largest fol_ghost a pool accepts (default 2^28: a 2 GiB table)
  *
  * 5. THREAD SAFETY
  * A pool is safe to use from any number of threads: one mutex per pool, taken once per call, so batch
