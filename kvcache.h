@@ -1487,8 +1487,8 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
-/* Where ring r's leaf search would resume if its pending leaves were folded back into the search. */
-static size_t kvb__ring_fold_pending(kvb__ring *r)
+/* Ring r forgets its pending leaves: its leaf search resumes at the oldest of them instead. */
+static void kvb__ring_fold_pending(kvb__ring *r)
 {
     uint32_t k;
     for (k = 0; k < r->n_pending; k++) {
@@ -1496,7 +1496,6 @@ static size_t kvb__ring_fold_pending(kvb__ring *r)
         if (at < r->leafless_to) r->leafless_to = at;
     }
     r->n_pending = 0;
-    return r->leafless_to;
 }
 
 /* A cached block turned into a leaf. Where its entry comes before the place its ring's leaf search
