@@ -1517,12 +1517,21 @@ static void kvb__became_leaf(kvb_pool *p, uint32_t idx)
     }
 }
 
-/* Count a registered child in (+1) or out (-1) of its parent. */
-static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta)
+/* The block indexed under h. `near` is a guess (KVB__NIL: none), such as the block registered just
+ * before in the same chain: when it is indexed under h, the index is not probed. */
+static inline uint32_t kvb__find_near(const kvb_pool *p, const kvb_hash *h, uint32_t near)
+{
+    if (near != KVB__NIL && (p->meta[near].flags & KVB__F_INDEXED) && kvb__same_hash(&p->meta[near].hash, h))
+        return near;
+    return kvb__find(p, h);
+}
+
+/* Count a registered child in (+1) or out (-1) of its parent (`near`: a guess at the parent's block). */
+static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta, uint32_t near)
 {
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
-    if ((holder = kvb__find(p, parent)) != KVB__NIL) {
+    if ((holder = kvb__find_near(p, parent, near)) != KVB__NIL) {
         if ((p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX) == 0) kvb__became_leaf(p, holder);
     } else if (delta > 0) kvb__orphans_add(p, parent, 1);
     else kvb__orphans_drop(p, parent);
@@ -2589,7 +2598,7 @@ static inline void kvb__unindex(kvb_pool *p, uint32_t idx)
     m->flags &= (uint8_t)~(KVB__F_INDEXED | KVB__F_DUP);
     m->dup_next = KVB__NIL;
     m->kids = 0;
-    kvb__kids_add(p, &m->parent, -1);
+    kvb__kids_add(p, &m->parent, -1, KVB__NIL);
 }
 
 /* A block as new (free state), keeping only its eviction-ring stamp; a new generation invalidates
@@ -2725,9 +2734,10 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 }
 
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
- * existing one when the pool rejects duplicates). */
+ * existing one when the pool rejects duplicates). `near`: the block that may index `parent` (the one
+ * registered or matched just before in the same chain), or KVB__NIL. */
 static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
-                                         uint32_t ntok)
+                                         uint32_t ntok, uint32_t near)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t slot = 0;
@@ -2747,7 +2757,7 @@ static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_ha
     m->ntok = (uint16_t)ntok;
     m->state = KVB_STATE_REGISTERED;
     if (p->fol_adaptive && kvb__tune_sampled(&p->tune, hash)) m->flags |= KVB__F_SAMPLED;
-    kvb__kids_add(p, &m->parent, +1);
+    kvb__kids_add(p, &m->parent, +1, near);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
         kvb__index_insert(p, idx, slot);
@@ -3274,7 +3284,8 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
         kvb__mut *mu = kvb__mut_of(pool, idx[i]);
         kvb_hash parent = m->parent;
         kvb_hash h = kvb__hash(pool, &parent, mu->tokens, m->ntok, mu->extra, mu->n_extra, mu->salt);
-        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok));
+        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok,
+                                                       i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
     }
     kvb__unlock(pool);
     return r;
@@ -3293,11 +3304,16 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
     }
-    for (i = 0; i < n; i++) KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]); /* they come in while .. */
-    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);                  /* .. this runs */
+    for (i = 0; i < n; i++) { /* they come in while kvb__check_for_register runs */
+        KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
+        if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
+            KVB__PREFETCH(&pool->slots[parents[i].lo & pool->slot_mask]);
+    }
+    r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
-                                                       pool->cfg.block_tokens));
+                                                       pool->cfg.block_tokens,
+                                                       i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
     kvb__unlock(pool);
     return r;
 }
@@ -3391,7 +3407,8 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
     for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
     for (i = k; i < n; i++)
         out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], i ? &hashes[i - 1] : &root,
-                                                             pool->cfg.block_tokens));
+                                                             pool->cfg.block_tokens,
+                                                             i ? kvb_block_index(out_blocks[i - 1].id) : KVB__NIL));
     *out_cached = k;
     kvb__unlock(pool);
     return KVB_OK;
@@ -3917,9 +3934,9 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
 }
 
 /* A batch walks many sequences: their structs (kvb__seqs_one_pool touched them first), the headers of
- * their arrays, then the ends of the arrays, then the metadata of their last blocks are fetched a few
- * sequences ahead, each stage from what the one before brought in, so the misses overlap instead of
- * adding up. */
+ * their arrays, then the ends of the arrays, then the metadata of their last blocks (meta >= 1) and the
+ * index slot of their last block hash (meta = 2: a commit registers it) are fetched a few sequences
+ * ahead, each stage from what the one before brought in, so the misses overlap instead of adding up. */
 static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta)
 {
     if (i + 8 < n) KVB__PREFETCH(seqs[i + 8]);
@@ -3934,11 +3951,13 @@ static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta
         size_t nb = stbds_arrlenu(s->table);
         if (s->tokens) KVB__PREFETCH(s->tokens + stbds_arrlenu(s->tokens));
         if (nb) KVB__PREFETCH(s->table + nb - 1);
+        if (meta == 2 && stbds_arrlenu(s->hashes)) KVB__PREFETCH(s->hashes + stbds_arrlenu(s->hashes) - 1);
     }
     if (meta && i + 2 < n) {
         const kvb_seq *s = seqs[i + 2];
-        size_t nb = stbds_arrlenu(s->table);
+        size_t nb = stbds_arrlenu(s->table), nh = stbds_arrlenu(s->hashes);
         if (nb) KVB__PREFETCH(&s->pool->meta[kvb_block_index(s->table[nb - 1].id)]);
+        if (meta == 2 && nh) KVB__PREFETCH(&s->pool->slots[s->hashes[nh - 1].lo & s->pool->slot_mask]);
     }
 }
 
@@ -3999,7 +4018,8 @@ static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
         if (m->state == KVB_STATE_INFLIGHT) kvb__advance(p, idx, KVB_STATE_COMPLETE);
         if (m->state == KVB_STATE_COMPLETE) {
             kvb_hash parent = m->parent;
-            seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok));
+            uint32_t near = b ? kvb_block_index(seq->table[b - 1].id) : KVB__NIL;
+            seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok, near));
         }
     }
     if (num_tokens > seq->computed) seq->computed = num_tokens;
@@ -4025,7 +4045,7 @@ KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_t
         if (num_tokens[i] > stbds_arrlenu(seqs[i]->tokens)) return KVB_ERANGE;
     pthread_mutex_lock(&seqs[0]->pool->lock);
     for (i = 0; i < n; i++) {
-        kvb__seq_prefetch(seqs, i, n, 1);
+        kvb__seq_prefetch(seqs, i, n, 2);
         kvb__seq_commit_locked(seqs[i], num_tokens[i]);
     }
     kvb__unlock(seqs[0]->pool);

@@ -212,6 +212,64 @@ static void test_leaf_behind_thousands_of_parents(void)
     deep_chain_scenario(KVB_EVICT_FOL);
 }
 
+/* A registration finds its parent's block through the block registered just before it in the same
+ * call when that one holds the parent hash, and through the index otherwise: the block before is a
+ * duplicate (not indexed), another chain's block, or the existing block a rejecting pool handed back.
+ * Every count lands on the parent's indexed block: the pool's brute-force check agrees, and the parent
+ * outlives all its children. */
+static void parent_guess_scenario(kvb_dup_policy dups)
+{
+    enum { N = 12 };
+    fx_events rec;
+    kvb_pool_config cfg = fx_config(N);
+    cfg.eviction = KVB_EVICT_LINEAGE;
+    cfg.duplicates = dups;
+    cfg.on_events = fx_record_events;
+    cfg.event_user = &rec;
+    fx_events_clear(&rec);
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_hash root = fx_hash(0, 0), a = fx_hash(0xa1, 1), b = fx_hash(0xb2, 2), c = fx_hash(0xc3, 3);
+    kvb_hash d = fx_hash(0xd4, 4), x = fx_hash(0xe5, 5), e = fx_hash(0xf6, 6);
+    kvb_hash h1[2] = { a, b }, p1[2] = { root, a };       /* B after its parent A */
+    kvb_hash h2[2] = { a, c }, p2[2] = { root, a };       /* C after A again: a duplicate, or A handed back */
+    kvb_hash h3[2] = { x, d }, p3[2] = { root, a };       /* D after another chain's root */
+    kvb_hash chain[3] = { a, b, e };                      /* E after the matched A, B */
+    kvb_block blk[6], out[6], held[3];
+    size_t cached = 0;
+    KVT_EQ(kvb_alloc(pool, 6, blk), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, blk, 2, h1, p1, out), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, blk + 2, 2, h2, p2, out + 2), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, blk + 4, 2, h3, p3, out + 4), KVB_OK);
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, out, 6, NULL), KVB_OK);
+    KVT_EQ(kvb_request_begin(pool, chain, 3, held, &cached), KVB_OK);
+    KVT_EQ(cached, 2);
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, held, 3, NULL), KVB_OK);
+    kvb_block fresh[N];
+    fx_events_clear(&rec);
+    KVT_EQ(kvb_alloc(pool, N, fresh), KVB_OK); /* everything cached leaves, leaves first */
+    kvb_hash gone[N];
+    size_t n = removed_hashes(&rec, gone, N), at_a = n, at_b = n;
+    for (size_t i = 0; i < n; i++) {
+        if (fx_hash_eq(gone[i], a)) at_a = i;
+        if (fx_hash_eq(gone[i], b)) at_b = i;
+    }
+    KVT_CHECK(at_a < n && at_b < at_a); /* B (and E behind it) before A */
+    for (size_t i = at_a + 1; i < n; i++) /* nothing that named A as parent outlived it */
+        KVT_CHECK(!fx_hash_eq(gone[i], b) && !fx_hash_eq(gone[i], c) && !fx_hash_eq(gone[i], d) &&
+                  !fx_hash_eq(gone[i], e));
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, fresh, N, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+}
+
+static void test_parent_found_past_a_wrong_guess(void)
+{
+    parent_guess_scenario(KVB_DUP_ALLOW);
+    parent_guess_scenario(KVB_DUP_REJECT);
+}
+
 static void test_lru_follows_release_order(void)
 {
     CHECK_ORDER(KVB_EVICT_LRU, CHAINS_AS_ARRAYS, "BAYX"); /* kvb_release goes deepest first */
@@ -456,6 +514,7 @@ int main(void)
     KVT_RUN(test_lru_follows_release_order);
     KVT_RUN(test_leaf_behind_thousands_of_parents);
     KVT_RUN(test_new_leaves_behind_the_search);
+    KVT_RUN(test_parent_found_past_a_wrong_guess);
     KVT_RUN(test_priority_outlives_lower_level_lineage);
     KVT_RUN(test_priority_outlives_lower_level_lru);
     KVT_RUN(test_custom_policy_is_obeyed);
