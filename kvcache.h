@@ -591,7 +591,8 @@ KVB_API kvb_result kvb_block_compute_done(kvb_pool *pool, kvb_block block);
 KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t n, kvb_block *out);
 
 /* Empty -> Registered with given hashes (content computed elsewhere: onboarding, replay); parents may be
- * NULL (all roots). Each block counts block_tokens tokens. Duplicates as kvb_register.
+ * NULL (all roots). Each block counts block_tokens tokens. Duplicates as kvb_register. Any 128-bit values
+ * will do, sequence numbers included: the pool mixes them before it places them.
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, size_t n,
                                        const kvb_hash *hashes, const kvb_hash *parents, kvb_block *out);
@@ -899,7 +900,7 @@ typedef struct kvb__meta { /* one cache line per block */
 } kvb__meta;
 typedef char kvb__meta_is_one_cache_line[sizeof(kvb__meta) == 64 ? 1 : -1];
 
-/* An index slot: the low 32 bits of the hash (its home slot and a filter: the metadata confirms a match)
+/* An index slot: the low 32 bits of the hash's mix (its home slot and a filter: the metadata confirms a match)
  * and the block, index + 1 (0 = empty). 8 bytes, so the index is sparse (load <= 1/3, short probes and
  * short deletion shifts) in the memory a denser one with wider slots would take. */
 typedef struct kvb__slot { uint32_t tag; uint32_t ref; } kvb__slot;
@@ -956,7 +957,7 @@ typedef struct kvb__gtab {
 
 /* FOL's self-tuning (section 2): a shadow node is a sampled block, resident (where 1) or a ghost (2). */
 typedef struct kvb__tnode {
-    uint64_t key;              /* hash.lo */
+    uint64_t key;              /* kvb__mix of the block's hash */
     uint32_t last, prev, next; /* clock at the last touch; class list links */
     uint32_t gpos;             /* ghosts: their place in the circle */
     uint8_t cnt, cls, depth, where;
@@ -1315,17 +1316,37 @@ static void kvb__unlock(kvb_pool *p)
     pthread_mutex_unlock(&p->lock);
 }
 
-/* ---- prefix index: open addressing on the (already uniform) hash, backward-shift deletion ------- */
+/* ---- prefix index: open addressing on the mixed hash, backward-shift deletion -------------------- */
 
-static uint32_t kvb__tag(const kvb_hash *h) { return (uint32_t)h->lo; }
+/* Where a hash goes in the pool's tables: both halves mixed, so hashes that differ in a few bits only,
+ * in their high bits or in `hi` alone (a simulator's sequence numbers, a custom hash_fn, block ids put
+ * through kvb_register_hashed) spread over a table as uniform ones do. A table homes a hash on the low
+ * bits of its mix; the index and the ghost sets keep its low 32 bits as a tag, and the shadows the whole
+ * mix as a block's key. */
+static inline uint64_t kvb__mix(const kvb_hash *h)
+{
+    uint64_t x = h->lo ^ (h->hi * UINT64_C(0x9e3779b97f4a7c15));
+    x ^= x >> 29;
+    x *= UINT64_C(0xbf58476d1ce4e5b9);
+    return x ^ (x >> 32);
+}
+
+static uint32_t kvb__tag(const kvb_hash *h) { return (uint32_t)kvb__mix(h); }
+
+/* The index slot where a search for h starts (to prefetch). */
+static inline const kvb__slot *kvb__home(const kvb_pool *p, const kvb_hash *h)
+{
+    return &p->slots[kvb__mix(h) & p->slot_mask];
+}
 
 static int kvb__same_hash(const kvb_hash *a, const kvb_hash *b) { return a->lo == b->lo && a->hi == b->hi; }
 
-/* The block indexed under h, or KVB__NIL with *empty = the slot where h would go (may be NULL). */
-static inline uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t *empty)
+/* The block indexed under h (whose kvb__mix is `mix`), or KVB__NIL with *empty = the slot where h would
+ * go (may be NULL). */
+static inline uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, uint64_t mix, uint64_t *empty)
 {
-    uint64_t pos = h->lo & p->slot_mask;
-    uint32_t tag = kvb__tag(h);
+    uint64_t pos = mix & p->slot_mask;
+    uint32_t tag = (uint32_t)mix;
     for (;;) {
         const kvb__slot *s = &p->slots[pos];
         if (!s->ref) {
@@ -1337,19 +1358,19 @@ static inline uint32_t kvb__find_or_empty(const kvb_pool *p, const kvb_hash *h, 
     }
 }
 
-static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, NULL); }
+static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h) { return kvb__find_or_empty(p, h, kvb__mix(h), NULL); }
 
 static inline kvb__slot *kvb__slot_of(kvb_pool *p, uint32_t idx)
 {
-    uint64_t pos = p->meta[idx].hash.lo & p->slot_mask;
+    uint64_t pos = kvb__mix(&p->meta[idx].hash) & p->slot_mask;
     while (p->slots[pos].ref != idx + 1) pos = (pos + 1) & p->slot_mask;
     return &p->slots[pos];
 }
 
-/* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash. */
-static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos)
+/* Index block idx at slot pos, the empty slot kvb__find_or_empty gave for its hash (mixed: mix). */
+static void kvb__index_insert(kvb_pool *p, uint32_t idx, uint64_t pos, uint64_t mix)
 {
-    p->slots[pos].tag = kvb__tag(&p->meta[idx].hash);
+    p->slots[pos].tag = (uint32_t)mix;
     p->slots[pos].ref = idx + 1;
     p->n_cached++;
 }
@@ -1394,7 +1415,7 @@ static uint32_t kvb__find(const kvb_pool *p, const kvb_hash *h);
  * empty one where it goes. */
 static uint64_t kvb__ctab_slot(const kvb__ctab *t, const kvb_hash *h)
 {
-    uint64_t s = h->lo & t->mask;
+    uint64_t s = kvb__mix(h) & t->mask;
     while (t->e[s].count && (t->e[s].key.lo != h->lo || t->e[s].key.hi != h->hi)) s = (s + 1) & t->mask;
     return s;
 }
@@ -1424,7 +1445,7 @@ static void kvb__ctab_delete(kvb__ctab *t, uint64_t s)
     for (;;) {
         j = (j + 1) & m;
         if (!t->e[j].count) break;
-        k = t->e[j].key.lo & m;
+        k = kvb__mix(&t->e[j].key) & m;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
         t->e[i] = t->e[j];
         i = j;
@@ -1540,20 +1561,12 @@ static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta,
 /* ---- FOL's ghosts ------------------------------------------------------------------------------- */
 
 /* FOL's ghosts (section 2) are a table of G words in sets of 8, one cache line each: a hash's set and
- * its 24-bit tag come from one mix of the hash (callers and tests may use structured hashes). A set
+ * its 24-bit tag come from its mix (kvb__mix: the high half picks the set, the low one the tag). A set
  * keeps its last 8 puts, newest first, and a ghost that comes back leaves a hole that ages out with the
  * others, as in a circle of the last G evictions. Lookups and puts read one line each and delete
  * nothing elsewhere: an exact circle with an index (kvb__gset) costs three random lines of a table six
  * times the size. A false match (another hash with the same set and tag: about 1 in 2 million lookups
  * of a hash that is no ghost) gives a block another's past count, which the policy survives. */
-static uint64_t kvb__gtab_mix(const kvb_hash *h)
-{
-    uint64_t x = h->lo ^ (h->hi * UINT64_C(0x9e3779b97f4a7c15));
-    x ^= x >> 29;
-    x *= UINT64_C(0xbf58476d1ce4e5b9);
-    return x ^ (x >> 32);
-}
-
 static uint64_t *kvb__gtab_set(const kvb__gtab *t, uint64_t mix)
 {
     return t->w + (size_t)(((mix >> 32) * t->sets) >> 32) * t->ways;
@@ -1584,7 +1597,7 @@ static void kvb__gtab_free(kvb_pool *p, kvb__gtab *t)
 /* The line a lookup or a put of h reads (to prefetch). */
 static const uint64_t *kvb__gtab_line(const kvb__gtab *t, const kvb_hash *h)
 {
-    return kvb__gtab_set(t, kvb__gtab_mix(h));
+    return kvb__gtab_set(t, kvb__mix(h));
 }
 
 /* The ghost of the hash mixed to `mix`, taken out of its set (it came back): its word, or 0. */
@@ -1605,7 +1618,7 @@ static uint64_t kvb__gtab_take(kvb__gtab *t, uint64_t mix)
  * the same hash goes; the set's oldest word leaves). */
 static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t last)
 {
-    uint64_t mix = kvb__gtab_mix(h), *set = kvb__gtab_set(t, mix);
+    uint64_t mix = kvb__mix(h), *set = kvb__gtab_set(t, mix);
     if (t->live) kvb__gtab_take(t, mix);
     t->live += !(uint8_t)set[t->ways - 1];
     memmove(set + 1, set, (t->ways - 1) * sizeof *set);
@@ -1745,8 +1758,8 @@ static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
     if (at + KVB__VICTIM_AHEAD < len) KVB__PREFETCH(&p->meta[r->e[at + KVB__VICTIM_AHEAD].idx]);
     if (at >= len) return;
     m = &p->meta[r->e[at].idx];
-    KVB__PREFETCH(&p->slots[m->hash.lo & p->slot_mask]);
-    if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(&p->slots[m->parent.lo & p->slot_mask]);
+    KVB__PREFETCH(kvb__home(p, &m->hash));
+    if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(kvb__home(p, &m->parent));
 }
 
 /* The oldest of ring r's pending leaves that is still current and a leaf, or KVB__NIL; the others are
@@ -2095,12 +2108,14 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
     for (int pass = 0; pass < 2; pass++)
         for (i = n, seen = 0; i-- > 0 && seen < 8;) {
             const kvb__meta *m = &p->meta[idx[i]];
+            uint64_t key;
             if (!(m->flags & KVB__F_SAMPLED)) continue;
             seen++;
+            key = kvb__mix(&m->hash);
             for (k = 0; k < KVB__TUNE_K; k++) {
-                const kvb__gslot *slot = &t->sh[k].index[m->hash.lo & t->imask];
+                const kvb__gslot *slot = &t->sh[k].index[key & t->imask];
                 if (!pass) KVB__PREFETCH(slot);
-                else if (slot->ref && slot->lo32 == (uint32_t)m->hash.lo) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
+                else if (slot->ref && slot->lo32 == (uint32_t)key) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
             }
         }
 }
@@ -2118,7 +2133,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
         sampled++;
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
-            uint64_t s = kvb__tune_slot(t, sh, m->hash.lo);
+            uint64_t s = kvb__tune_slot(t, sh, kvb__mix(&m->hash));
             uint32_t x = sh->index[s].ref ? sh->index[s].ref - 1 : KVB__NIL;
             if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
             sh->score += 1.0;
@@ -2138,7 +2153,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (!(m->flags & KVB__F_SAMPLED)) continue;
-        for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], m->hash.lo, now, (uint32_t)i, i == tail);
+        for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], kvb__mix(&m->hash), now, (uint32_t)i, i == tail);
     }
     return sampled;
 }
@@ -2226,7 +2241,7 @@ static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t
 }
 
 /* A ghost set: a circle of exactly the last `cap` evicted hashes, found through an open-addressing
- * index on the (uniform) hash, like the prefix index: ARC keeps two (B1, B2), whose sizes steer it,
+ * index on the mixed hash, like the prefix index: ARC keeps two (B1, B2), whose sizes steer it,
  * S3-FIFO one (G). (FOL's ghosts, which carry a count and need no exact size, are kvb__gtab below.)
  * Allocated when first used. */
 static int kvb__gset_init(kvb__gset *g, uint32_t cap)
@@ -2263,8 +2278,8 @@ static void kvb__gset_free(kvb__gset *g)
 /* The index slot naming h, or the empty slot where it would go. */
 static uint64_t kvb__gset_slot(const kvb__gset *g, const kvb_hash *h)
 {
-    uint64_t s = h->lo & g->mask;
-    uint32_t lo32 = (uint32_t)h->lo;
+    uint64_t mix = kvb__mix(h), s = mix & g->mask;
+    uint32_t lo32 = (uint32_t)mix;
     while (g->index[s].ref) {
         if (g->index[s].lo32 == lo32) {
             const kvb__ghost *e = &g->e[g->index[s].ref - 1];
@@ -2295,7 +2310,7 @@ static void kvb__gset_drop_slot(kvb__gset *g, uint64_t s)
 /* Forget ghost e: its slot is the one on its probe path that names its circle position. */
 static void kvb__gset_drop(kvb__gset *g, const kvb__ghost *e)
 {
-    uint64_t s = e->hash.lo & g->mask;
+    uint64_t s = kvb__mix(&e->hash) & g->mask;
     uint32_t ref = (uint32_t)(e - g->e) + 1;
     while (g->index[s].ref != ref) s = (s + 1) & g->mask;
     kvb__gset_drop_slot(g, s);
@@ -2335,7 +2350,7 @@ static void kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
     e->hash = *h;
     e->live = 1;
     g->live++;
-    g->index[s].lo32 = (uint32_t)h->lo;
+    g->index[s].lo32 = (uint32_t)kvb__mix(h);
     g->index[s].ref = pos + 1;
 }
 
@@ -2346,7 +2361,7 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t g;
-    if (!m->cnt && p->fol_ghost.live && (g = kvb__gtab_take(&p->fol_ghost, kvb__gtab_mix(&m->hash))) != 0) {
+    if (!m->cnt && p->fol_ghost.live && (g = kvb__gtab_take(&p->fol_ghost, kvb__mix(&m->hash))) != 0) {
         m->cnt = (uint8_t)g; /* first touch since it was registered: its evicted past comes back */
         m->last = (uint32_t)(g >> 32);
     }
@@ -2741,7 +2756,8 @@ static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_ha
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t slot = 0;
-    uint32_t old = kvb__find_or_empty(p, hash, &slot); /* the index does not change until it is used */
+    uint64_t mix = kvb__mix(hash);
+    uint32_t old = kvb__find_or_empty(p, hash, mix, &slot); /* the index does not change until it is used */
     p->stats.registrations++;
     if (old != KVB__NIL) {
         p->stats.dedups++;
@@ -2760,7 +2776,7 @@ static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_ha
     kvb__kids_add(p, &m->parent, +1, near);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
-        kvb__index_insert(p, idx, slot);
+        kvb__index_insert(p, idx, slot, mix);
         m->kids = kvb__orphans_take(p, &m->hash); /* children cached before it */
         kvb__emit(p, KVB_EVENT_STORED, m);
     } else { /* keep the first block matchable; chain this one behind it */
@@ -3305,9 +3321,9 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         return KVB_ENOMEM;
     }
     for (i = 0; i < n; i++) { /* they come in while kvb__check_for_register runs */
-        KVB__PREFETCH(&pool->slots[hashes[i].lo & pool->slot_mask]);
+        KVB__PREFETCH(kvb__home(pool, &hashes[i]));
         if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
-            KVB__PREFETCH(&pool->slots[parents[i].lo & pool->slot_mask]);
+            KVB__PREFETCH(kvb__home(pool, &parents[i]));
     }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++)
@@ -3321,8 +3337,8 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 /* Probe the index slots for h without touching block metadata: the candidate block or KVB__NIL. */
 static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 {
-    uint64_t pos = h->lo & p->slot_mask;
-    uint32_t tag = kvb__tag(h);
+    uint64_t mix = kvb__mix(h), pos = mix & p->slot_mask;
+    uint32_t tag = (uint32_t)mix;
     for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
         if (p->slots[pos].tag == tag) return p->slots[pos].ref - 1;
     return KVB__NIL;
@@ -3336,9 +3352,9 @@ static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
     size_t i, k = n;
-    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(&p->slots[hashes[i].lo & p->slot_mask]);
+    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(kvb__home(p, &hashes[i]));
     for (i = 0; i < n; i++) {
-        if (i + KVB__SLOT_AHEAD < n) KVB__PREFETCH(&p->slots[hashes[i + KVB__SLOT_AHEAD].lo & p->slot_mask]);
+        if (i + KVB__SLOT_AHEAD < n) KVB__PREFETCH(kvb__home(p, &hashes[i + KVB__SLOT_AHEAD]));
         if ((idx[i] = kvb__probe(p, &hashes[i])) == KVB__NIL) {
             k = i;
             break;
@@ -3435,7 +3451,7 @@ KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n
     if (!pool || (n && (!hashes || !present))) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
     for (i = 0; i < n; i++) {
-        if (i + 8 < n) KVB__PREFETCH(&pool->slots[hashes[i + 8].lo & pool->slot_mask]);
+        if (i + 8 < n) KVB__PREFETCH(kvb__home(pool, &hashes[i + 8]));
         present[i] = kvb__find(pool, &hashes[i]) != KVB__NIL;
         count += present[i];
     }
@@ -3957,7 +3973,7 @@ static void kvb__seq_prefetch(kvb_seq *const *seqs, size_t i, size_t n, int meta
         const kvb_seq *s = seqs[i + 2];
         size_t nb = stbds_arrlenu(s->table), nh = stbds_arrlenu(s->hashes);
         if (nb) KVB__PREFETCH(&s->pool->meta[kvb_block_index(s->table[nb - 1].id)]);
-        if (meta == 2 && nh) KVB__PREFETCH(&s->pool->slots[s->hashes[nh - 1].lo & s->pool->slot_mask]);
+        if (meta == 2 && nh) KVB__PREFETCH(kvb__home(s->pool, &s->hashes[nh - 1]));
     }
 }
 
@@ -13892,7 +13908,10 @@ KVS_API const char *kvs_router_result_string(int result)
     }
 }
 
-/* ---- the index: open addressing on the (uniform) hash, linear probing, backward-shift deletion ---- */
+/* ---- the index: open addressing on the mixed hash, linear probing, backward-shift deletion ------- */
+
+/* A hash's home slot: kvblock.h's mix of both halves, so structured hashes spread as uniform ones do. */
+static size_t kvs__rhome(const kvs_router *r, const kvb_hash *h) { return (size_t)kvb__mix(h) & r->mask; }
 
 static uint64_t *kvs__rslot(const kvs_router *r, size_t pos) { return r->slots + pos * r->stride; }
 static int kvs__rempty(const uint64_t *s) { return (s[0] | s[1]) == 0; }
@@ -13900,7 +13919,7 @@ static int kvs__rempty(const uint64_t *s) { return (s[0] | s[1]) == 0; }
 /* The slot holding h, or NULL. */
 static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
 {
-    size_t pos = (size_t)h->lo & r->mask;
+    size_t pos = kvs__rhome(r, h);
     for (;;) {
         uint64_t *s = kvs__rslot(r, pos);
         if (s[0] == h->lo && s[1] == h->hi) return s;
@@ -13912,7 +13931,7 @@ static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
 /* A free slot for h, which is not in the table (the table has room). */
 static uint64_t *kvs__rinsert(kvs_router *r, const kvb_hash *h)
 {
-    size_t pos = (size_t)h->lo & r->mask;
+    size_t pos = kvs__rhome(r, h);
     uint64_t *s;
     while (!kvs__rempty(s = kvs__rslot(r, pos))) pos = (pos + 1) & r->mask;
     s[0] = h->lo;
@@ -13921,13 +13940,22 @@ static uint64_t *kvs__rinsert(kvs_router *r, const kvb_hash *h)
     return s;
 }
 
+/* The home of the hash an occupied slot holds. */
+static size_t kvs__rslot_home(const kvs_router *r, const uint64_t *s)
+{
+    kvb_hash h;
+    h.lo = s[0];
+    h.hi = s[1];
+    return kvs__rhome(r, &h);
+}
+
 static void kvs__rdelete(kvs_router *r, size_t i)
 {
     size_t j = i, k, m = r->mask;
     for (;;) {
         j = (j + 1) & m;
         if (kvs__rempty(kvs__rslot(r, j))) break;
-        k = (size_t)kvs__rslot(r, j)[0] & m;
+        k = kvs__rslot_home(r, kvs__rslot(r, j));
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue; /* home lies between: stays */
         memcpy(kvs__rslot(r, i), kvs__rslot(r, j), r->stride * sizeof(uint64_t));
         i = j;
@@ -14175,11 +14203,11 @@ static size_t kvs__rscan(kvs_router *r, const kvb_hash *hashes, size_t n)
     size_t i, k, W = r->words, nw = r->cfg.num_workers;
     for (k = 0; k < W; k++) r->alive[k] = ~UINT64_C(0);
     if (nw % 64) r->alive[W - 1] = (UINT64_C(1) << (nw % 64)) - 1;
-    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, (size_t)hashes[i].lo & r->mask));
+    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i])));
     for (i = 0; i < n; i++) {
         const uint64_t *s;
         uint64_t any = 0;
-        if (i + KVS__RAHEAD < n) KVS__RPREFETCH(kvs__rslot(r, (size_t)hashes[i + KVS__RAHEAD].lo & r->mask));
+        if (i + KVS__RAHEAD < n) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i + KVS__RAHEAD])));
         s = kvs__rfind(r, &hashes[i]);
         for (k = 0; k < W; k++) {
             uint64_t held = s ? s[2 + k] : 0, gone = r->alive[k] & ~held;

@@ -274,7 +274,10 @@ KVS_API const char *kvs_router_result_string(int result)
     }
 }
 
-/* ---- the index: open addressing on the (uniform) hash, linear probing, backward-shift deletion ---- */
+/* ---- the index: open addressing on the mixed hash, linear probing, backward-shift deletion ------- */
+
+/* A hash's home slot: kvblock.h's mix of both halves, so structured hashes spread as uniform ones do. */
+static size_t kvs__rhome(const kvs_router *r, const kvb_hash *h) { return (size_t)kvb__mix(h) & r->mask; }
 
 static uint64_t *kvs__rslot(const kvs_router *r, size_t pos) { return r->slots + pos * r->stride; }
 static int kvs__rempty(const uint64_t *s) { return (s[0] | s[1]) == 0; }
@@ -282,7 +285,7 @@ static int kvs__rempty(const uint64_t *s) { return (s[0] | s[1]) == 0; }
 /* The slot holding h, or NULL. */
 static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
 {
-    size_t pos = (size_t)h->lo & r->mask;
+    size_t pos = kvs__rhome(r, h);
     for (;;) {
         uint64_t *s = kvs__rslot(r, pos);
         if (s[0] == h->lo && s[1] == h->hi) return s;
@@ -294,7 +297,7 @@ static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
 /* A free slot for h, which is not in the table (the table has room). */
 static uint64_t *kvs__rinsert(kvs_router *r, const kvb_hash *h)
 {
-    size_t pos = (size_t)h->lo & r->mask;
+    size_t pos = kvs__rhome(r, h);
     uint64_t *s;
     while (!kvs__rempty(s = kvs__rslot(r, pos))) pos = (pos + 1) & r->mask;
     s[0] = h->lo;
@@ -303,13 +306,22 @@ static uint64_t *kvs__rinsert(kvs_router *r, const kvb_hash *h)
     return s;
 }
 
+/* The home of the hash an occupied slot holds. */
+static size_t kvs__rslot_home(const kvs_router *r, const uint64_t *s)
+{
+    kvb_hash h;
+    h.lo = s[0];
+    h.hi = s[1];
+    return kvs__rhome(r, &h);
+}
+
 static void kvs__rdelete(kvs_router *r, size_t i)
 {
     size_t j = i, k, m = r->mask;
     for (;;) {
         j = (j + 1) & m;
         if (kvs__rempty(kvs__rslot(r, j))) break;
-        k = (size_t)kvs__rslot(r, j)[0] & m;
+        k = kvs__rslot_home(r, kvs__rslot(r, j));
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue; /* home lies between: stays */
         memcpy(kvs__rslot(r, i), kvs__rslot(r, j), r->stride * sizeof(uint64_t));
         i = j;
@@ -557,11 +569,11 @@ static size_t kvs__rscan(kvs_router *r, const kvb_hash *hashes, size_t n)
     size_t i, k, W = r->words, nw = r->cfg.num_workers;
     for (k = 0; k < W; k++) r->alive[k] = ~UINT64_C(0);
     if (nw % 64) r->alive[W - 1] = (UINT64_C(1) << (nw % 64)) - 1;
-    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, (size_t)hashes[i].lo & r->mask));
+    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i])));
     for (i = 0; i < n; i++) {
         const uint64_t *s;
         uint64_t any = 0;
-        if (i + KVS__RAHEAD < n) KVS__RPREFETCH(kvs__rslot(r, (size_t)hashes[i + KVS__RAHEAD].lo & r->mask));
+        if (i + KVS__RAHEAD < n) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i + KVS__RAHEAD])));
         s = kvs__rfind(r, &hashes[i]);
         for (k = 0; k < W; k++) {
             uint64_t held = s ? s[2 + k] : 0, gone = r->alive[k] & ~held;

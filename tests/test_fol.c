@@ -696,7 +696,7 @@ static uint32_t ref_ways(const ref_model *m) { return m->G < 8 ? m->G : 8; }
 static uint32_t ref_set(const ref_model *m, kvb_hash h)
 {
     uint32_t sets = (m->G + ref_ways(m) - 1) / ref_ways(m);
-    return (uint32_t)(((kvb__gtab_mix(&h) >> 32) * sets) >> 32);
+    return (uint32_t)(((kvb__mix(&h) >> 32) * sets) >> 32);
 }
 
 static uint32_t ref_ghosts(const ref_model *m)

@@ -432,15 +432,46 @@ static void test_lookup_takes_no_reference(void)
     kvb_pool_destroy(pool);
 }
 
-/* Hashes that share their home slot, their low 32 bits (what an index slot keeps of them) or their whole
- * low half are different hashes: each finds its own block, an absent one finds none, and taking one out
- * of the index leaves the others findable. */
+static int compare_tagged(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* Two hashes (i, 7) and (j, 7) whose index tags (the low 32 bits of their mix, what a slot keeps of
+ * them) are equal: there are some among 2^18, by the birthday bound. */
+static void same_tag_pair(kvb_hash *a, kvb_hash *b)
+{
+    enum { N = 1 << 18 };
+    uint64_t *t = malloc(N * sizeof *t);
+    KVT_CHECK(t != NULL);
+    for (uint64_t i = 0; i < N; i++) {
+        kvb_hash h = fx_hash(i, 7);
+        t[i] = ((uint64_t)kvb__tag(&h) << 32) | i;
+    }
+    qsort(t, N, sizeof *t, compare_tagged);
+    for (size_t i = 1; i < N; i++)
+        if (t[i] >> 32 == t[i - 1] >> 32) {
+            *a = fx_hash((uint32_t)t[i - 1], 7);
+            *b = fx_hash((uint32_t)t[i], 7);
+            free(t);
+            return;
+        }
+    free(t);
+    KVT_CHECK(!"no two of 2^18 hashes share a tag");
+}
+
+/* Hashes that share their index tag, their low half, or all but a few bits are different hashes: each
+ * finds its own block, an absent one finds none, and taking one out of the index leaves the others
+ * findable. */
 static void test_near_collisions_told_apart(void)
 {
     kvb_pool *pool = fx_pool(8);
     const uint64_t low = 0x1234567u, far = UINT64_C(1) << 40;
     kvb_hash h[6] = {fx_hash(low, 1), fx_hash(low + far, 2), fx_hash(low + 2 * far, 3), fx_hash(low, 4),
                      fx_hash(low + 64, 5), fx_hash(low + 3 * far, 6)}; /* h[5] is never registered */
+    same_tag_pair(&h[1], &h[2]);
+    KVT_EQ(kvb__tag(&h[1]), kvb__tag(&h[2]));
     kvb_block b[5] = {{0}}, got[1];
     uint8_t present[6];
     size_t n = 0, count = 0;
@@ -469,6 +500,51 @@ static void test_near_collisions_told_apart(void)
     kvb_pool_destroy(pool);
 }
 
+/* The longest run of occupied index slots (a search for an absent hash homed in it walks all of it). */
+static uint64_t longest_run(const kvb_pool *pool)
+{
+    uint64_t best = 0, run = 0;
+    for (uint64_t s = 0; s <= 2 * pool->slot_mask + 1; s++) { /* twice round: a run may wrap */
+        run = pool->slots[s & pool->slot_mask].ref ? run + 1 : 0;
+        if (run > best) best = run;
+    }
+    return best > pool->slot_mask ? pool->slot_mask + 1 : best;
+}
+
+/* Hashes with structure (sequence numbers, ids in the high bits, only `hi` varying: what a simulator or
+ * a custom hash_fn may hand kvb_register_hashed) spread over the index as random ones do: no long runs
+ * of occupied slots, which would make every search that lands in one walk it. */
+static void test_structured_hashes_spread(void)
+{
+    enum { N = 20000 };
+    static kvb_hash h[N];
+    static kvb_block b[N], out[N];
+    for (int shape = 0; shape < 5; shape++) {
+        kvb_pool *pool = fx_pool(N);
+        for (uint64_t j = 0; j < N; j++) {
+            switch (shape) {
+            case 0: h[j] = fx_hash(1000 + j, 0); break;          /* consecutive */
+            case 1: h[j] = fx_hash(j << 32, 0); break;           /* only the high half of lo */
+            case 2: h[j] = fx_hash(j << 20, 5); break;           /* a stride that is a power of two */
+            case 3: h[j] = fx_hash(42, j); break;                /* only hi */
+            default: {                                            /* kvb_hash_block's, for comparison */
+                uint32_t t = (uint32_t)j;
+                h[j] = kvb_hash_block(NULL, &t, 1, NULL, 0, 0);
+            }
+            }
+        }
+        KVT_EQ(kvb_alloc(pool, N, b), KVB_OK);
+        KVT_EQ(kvb_register_hashed(pool, b, N, h, NULL, out), KVB_OK);
+        KVT_EQ(fx_lookup(pool, h, N), N);
+        uint64_t run = longest_run(pool);
+        if (run > 64) fprintf(stderr, "  shape %d: a run of %llu occupied slots\n", shape, (unsigned long long)run);
+        KVT_CHECK(run <= 64); /* 20,000 of 65,536 slots at random: the longest run is about 15-25 */
+        KVT_EQ(kvb_release(pool, out, N, NULL), KVB_OK);
+        FX_CHECK_POOL(pool);
+        kvb_pool_destroy(pool);
+    }
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -485,5 +561,6 @@ int main(void)
     KVT_RUN(test_duplicate_commits_rejected);
     KVT_RUN(test_lookup_takes_no_reference);
     KVT_RUN(test_near_collisions_told_apart);
+    KVT_RUN(test_structured_hashes_spread);
     return kvt_summary();
 }

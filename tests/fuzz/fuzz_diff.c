@@ -811,10 +811,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         uint32_t t = (uint32_t)i;
         d.uni[i] = kvb_hash_block(i && i < 6 ? &p : NULL, &t, 1, NULL, 0, 99);
     }
-    /* near collisions, which the index must tell apart: the same low 32 bits (the index slot's tag) as a
-     * chain block and as another root, and the same low half as another root */
-    d.uni[7].lo = (d.uni[7].lo & ~UINT64_C(0xffffffff)) | (d.uni[3].lo & UINT64_C(0xffffffff));
-    d.uni[9].lo = (d.uni[9].lo & ~UINT64_C(0xffffffff)) | (d.uni[8].lo & UINT64_C(0xffffffff));
+    /* near collisions, which the index must tell apart: the same index tag (the low 32 bits of the hash's
+     * kvb__mix, found by a search over lo) as a chain block and as another root, and the same low half as
+     * another root */
+    d.uni[7] = (kvb_hash){ UINT64_C(0xdf00a6d8e0e1d72d), UINT64_C(0x983d7d5994d52da0) };
+    d.uni[9] = (kvb_hash){ UINT64_C(0x45b19edfca4d2087), UINT64_C(0x2bd5dc1e2365568d) };
+    if (kvb__tag(&d.uni[7]) != kvb__tag(&d.uni[3]) || kvb__tag(&d.uni[9]) != kvb__tag(&d.uni[8]))
+        abort(); /* kvb__mix changed: search for new ones */
     d.uni[11].lo = d.uni[10].lo;
     for (d.op = 0; d.op < D_MAX_OPS && d.at < d.n; d.op++) {
         uint8_t op = u8(&d) % 19;
