@@ -1591,23 +1591,23 @@ static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
 
-/* Block m is inactive in ring r (its entry there is current where the stamps agree). */
-static inline int kvb__ring_valid_meta(const kvb__meta *m, const kvb__ring *r)
+/* Entry e is its block's current place, in ring r, if the block is on a list at all. */
+static inline int kvb__ring_place(const kvb__meta *m, const kvb__ring *r, const kvb__ring_entry *e)
 {
-    return (m->flags & KVB__F_INACTIVE) && kvb__ring_of(m) == r->id;
+    return m->stamp == e->stamp && kvb__ring_of(m) == r->id;
 }
 
 static inline int kvb__ring_valid(const kvb_pool *p, const kvb__ring *r, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
-    return m->stamp == e->stamp && kvb__ring_valid_meta(m, r);
+    return (m->flags & KVB__F_INACTIVE) && kvb__ring_place(m, r, e);
 }
 
 /* An entry to keep: valid, or holding the place of an S3-FIFO block in use. */
 static inline int kvb__ring_kept(const kvb_pool *p, const kvb__ring *r, const kvb__ring_entry *e)
 {
     const kvb__meta *m = &p->meta[e->idx];
-    return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && m->stamp == e->stamp && kvb__ring_of(m) == r->id;
+    return (m->flags & (KVB__F_INACTIVE | KVB__F_QUEUED)) && kvb__ring_place(m, r, e);
 }
 
 /* Move a ring's head past its stale entries (evicted, or taken again since they were pushed). */
