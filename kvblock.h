@@ -2715,12 +2715,11 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 /* Register a block under `hash`: returns the block that now carries the caller's reference (the
  * existing one when the pool rejects duplicates). `near`: the block that may index `parent` (the one
  * registered or matched just before in the same chain), or KVB__NIL. */
-static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, const kvb_hash *parent,
-                                         uint32_t ntok, uint32_t near)
+static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, uint64_t mix,
+                                         const kvb_hash *parent, uint32_t ntok, uint32_t near)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t slot = 0;
-    uint64_t mix = kvb__mix(hash);
     uint32_t old = kvb__find_or_empty(p, hash, mix, &slot); /* the index does not change until it is used */
     p->stats.registrations++;
     if (old != KVB__NIL) {
@@ -3264,7 +3263,7 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
         kvb__mut *mu = kvb__mut_of(pool, idx[i]);
         kvb_hash parent = m->parent;
         kvb_hash h = kvb__hash(pool, &parent, mu->tokens, m->ntok, mu->extra, mu->n_extra, mu->salt);
-        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, &parent, m->ntok,
+        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &h, kvb__mix(&h), &parent, m->ntok,
                                                        i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
     }
     kvb__unlock(pool);
@@ -3275,6 +3274,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
                                        const kvb_hash *hashes, const kvb_hash *parents, kvb_block *out)
 {
     uint32_t stack[KVB__SCRATCH], *idx;
+    uint64_t mix[KVB__SCRATCH]; /* of the first hashes: computed for the prefetch, used to register */
     size_t i;
     kvb_result r;
     kvb_hash root = {0, 0};
@@ -3285,13 +3285,17 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         return KVB_ENOMEM;
     }
     for (i = 0; i < n; i++) { /* they come in while kvb__check_for_register runs */
-        KVB__PREFETCH(kvb__home(pool, &hashes[i]));
+        uint64_t x = kvb__mix(&hashes[i]);
+        if (i < KVB__SCRATCH) mix[i] = x;
+        KVB__PREFETCH(&pool->slots[x & pool->slot_mask]);
         if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
             KVB__PREFETCH(kvb__home(pool, &parents[i]));
     }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++)
-        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
+        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i],
+                                                       i < KVB__SCRATCH ? mix[i] : kvb__mix(&hashes[i]),
+                                                       parents ? &parents[i] : &root,
                                                        pool->cfg.block_tokens,
                                                        i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
     kvb__unlock(pool);
@@ -3299,9 +3303,9 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 }
 
 /* Probe the index slots for h without touching block metadata: the candidate block or KVB__NIL. */
-static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
+static inline uint32_t kvb__probe(const kvb_pool *p, uint64_t mix)
 {
-    uint64_t mix = kvb__mix(h), pos = mix & p->slot_mask;
+    uint64_t pos = mix & p->slot_mask;
     uint32_t tag = (uint32_t)mix;
     for (; p->slots[pos].ref; pos = (pos + 1) & p->slot_mask)
         if (p->slots[pos].tag == tag) return p->slots[pos].ref - 1;
@@ -3309,17 +3313,26 @@ static inline uint32_t kvb__probe(const kvb_pool *p, const kvb_hash *h)
 }
 
 /* Length of the longest cached prefix, block indices in idx. The slots are probed in order with the
- * slot KVB__SLOT_AHEAD hashes on already on its way, and the metadata of each candidate is prefetched as
- * it is found, so a long chain keeps many misses in flight; a second pass confirms the full hashes (a
- * slot holds 32 bits of them) on metadata that has arrived by then. */
-#define KVB__SLOT_AHEAD 16
+ * slot KVB__SLOT_AHEAD hashes on already on its way (their mixes kept until their turn), and the
+ * metadata of each candidate is prefetched as it is found, so a long chain keeps many misses in flight;
+ * a second pass confirms the full hashes (a slot holds 32 bits of them) on metadata that has arrived by
+ * then. */
+#define KVB__SLOT_AHEAD 16 /* a power of two */
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
+    uint64_t mix[KVB__SLOT_AHEAD], next; /* hash i's at i % KVB__SLOT_AHEAD */
     size_t i, k = n;
-    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) KVB__PREFETCH(kvb__home(p, &hashes[i]));
+    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) {
+        mix[i] = kvb__mix(&hashes[i]);
+        KVB__PREFETCH(&p->slots[mix[i] & p->slot_mask]);
+    }
     for (i = 0; i < n; i++) {
-        if (i + KVB__SLOT_AHEAD < n) KVB__PREFETCH(kvb__home(p, &hashes[i + KVB__SLOT_AHEAD]));
-        if ((idx[i] = kvb__probe(p, &hashes[i])) == KVB__NIL) {
+        uint64_t own = mix[i % KVB__SLOT_AHEAD];
+        if (i + KVB__SLOT_AHEAD < n) {
+            mix[i % KVB__SLOT_AHEAD] = next = kvb__mix(&hashes[i + KVB__SLOT_AHEAD]);
+            KVB__PREFETCH(&p->slots[next & p->slot_mask]);
+        }
+        if ((idx[i] = kvb__probe(p, own)) == KVB__NIL) {
             k = i;
             break;
         }
@@ -3386,7 +3399,8 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
     kvb__take_matched(pool, idx, k, n, out_blocks);
     for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
     for (i = k; i < n; i++)
-        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], i ? &hashes[i - 1] : &root,
+        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], kvb__mix(&hashes[i]),
+                                                             i ? &hashes[i - 1] : &root,
                                                              pool->cfg.block_tokens,
                                                              i ? kvb_block_index(out_blocks[i - 1].id) : KVB__NIL));
     *out_cached = k;
@@ -3411,12 +3425,21 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
 KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n, uint8_t *present,
                                 size_t *out_count)
 {
+    uint64_t mix[KVB__SLOT_AHEAD], next; /* as kvb__prefix: hash i's at i % KVB__SLOT_AHEAD */
     size_t i, count = 0;
     if (!pool || (n && (!hashes || !present))) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
+    for (i = 0; i < n && i < KVB__SLOT_AHEAD; i++) {
+        mix[i] = kvb__mix(&hashes[i]);
+        KVB__PREFETCH(&pool->slots[mix[i] & pool->slot_mask]);
+    }
     for (i = 0; i < n; i++) {
-        if (i + 8 < n) KVB__PREFETCH(kvb__home(pool, &hashes[i + 8]));
-        present[i] = kvb__find(pool, &hashes[i]) != KVB__NIL;
+        uint64_t own = mix[i % KVB__SLOT_AHEAD];
+        if (i + KVB__SLOT_AHEAD < n) {
+            mix[i % KVB__SLOT_AHEAD] = next = kvb__mix(&hashes[i + KVB__SLOT_AHEAD]);
+            KVB__PREFETCH(&pool->slots[next & pool->slot_mask]);
+        }
+        present[i] = kvb__find_or_empty(pool, &hashes[i], own, NULL) != KVB__NIL;
         count += present[i];
     }
     pthread_mutex_unlock(&pool->lock);
@@ -3998,8 +4021,9 @@ static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
         if (m->state == KVB_STATE_INFLIGHT) kvb__advance(p, idx, KVB_STATE_COMPLETE);
         if (m->state == KVB_STATE_COMPLETE) {
             kvb_hash parent = m->parent;
+            const kvb_hash *h = &seq->hashes[b];
             uint32_t near = b ? kvb_block_index(seq->table[b - 1].id) : KVB__NIL;
-            seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, &seq->hashes[b], &parent, m->ntok, near));
+            seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, h, kvb__mix(h), &parent, m->ntok, near));
         }
     }
     if (num_tokens > seq->computed) seq->computed = num_tokens;

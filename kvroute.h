@@ -248,7 +248,7 @@ static uint32_t KVS__RCTZ(uint64_t x)
 #define KVS__RDEF_WEIGHT 1.0
 #define KVS__RDEF_EXPECTED 16384u
 #define KVS__RDEF_AFFINITY 4u
-#define KVS__RAHEAD 16 /* probes prefetched ahead of the one made */
+#define KVS__RAHEAD 16 /* probes prefetched ahead of the one made (a power of two) */
 
 typedef struct kvs__feed { kvs_router *router; uint32_t worker; } kvs__feed;
 
@@ -282,10 +282,9 @@ static size_t kvs__rhome(const kvs_router *r, const kvb_hash *h) { return (size_
 static uint64_t *kvs__rslot(const kvs_router *r, size_t pos) { return r->slots + pos * r->stride; }
 static int kvs__rempty(const uint64_t *s) { return (s[0] | s[1]) == 0; }
 
-/* The slot holding h, or NULL. */
-static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
+/* The slot holding h, searched from pos (h's home), or NULL. */
+static uint64_t *kvs__rfind_from(const kvs_router *r, const kvb_hash *h, size_t pos)
 {
-    size_t pos = kvs__rhome(r, h);
     for (;;) {
         uint64_t *s = kvs__rslot(r, pos);
         if (s[0] == h->lo && s[1] == h->hi) return s;
@@ -293,6 +292,8 @@ static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h)
         pos = (pos + 1) & r->mask;
     }
 }
+
+static uint64_t *kvs__rfind(const kvs_router *r, const kvb_hash *h) { return kvs__rfind_from(r, h, kvs__rhome(r, h)); }
 
 /* A free slot for h, which is not in the table (the table has room). */
 static uint64_t *kvs__rinsert(kvs_router *r, const kvb_hash *h)
@@ -563,18 +564,21 @@ KVS_API void kvs_router_bus_event(void *feed, const kvs_event *event)
 /* ---- lookups ----------------------------------------------------------------------------------- */
 
 /* Every worker's overlap into r->overlap; returns the probes made. A worker leaves `alive` at its
- * first miss and keeps the position as its overlap; the scan ends when none is left. */
+ * first miss and keeps the position as its overlap; the scan ends when none is left. The homes of the
+ * next KVS__RAHEAD hashes are fetched ahead and kept until their turn. */
 static size_t kvs__rscan(kvs_router *r, const kvb_hash *hashes, size_t n)
 {
-    size_t i, k, W = r->words, nw = r->cfg.num_workers;
+    size_t i, k, W = r->words, nw = r->cfg.num_workers, home[KVS__RAHEAD]; /* hash i's at i % KVS__RAHEAD */
     for (k = 0; k < W; k++) r->alive[k] = ~UINT64_C(0);
     if (nw % 64) r->alive[W - 1] = (UINT64_C(1) << (nw % 64)) - 1;
-    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i])));
+    for (i = 0; i < n && i < KVS__RAHEAD; i++) KVS__RPREFETCH(kvs__rslot(r, home[i] = kvs__rhome(r, &hashes[i])));
     for (i = 0; i < n; i++) {
         const uint64_t *s;
         uint64_t any = 0;
-        if (i + KVS__RAHEAD < n) KVS__RPREFETCH(kvs__rslot(r, kvs__rhome(r, &hashes[i + KVS__RAHEAD])));
-        s = kvs__rfind(r, &hashes[i]);
+        size_t own = home[i % KVS__RAHEAD];
+        if (i + KVS__RAHEAD < n)
+            KVS__RPREFETCH(kvs__rslot(r, home[i % KVS__RAHEAD] = kvs__rhome(r, &hashes[i + KVS__RAHEAD])));
+        s = kvs__rfind_from(r, &hashes[i], own);
         for (k = 0; k < W; k++) {
             uint64_t held = s ? s[2 + k] : 0, gone = r->alive[k] & ~held;
             for (; gone; gone &= gone - 1) r->overlap[k * 64 + KVS__RCTZ(gone)] = i;

@@ -519,6 +519,7 @@ static void test_structured_hashes_spread(void)
     enum { N = 20000 };
     static kvb_hash h[N];
     static kvb_block b[N], out[N];
+    static uint8_t present[N];
     for (int shape = 0; shape < 5; shape++) {
         kvb_pool *pool = fx_pool(N);
         for (uint64_t j = 0; j < N; j++) {
@@ -536,6 +537,9 @@ static void test_structured_hashes_spread(void)
         KVT_EQ(kvb_alloc(pool, N, b), KVB_OK);
         KVT_EQ(kvb_register_hashed(pool, b, N, h, NULL, out), KVB_OK);
         KVT_EQ(fx_lookup(pool, h, N), N);
+        size_t count = 0;
+        KVT_EQ(kvb_presence(pool, h, N, present, &count), KVB_OK);
+        KVT_EQ(count, N);
         uint64_t run = longest_run(pool);
         if (run > 64) fprintf(stderr, "  shape %d: a run of %llu occupied slots\n", shape, (unsigned long long)run);
         KVT_CHECK(run <= 64); /* 20,000 of 65,536 slots at random: the longest run is about 15-25 */
