@@ -627,7 +627,7 @@ static void test_fol_no_orphan_after_horizon_reset(void)
 /* ---- a reference model of the documented policy ------------------------------------------------------- */
 
 #define REF_MAXB 64
-#define REF_MAXG 64
+#define REF_MAXG 128
 
 /* A block of the model. A registration of a hash that is already cached (the child of a block that was
  * evicted before it, matched no more) makes a duplicate, as KVB_DUP_ALLOW does: the copy registered
@@ -780,8 +780,8 @@ static size_t ref_serve(ref_model *m, const kvb_hash *h, size_t n)
 }
 
 /* The implementation and this model of section 2 agree on every hit and on the cached set after each
- * of 6,000 random requests: pool 32, H 40, G 6, step 7 (resets, ghost hits and ghost overflow), and
- * the default H and step with G 64. */
+ * of 6,000 random requests: pool 32, H 40, G 6, step 7 (resets, ghost hits and ghost overflow), the
+ * default H with the issue's step and G 64, and the default H and G with that step. */
 static void reference_replay(uint32_t horizon, uint32_t ghost, uint32_t step, uint64_t seed)
 {
     static ref_model model;
@@ -792,8 +792,8 @@ static void reference_replay(uint32_t horizon, uint32_t ghost, uint32_t step, ui
     size_t mismatches = 0;
     memset(&model, 0, sizeof model);
     model.nb = nb;
-    model.H = horizon ? horizon : 40000;
-    model.G = ghost ? ghost : 40000;
+    model.H = horizon ? horizon : UINT32_MAX; /* the pool's defaults: no horizon, 4 x num_blocks ghosts */
+    model.G = ghost ? ghost : 4 * nb;
     model.step = step ? step : 10000;
     KVT_CHECK(model.G <= REF_MAXG);
     cfg.eviction = KVB_EVICT_FOL;
@@ -832,6 +832,7 @@ static void test_fol_matches_reference_model(void)
 {
     reference_replay(40, 6, 7, 99);
     reference_replay(0, 64, ISSUE_STEP, 5); /* default horizon, the issue's step, ghosts in 8 sets */
+    reference_replay(0, 0, ISSUE_STEP, 7);  /* default horizon and ghosts (4 x 32) */
 }
 
 /* ---- FOL keeps what LRU throws away -------------------------------------------------------------------- */
