@@ -342,6 +342,37 @@ static void test_fol_horizon_reset(void)
     }
 }
 
+/* The defaults: no horizon and 4 x num_blocks ghosts (at most KVB_FOL_GHOST_MAX). A block used
+ * twice, then left cached while 45,000 other references pass (beyond the former 40,000-reference
+ * horizon), keeps counting when it comes back: it outlives a newer one-off. With H = 40,000 set, its
+ * count restarts and it goes first. */
+static void test_fol_default_has_no_horizon(void)
+{
+    fx_events rec;
+    uint64_t order[16];
+    kvb_pool_config got;
+    kvb_pool *pool = fol_pool(16, 0, 0, ISSUE_STEP, &rec);
+    KVT_EQ(kvb_pool_get_config(pool, &got), KVB_OK);
+    KVT_EQ(got.fol_horizon, UINT32_MAX);
+    KVT_EQ(got.fol_ghost, 64);
+    kvb_pool_destroy(pool);
+    KVT_EQ(kvb__fol_ghost_default(1000), 4000);
+    KVT_EQ(kvb__fol_ghost_default(INT32_MAX), KVB_FOL_GHOST_MAX);
+    for (int horizon = 0; horizon < 2; horizon++) {
+        pool = fol_pool(16, horizon ? 40000 : 0, 0, ISSUE_STEP, &rec);
+        REQ(pool, 1);
+        REQ(pool, 1);                                   /* 1: count 2 */
+        for (int r = 0; r < 45000; r++) REQ(pool, (uint64_t)(100 + r % 14)); /* 14 others: 1 stays */
+        REQ(pool, 1);                                   /* 45,002 references later: count 3, or 1 (a tail: class 0) */
+        REQ(pool, 200);                                 /* a newer one-off, class 0 */
+        size_t n = evict_all(pool, &rec, order, 16);
+        KVT_EQ(n, 16);
+        if (horizon) KVT_CHECK(pos_of(order, n, 1) < pos_of(order, n, 200));
+        else KVT_CHECK(pos_of(order, n, 1) > pos_of(order, n, 200));
+        kvb_pool_destroy(pool);
+    }
+}
+
 /* ---- ghosts ------------------------------------------------------------------------------------------ */
 
 /* Block 1 is used three times and evicted with the rest of the pool; registered again and released,
@@ -1076,6 +1107,7 @@ int main(void)
     KVT_RUN(test_fol_tie_same_request);
     KVT_RUN(test_fol_tie_deeper_first);
     KVT_RUN(test_fol_horizon_reset);
+    KVT_RUN(test_fol_default_has_no_horizon);
     KVT_RUN(test_fol_ghost_restores_count);
     KVT_RUN(test_fol_ghost_bound);
     KVT_RUN(test_fol_ghost_size_checked);
