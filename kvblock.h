@@ -82,11 +82,13 @@
  * in the config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent
  * is touched whenever its child is, so it scores no lower unless its count restarted (horizon);
  * victims are leaves, so no block is evicted before its cached children. Defaults: no horizon (a count
- * restarts only when neither the block nor its ghost is remembered) and G = 4 x num_blocks. A large
- * pool exists to catch reuse far apart, so a fixed horizon (formerly 40,000 references) or ghost bound
- * (2 x num_blocks, at most 40,000) forgot the counts that matter most there; on the production-like
- * workloads (README, Eviction) these defaults gain more over LRU at every pool size (most at 10,000
- * blocks and more), and 8 x num_blocks gains nothing more. (Issue 6's policy: step 10,000, H 40,000 and
+ * restarts only when neither the block nor its ghost is remembered) and G = 4 x num_blocks, at most
+ * 131,072. A large pool exists to catch reuse far apart, so a fixed horizon (formerly 40,000
+ * references) or ghost bound (2 x num_blocks, at most 40,000) forgot the counts that matter most there;
+ * on the production-like workloads (README, Eviction) these defaults gain more over LRU at every pool
+ * size (most at 10,000 blocks and more), and 8 x num_blocks gains nothing more. The cap keeps the
+ * table (1 MiB) in cache: uncapped, a pool of a million blocks would look up 32 MiB of ghosts for every
+ * new block (kvbench evict_fol_vs_lru about 1.5 -> 1.7); set fol_ghost to remember more. (Issue 6's policy: step 10,000, H 40,000 and
  * G 40,000, set explicitly.)
  *
  * FOL's self-tuning step (fol_class_step = 0, the default). No fixed step suits every workload and pool
@@ -415,7 +417,7 @@ typedef struct kvb_pool_config {
     void *hash_user;
     kvb_evict_ops custom_eviction; /* with KVB_EVICT_CUSTOM */
     uint32_t fol_horizon;       /* KVB_EVICT_FOL: H in block references, default none (UINT32_MAX) */
-    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 4 x num_blocks;
+    uint32_t fol_ghost;         /* G: evicted hashes remembered, default 4 x num_blocks up to 131,072;
                                    KVB_FOL_GHOST_MAX at most (8 bytes each) */
     uint32_t fol_class_step;    /* W[c] = (c - 1) * step for classes 1..4; 0 (default): adapted online */
 } kvb_pool_config;
@@ -2767,10 +2769,13 @@ static kvb_hash kvb__hash(const kvb_pool *p, const kvb_hash *parent, const uint3
 
 /* ---- pool --------------------------------------------------------------------------------------- */
 
-/* FOL remembers the last four pools' worth of evicted hashes (section 2 says why four). */
+/* FOL remembers the last four pools' worth of evicted hashes (section 2 says why four), up to a table
+ * that stays in cache: past it, every new block's ghost lookup would be a miss to memory. */
+#define KVB__FOL_GHOST_CACHED (UINT64_C(1) << 17) /* 1 MiB of ghosts */
 static uint32_t kvb__fol_ghost_default(uint32_t num_blocks)
 {
     uint64_t g = 4 * (uint64_t)num_blocks;
+    if (g > KVB__FOL_GHOST_CACHED) g = KVB__FOL_GHOST_CACHED;
     return g < 1 ? 1 : g > KVB_FOL_GHOST_MAX ? KVB_FOL_GHOST_MAX : (uint32_t)g;
 }
 
