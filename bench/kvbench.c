@@ -75,6 +75,11 @@
  * where noise (other tenants, frequency changes) can only add time and the spread between runs is as
  * large as the difference being measured. To add a key: time it in a run_once function, summarize
  * with summarize_runs(), record it with results_add(); both output formats pick it up.
+ *
+ * To compare two versions of the headers, build one kvbench per version from a directory holding all
+ * five (kvblock.h, kvoffload.h, kvsched.h, kvroute.h, kvremote.h), named first: -I that-dir -I. ...
+ * kvroute.h includes the others from its own directory, so a directory without it compiles the
+ * working tree's headers instead, and the A/B compares a build with itself. Interleave the runs.
  */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
