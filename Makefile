@@ -43,6 +43,9 @@ $(BUILD)/tsan/%: tests/%.c $(TEST_HEADERS) $(HEADERS) | deps
 	@mkdir -p $(dir $@)
 	$(CC) $(CFLAGS_TSAN) -o $@ $< -lm
 
+# tests that read the workload generator of examples/ (the pattern rules above build them)
+$(BUILD)/test/test_arc_reference $(BUILD)/test-single/test_arc_reference: examples/workloads.h
+
 # test_hash_portable is test_hash.c with KVB_NO_INT128 (the portable multiply): it includes that file
 $(BUILD)/test/test_hash_portable $(BUILD)/tsan/test_hash_portable $(BUILD)/test-single/test_hash_portable: tests/test_hash.c
 
