@@ -11,7 +11,7 @@
  *       the offline optimum (Belady's rule: the block used again last goes), then the share of the best
  *       fixed step's gain over LRU that the default keeps
  *   build/workloads --list    the shapes with their request and block counts
- * Shapes: chat api docs agent burst mixed longchat templates (examples/workloads.h says what each is).
+ * Shapes: chat api docs agent burst mixed longchat templates apisessions (examples/workloads.h says what each is).
  *
  * Build (make build/workloads does the same):
  *   cc -std=c11 -O2 -I. -I/usr/include/stb -pthread examples/workloads.c -o workloads -lm
@@ -225,7 +225,7 @@ static void write_trace(const char *shape_name, const char *path, const sweep_op
     size_t q, i, n = 0, mask;
     uint64_t *keys;
     uint32_t *ids, next = 0;
-    if (wl_shape_from_name(shape_name, &shape)) die("unknown shape (chat api docs agent burst mixed longchat templates)");
+    if (wl_shape_from_name(shape_name, &shape)) die("unknown shape (chat api docs agent burst mixed longchat templates apisessions)");
     if (wl_generate(shape, o->block_tokens, o->requests, o->scale, o->seed, &w)) die("out of memory");
     for (mask = 1; mask < 2 * w.total_blocks + 2; mask <<= 1) {}
     keys = (uint64_t *)calloc(mask, sizeof *keys);
@@ -277,7 +277,7 @@ static void parse_shapes(const char *s, sweep_opts *o)
     snprintf(buf, sizeof buf, "%s", s);
     for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         wl_shape sh;
-        if (wl_shape_from_name(tok, &sh)) die("--shapes: chat api docs agent burst mixed longchat templates");
+        if (wl_shape_from_name(tok, &sh)) die("--shapes: chat api docs agent burst mixed longchat templates apisessions");
         o->shapes[sh] = 1;
     }
 }

@@ -26,6 +26,10 @@
  *   templates  API and tool traffic behind long per-application templates (system prompt Zipf over 20,
  *          template Zipf 0.7 over 5,000, median 5k tokens), a unique query each, sessions that call
  *          again after about two minutes half the time
+ *   apisessions  busy API traffic behind many long templates (Zipf 0.8 over 20,000 applications, median
+ *          6k tokens): nine in ten clients hold a session of quick calls (seconds apart, four in five go
+ *          on) that each add a short turn; the rest make one call. How long a cache should remember
+ *          that a block was used decides most of what it keeps here (README, Eviction)
  * Lengths are scaled by `token_scale` (1 for 512-token blocks; smaller keeps 16-token workloads short).
  * Deterministic for a seed: the same call gives the same workload on every machine.
  */
@@ -40,7 +44,7 @@
 #define WL_FN static
 #endif
 
-typedef enum wl_shape { WL_CHAT, WL_API, WL_DOCS, WL_AGENT, WL_BURST, WL_MIXED, WL_LONGCHAT, WL_TEMPLATES, WL__COUNT } wl_shape;
+typedef enum wl_shape { WL_CHAT, WL_API, WL_DOCS, WL_AGENT, WL_BURST, WL_MIXED, WL_LONGCHAT, WL_TEMPLATES, WL_APISESSIONS, WL__COUNT } wl_shape;
 
 typedef struct wl_req {
     double t;                 /* arrival, seconds */
@@ -78,7 +82,7 @@ WL_FN double wl_replay(const wl_trace *w, const kvb_pool_config *cfg, kvb_pool_s
 #include <stdlib.h>
 #include <string.h>
 
-static const char *const wl__names[WL__COUNT] = {"chat", "api", "docs", "agent", "burst", "mixed", "longchat", "templates"};
+static const char *const wl__names[WL__COUNT] = {"chat", "api", "docs", "agent", "burst", "mixed", "longchat", "templates", "apisessions"};
 
 WL_FN const char *wl_shape_name(wl_shape s) { return (unsigned)s < WL__COUNT ? wl__names[s] : "?"; }
 
@@ -147,7 +151,7 @@ typedef struct wl__gen {
     wl__pending *req;
     size_t nreq, capreq;
     uint64_t next_id;         /* unique segment ids */
-    wl__zipf sys, apps, tools, docsys, lsys, ldocs, tsys, tmpl;
+    wl__zipf sys, apps, tools, capps, docsys, lsys, ldocs, tsys, tmpl;
     int fail;
 } wl__gen;
 
@@ -318,6 +322,21 @@ static void wl__templates_session(wl__gen *g, double t)
     free(c.s);
 }
 
+static void wl__apisessions_client(wl__gen *g, double t)
+{
+    wl__ctx c = {0};
+    uint32_t app = wl__zipf_draw(&g->capps, &g->rng);
+    wl__ctx_add(g, &c, WL__SHARED(11, app), wl__shared_len(g, WL__SHARED(11, app), 6000, 1.0));
+    if (wl__unit(&g->rng) < 0.9) {
+        wl__turns(g, &c, t, 100, 5.0, 0.5, 0.8);
+    } else {
+        uint32_t out = wl__len(g, 350, 0.8, 4000);
+        wl__ctx_add(g, &c, wl__fresh(g), wl__len(g, 100, 1.3, 30000));
+        wl__emit(g, t, &c, out);
+    }
+    free(c.s);
+}
+
 static void wl__cold_request(wl__gen *g, double t)
 {
     wl__ctx c = {0};
@@ -333,7 +352,8 @@ static int wl__cmp_pending(const void *a, const void *b)
     return (x->first > y->first) - (x->first < y->first);
 }
 
-/* Sessions start as a Poisson process; each shape's rate gives about 4 requests a second in all. */
+/* Sessions start as a Poisson process; each shape's rate gives about 4 requests a second in all (busy
+ * API traffic, apisessions, about 50). */
 static void wl__sessions(wl__gen *g, wl_shape shape, uint32_t requests)
 {
     double t = 0, next_burst = 600.0;
@@ -348,6 +368,7 @@ static void wl__sessions(wl__gen *g, wl_shape shape, uint32_t requests)
         case WL_AGENT: t += wl__exp(&g->rng, 5.0); wl__agent_session(g, t); break;
         case WL_LONGCHAT: t += wl__exp(&g->rng, 1.0); wl__longchat_session(g, t); break;
         case WL_TEMPLATES: t += wl__exp(&g->rng, 0.5); wl__templates_session(g, t); break;
+        case WL_APISESSIONS: t += wl__exp(&g->rng, 0.1); wl__apisessions_client(g, t); break;
         case WL_BURST:
             t += wl__exp(&g->rng, 1.0);
             wl__chat_session(g, t);
@@ -403,7 +424,7 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
     g.scale = token_scale;
     if (wl__zipf_make(&g.sys, 2000, 0.9) || wl__zipf_make(&g.apps, 20000, 0.8) || wl__zipf_make(&g.tools, 20, 1.0) ||
         wl__zipf_make(&g.lsys, 100, 1.0) || wl__zipf_make(&g.ldocs, 10000, 0.9) || wl__zipf_make(&g.tsys, 20, 1.0) ||
-        wl__zipf_make(&g.tmpl, 5000, 0.7) ||
+        wl__zipf_make(&g.tmpl, 5000, 0.7) || wl__zipf_make(&g.capps, 20000, 0.8) ||
         wl__zipf_make(&g.docsys, 10, 1.0))
         g.fail = 1;
     /* Sessions start until twice the requests exist; the earliest `requests` by arrival are kept, so the
@@ -450,6 +471,7 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
     free(g.ldocs.cdf);
     free(g.tsys.cdf);
     free(g.tmpl.cdf);
+    free(g.capps.cdf);
     if (g.fail) {
         wl_free(out);
         return -1;
