@@ -28,8 +28,8 @@
  *          again after about two minutes half the time
  *   apisessions  busy API traffic behind many long templates (Zipf 0.8 over 20,000 applications, median
  *          6k tokens): nine in ten clients hold a session of quick calls (seconds apart, four in five go
- *          on) that each add a short turn; the rest make one call. How long a cache should remember
- *          that a block was used decides most of what it keeps here (README, Eviction)
+ *          on) that each add a short turn; the rest make one call. How a cache ages what it remembers
+ *          of evicted blocks decides most of what it keeps here (README, Eviction)
  * Lengths are scaled by `token_scale` (1 for 512-token blocks; smaller keeps 16-token workloads short).
  * Deterministic for a seed: the same call gives the same workload on every machine.
  */
