@@ -76,7 +76,12 @@
  * from a ghost table of about the last G evicted hashes: G / 8 sets of 8 (one cache line each), a
  * hash's set fixed by its hash, each set remembering its last 8 evicted hashes (a ghost that comes
  * back leaves its place empty), so that a lookup and a remembering read one line; 8 bytes a ghost,
- * taken from the pool's allocator when it is created. Class 0 = seen once and the request's tail block
+ * taken from the pool's allocator when it is created. A ghost also carries the age of its eviction
+ * (in sixteenths of G evictions), and one evicted more than G evictions ago is forgotten when it comes
+ * back: a set fills at its own pace, and without this some ghosts outlived G by half again and more,
+ * brought back counts from long ago, and (busy API sessions, README) kept the pool far below what its
+ * shadows, which remember exactly the last G, predicted. A ghost keeps a count of at most 7 (above 4 all
+ * counts are class 4). Class 0 = seen once and the request's tail block
  * (and a leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of
  * each ring, the one with the smallest last + W[class]; ties go to the deeper block. With a step s set
  * in the config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent
@@ -918,11 +923,15 @@ typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction or
     uint32_t cap, pos, live, skip; /* pos: where the next one goes (the oldest is there or after it) */
 } kvb__gset;
 /* FOL's ghosts: sets of up to KVB__GWAYS words, one cache line each, newest first; a word is
- * (last << 32) | (tag << 8) | count, 0 = empty (a ghost's count is at least 1). */
+ * (last << 32) | (tag << 9) | (age stamp << 3) | count (1..7), 0 = empty. */
 #define KVB__GWAYS 8
+#define KVB__GCOUNT_MAX 7   /* counts above 4 all mean class 4 */
+#define KVB__GAGE_LIMIT 16  /* a ghost is remembered for 16 stamps of G / 16 puts each */
 typedef struct kvb__gtab {
     uint64_t *w;
     uint32_t sets, ways, live;
+    uint32_t stamp;        /* the age stamp of the next put: one more every per_stamp puts (mod 64) */
+    uint32_t per_stamp, until_next;
 } kvb__gtab;
 
 /* FOL's self-tuning (section 2): a shadow node is a sampled block, resident (where 1) or a ghost (2). */
@@ -1531,18 +1540,23 @@ static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta,
 /* ---- FOL's ghosts ------------------------------------------------------------------------------- */
 
 /* FOL's ghosts (section 2) are a table of G words in sets of 8, one cache line each: a hash's set and
- * its 24-bit tag come from its mix (kvb__mix: the high half picks the set, the low one the tag). A set
+ * its 23-bit tag come from its mix (kvb__mix: the high half picks the set, the low one the tag). A set
  * keeps its last 8 puts, newest first, and a ghost that comes back leaves a hole that ages out with the
- * others, as in a circle of the last G evictions. Lookups and puts read one line each and delete
- * nothing elsewhere: an exact circle with an index (kvb__gset) costs three random lines of a table six
- * times the size. A false match (another hash with the same set and tag: about 1 in 2 million lookups
- * of a hash that is no ghost) gives a block another's past count, which the policy survives. */
+ * others, as in a circle of the last G evictions. A set fills at its own pace, so some of its ghosts
+ * would outlive the circle's G evictions, by half again and more, and come back with a count from long
+ * ago; on traffic where that happens often (busy API sessions) the longer stays of such blocks feed
+ * more evictions and more returns, a pool far behind what a circle would keep. So each word also
+ * carries an age stamp, one per G / 16 puts, and a ghost older than G puts (to a sixteenth) is
+ * forgotten when it comes back. Lookups and puts read one line each and delete nothing elsewhere: an
+ * exact circle with an index (kvb__gset) costs three random lines of a table six times the size. A
+ * false match (another hash with the same set and tag: about 1 in a million lookups of a hash that is
+ * no ghost) gives a block another's past count, which the policy survives. */
 static uint64_t *kvb__gtab_set(const kvb__gtab *t, uint64_t mix)
 {
     return t->w + (size_t)(((mix >> 32) * t->sets) >> 32) * t->ways;
 }
 
-static uint32_t kvb__gtab_tag(uint64_t mix) { return (uint32_t)mix & ~UINT32_C(0xff); }
+static uint32_t kvb__gtab_tag(uint64_t mix) { return (uint32_t)mix & ~UINT32_C(0x1ff); }
 
 /* ceil(G / 8) sets of 8 (one set of G when G < 8), allocated with the pool. */
 static int kvb__gtab_init(kvb_pool *p, kvb__gtab *t, uint32_t cap)
@@ -1554,7 +1568,8 @@ static int kvb__gtab_init(kvb_pool *p, kvb__gtab *t, uint32_t cap)
     bytes = (size_t)t->sets * t->ways * sizeof *t->w;
     if (!(t->w = (uint64_t *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64))) return 0;
     memset(t->w, 0, bytes);
-    t->live = 0;
+    t->live = t->stamp = 0;
+    t->per_stamp = t->until_next = (uint32_t)(((uint64_t)t->sets * t->ways + KVB__GAGE_LIMIT - 1) / KVB__GAGE_LIMIT);
     return 1;
 }
 
@@ -1576,12 +1591,19 @@ static uint64_t kvb__gtab_take(kvb__gtab *t, uint64_t mix)
     uint64_t *set = kvb__gtab_set(t, mix), word;
     uint32_t i, tag = kvb__gtab_tag(mix);
     for (i = 0; i < t->ways; i++)
-        if ((uint8_t)set[i] && ((uint32_t)set[i] & ~UINT32_C(0xff)) == tag) break;
+        if ((uint8_t)set[i] && ((uint32_t)set[i] & ~UINT32_C(0x1ff)) == tag) break;
     if (i == t->ways) return 0;
     word = set[i];
     set[i] = 0;
     t->live--;
     return word;
+}
+
+/* A word taken back: its count, or 0 when it is older than G puts (forgotten, as a circle would). */
+static uint8_t kvb__gtab_count(const kvb__gtab *t, uint64_t word)
+{
+    uint32_t age = (t->stamp - (uint32_t)(word >> 3)) & 63u;
+    return age < KVB__GAGE_LIMIT ? (uint8_t)(word & 7u) : 0;
 }
 
 /* Remember an evicted hash with its count (>= 1) and last touch, newest in its set (an older ghost of
@@ -1592,7 +1614,11 @@ static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t
     if (t->live) kvb__gtab_take(t, mix);
     t->live += !(uint8_t)set[t->ways - 1];
     memmove(set + 1, set, (t->ways - 1) * sizeof *set);
-    set[0] = ((uint64_t)last << 32) | kvb__gtab_tag(mix) | cnt;
+    set[0] = ((uint64_t)last << 32) | kvb__gtab_tag(mix) | t->stamp << 3 | (cnt < KVB__GCOUNT_MAX ? cnt : KVB__GCOUNT_MAX);
+    if (!--t->until_next) { /* no division on the way: the stamp moves on every per_stamp puts */
+        t->stamp = (t->stamp + 1) & 63u;
+        t->until_next = t->per_stamp;
+    }
 }
 
 /* ---- eviction lists ----------------------------------------------------------------------------- */
@@ -2331,10 +2357,9 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 {
     kvb__meta *m = &p->meta[idx];
     uint64_t g;
-    if (!m->cnt && p->fol_ghost.live && (g = kvb__gtab_take(&p->fol_ghost, kvb__mix(&m->hash))) != 0) {
-        m->cnt = (uint8_t)g; /* first touch since it was registered: its evicted past comes back */
-        m->last = (uint32_t)(g >> 32);
-    }
+    if (!m->cnt && p->fol_ghost.live && (g = kvb__gtab_take(&p->fol_ghost, kvb__mix(&m->hash))) != 0 &&
+        (m->cnt = kvb__gtab_count(&p->fol_ghost, g)) != 0)
+        m->last = (uint32_t)(g >> 32); /* first touch since it was registered: its evicted past comes back */
     m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
                                                                               : 1;
     m->last = p->clock;
