@@ -1348,7 +1348,7 @@ typedef struct replay_trace {
 static void replay_trace_make(replay_trace *t)
 {
     wl_trace w;
-    if (wl_generate(WL_CHAT, REPLAY_BLOCK_TOKENS, REPLAY_REQUESTS, 1.0, 1, &w) != 0) die("replay: wl_generate");
+    if (wl_generate(WL_CHAT, REPLAY_BLOCK_TOKENS, REPLAY_REQUESTS, 1.0, 1, 0, &w) != 0) die("replay: wl_generate");
     t->n = w.n;
     t->off = xmalloc(w.n * sizeof *t->off);
     t->len = xmalloc(w.n * sizeof *t->len);

@@ -1,16 +1,18 @@
 /* workloads — production-like traces for tuning eviction, and a sweep of the pool's policies over them
  *
- *   build/workloads --write SHAPE FILE [--block-tokens N] [--requests N] [--scale X] [--seed N]
+ *   build/workloads --write SHAPE FILE [--block-tokens N] [--requests N] [--scale X] [--seed N] [--partial-tail]
  *       writes a Mooncake JSONL trace (timestamp ms, input_length, output_length, hash_ids) that
  *       `serve_sim --trace FILE` replays
  *   build/workloads --sweep [--shapes a,b,..] [--capacities N,N,..] [--block-tokens N] [--requests N]
- *                   [--scale X] [--seed N] [--markdown]
+ *                   [--scale X] [--seed N] [--partial-tail] [--markdown]
  *       replays every shape through kvblock.h pools of each capacity, one request at a time, prompts only
  *       (as serve_sim --sequential does), and prints the block hit rate of each policy: LRU, FOL's
  *       self-tuning default, FOL at fixed steps 1k/3k/10k/30k/100k (and the best of them), ARC, S3-FIFO,
  *       the offline optimum (Belady's rule: the block used again last goes), then the share of the best
  *       fixed step's gain over LRU that the default keeps
  *   build/workloads --list    the shapes with their request and block counts
+ *   --partial-tail: a prompt's partial last block is a block too (WL_PARTIAL_TAIL), as in a trace that
+ *   names every block of a prompt: most of these tails are never used again
  * Shapes: chat api docs agent burst mixed longchat templates apisessions (examples/workloads.h says what each is).
  *
  * Build (make build/workloads does the same):
@@ -34,6 +36,7 @@ typedef struct sweep_opts {
     uint64_t seed;
     double scale;
     int markdown, shapes[WL__COUNT];
+    unsigned flags;           /* wl_generate's */
 } sweep_opts;
 
 static void die(const char *msg)
@@ -188,7 +191,7 @@ static void sweep(const sweep_opts *o)
         uint32_t c;
         if (!o->shapes[s]) continue;
         future f;
-        if (wl_generate((wl_shape)s, o->block_tokens, o->requests, o->scale, o->seed, &w)) die("out of memory");
+        if (wl_generate((wl_shape)s, o->block_tokens, o->requests, o->scale, o->seed, o->flags, &w)) die("out of memory");
         future_make(&w, &f);
         for (c = 0; c < o->ncaps; c++) {
             uint32_t cap = o->caps[c], dstep = 0, k, best_step = 0;
@@ -226,7 +229,7 @@ static void write_trace(const char *shape_name, const char *path, const sweep_op
     uint64_t *keys;
     uint32_t *ids, next = 0;
     if (wl_shape_from_name(shape_name, &shape)) die("unknown shape (chat api docs agent burst mixed longchat templates apisessions)");
-    if (wl_generate(shape, o->block_tokens, o->requests, o->scale, o->seed, &w)) die("out of memory");
+    if (wl_generate(shape, o->block_tokens, o->requests, o->scale, o->seed, o->flags, &w)) die("out of memory");
     for (mask = 1; mask < 2 * w.total_blocks + 2; mask <<= 1) {}
     keys = (uint64_t *)calloc(mask, sizeof *keys);
     ids = (uint32_t *)calloc(mask, sizeof *ids);
@@ -296,10 +299,11 @@ int main(int argc, char **argv)
     parse_caps("1000,3000,10000,30000", &o);
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--sweep") || !strcmp(a, "--list") || !strcmp(a, "--markdown")) {
+        if (!strcmp(a, "--sweep") || !strcmp(a, "--list") || !strcmp(a, "--markdown") || !strcmp(a, "--partial-tail")) {
             do_sweep |= !strcmp(a, "--sweep");
             do_list |= !strcmp(a, "--list");
             o.markdown |= !strcmp(a, "--markdown");
+            if (!strcmp(a, "--partial-tail")) o.flags |= WL_PARTIAL_TAIL;
             continue;
         }
         if (!strcmp(a, "--write") && v && i + 2 < argc) {
@@ -322,7 +326,7 @@ int main(int argc, char **argv)
     if (do_list)
         for (i = 0; i < WL__COUNT; i++) {
             wl_trace w;
-            if (wl_generate((wl_shape)i, o.block_tokens, o.requests, o.scale, o.seed, &w)) die("out of memory");
+            if (wl_generate((wl_shape)i, o.block_tokens, o.requests, o.scale, o.seed, o.flags, &w)) die("out of memory");
             printf("%-6s %6zu requests %9llu prompt blocks %9llu distinct (%.1f blocks a request)\n",
                    wl_shape_name((wl_shape)i), w.n, (unsigned long long)w.total_blocks,
                    (unsigned long long)w.unique_blocks, w.n ? (double)w.total_blocks / (double)w.n : 0.0);

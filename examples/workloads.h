@@ -32,6 +32,12 @@
  *          of evicted blocks decides most of what it keeps here (README, Eviction)
  * Lengths are scaled by `token_scale` (1 for 512-token blocks; smaller keeps 16-token workloads short).
  * Deterministic for a seed: the same call gives the same workload on every machine.
+ *
+ * Blocks: a request's blocks are the full blocks of its prompt, what an engine caches. With
+ * WL_PARTIAL_TAIL the last, partial block of a prompt is a block too, as in a trace that names every
+ * block of a prompt (Mooncake's hash_ids, which `serve_sim --trace --sequential` replays): it is shared
+ * only by an identical prompt, since the next turn of a conversation fills it with more tokens, so most
+ * such tails are never used again (README, Eviction: "Dead tails").
  */
 #ifndef WORKLOADS_H
 #define WORKLOADS_H
@@ -50,7 +56,7 @@ typedef struct wl_req {
     double t;                 /* arrival, seconds */
     uint32_t prompt_tokens;
     uint32_t output_tokens;
-    uint32_t num_blocks;      /* full blocks of the prompt */
+    uint32_t num_blocks;      /* full blocks of the prompt (and its partial last one, WL_PARTIAL_TAIL) */
     uint64_t *blocks;         /* their chained identities (nonzero), block 0 first */
 } wl_req;
 
@@ -62,11 +68,14 @@ typedef struct wl_trace {
     uint64_t *store;          /* all block identities */
 } wl_trace;
 
+enum { WL_PARTIAL_TAIL = 1 }; /* wl_generate flags: a prompt's partial last block is a block too */
+
 WL_FN const char *wl_shape_name(wl_shape s);
 WL_FN int wl_shape_from_name(const char *name, wl_shape *out);
-/* Generate about `requests` requests of one shape. Returns 0, or -1 when out of memory. */
+/* Generate about `requests` requests of one shape; flags: 0 or WL_PARTIAL_TAIL. Returns 0, or -1 on bad
+ * arguments or when out of memory. */
 WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, double token_scale, uint64_t seed,
-                       wl_trace *out);
+                       unsigned flags, wl_trace *out);
 WL_FN void wl_free(wl_trace *w);
 #ifdef KVBLOCK_H
 /* Replay a workload through a pool as serve_sim --sequential does: per request, match the cached prefix
@@ -389,8 +398,10 @@ static int wl__cmp_u64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* Chained identities of the full blocks of segments segs[0..n): a running hash over the pieces. */
-static uint32_t wl__blocks(const wl__seg *segs, size_t n, uint32_t bt, uint64_t *out)
+/* Chained identities of the full blocks of segments segs[0..n) (and of the partial last one with
+ * `tail`): a running hash over the pieces, so a partial block's identity differs from that of the same
+ * block filled further. */
+static uint32_t wl__blocks(const wl__seg *segs, size_t n, uint32_t bt, int tail, uint64_t *out)
 {
     uint64_t h = UINT64_C(0x243f6a8885a308d3);
     uint32_t fill = 0, nb = 0;
@@ -409,17 +420,22 @@ static uint32_t wl__blocks(const wl__seg *segs, size_t n, uint32_t bt, uint64_t 
             }
         }
     }
+    if (tail && fill) {
+        if (out) out[nb] = wl__mix(h ^ UINT64_C(0x7a11)) | 1;
+        nb++;
+    }
     return nb;
 }
 
 WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, double token_scale, uint64_t seed,
-                       wl_trace *out)
+                       unsigned flags, wl_trace *out)
 {
+    int tail = (flags & WL_PARTIAL_TAIL) != 0;
     wl__gen g;
     size_t i, total = 0, off = 0;
     memset(out, 0, sizeof *out);
     memset(&g, 0, sizeof g);
-    if ((unsigned)shape >= WL__COUNT || !block_tokens || token_scale <= 0) return -1;
+    if ((unsigned)shape >= WL__COUNT || !block_tokens || token_scale <= 0 || (flags & ~(unsigned)WL_PARTIAL_TAIL)) return -1;
     g.rng.s = wl__mix(seed * 0x2545f4914f6cdd1dULL + (uint64_t)shape * 7919 + 1);
     g.scale = token_scale;
     if (wl__zipf_make(&g.sys, 2000, 0.9) || wl__zipf_make(&g.apps, 20000, 0.8) || wl__zipf_make(&g.tools, 20, 1.0) ||
@@ -432,7 +448,7 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
     if (!g.fail) wl__sessions(&g, shape, requests > UINT32_MAX / 2 ? UINT32_MAX : 2 * requests);
     if (!g.fail) qsort(g.req, g.nreq, sizeof *g.req, wl__cmp_pending);
     if (!g.fail && g.nreq > requests) g.nreq = requests;
-    for (i = 0; i < g.nreq && !g.fail; i++) total += wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, NULL);
+    for (i = 0; i < g.nreq && !g.fail; i++) total += wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, tail, NULL);
     if (!g.fail) {
         out->req = (wl_req *)calloc(g.nreq ? g.nreq : 1, sizeof *out->req);
         out->store = (uint64_t *)malloc((total ? total : 1) * sizeof *out->store);
@@ -443,7 +459,7 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
         size_t j;
         r->t = g.req[i].t;
         r->blocks = out->store + off;
-        r->num_blocks = wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, r->blocks);
+        r->num_blocks = wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, tail, r->blocks);
         for (j = 0; j < g.req[i].nseg; j++) r->prompt_tokens += g.segs[g.req[i].first + j].len;
         r->output_tokens = g.req[i].output;
         off += r->num_blocks;

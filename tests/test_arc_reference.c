@@ -243,7 +243,7 @@ static void test_arc_at_least_reference(void)
     printf("| workload | pool blocks | LRU | ARC (kvblock.h) | ARC (reference) | difference |\n|---|---|---|---|---|---|\n");
     for (int s = 0; s < WL__COUNT; s++) {
         wl_trace w;
-        KVT_EQ(wl_generate((wl_shape)s, 512, REQUESTS, 1.0, 1, &w), 0);
+        KVT_EQ(wl_generate((wl_shape)s, 512, REQUESTS, 1.0, 1, 0, &w), 0);
         for (size_t c = 0; c < NCAPS; c++) {
             kvb_pool_config cfg;
             double lru, ours, ref;

@@ -81,7 +81,7 @@ static void sweep(uint32_t block_tokens, double scale)
         cell cells[NCAPS];
         half other = {cells, 1}, mine = {cells, 0};
         pthread_t th;
-        KVT_EQ(wl_generate((wl_shape)s, block_tokens, REQUESTS, scale, 1, &w), 0);
+        KVT_EQ(wl_generate((wl_shape)s, block_tokens, REQUESTS, scale, 1, 0, &w), 0);
         for (size_t c = 0; c < NCAPS; c++) cells[c] = (cell){.w = &w, .cap = caps[c]};
         int threaded = pthread_create(&th, NULL, half_run, &other) == 0;
         half_run(&mine);
@@ -121,7 +121,7 @@ static void test_deterministic(void)
 {
     wl_trace w;
     kvb_pool_stats a, b;
-    KVT_EQ(wl_generate(WL_MIXED, 512, REQUESTS, 1.0, 7, &w), 0);
+    KVT_EQ(wl_generate(WL_MIXED, 512, REQUESTS, 1.0, 7, 0, &w), 0);
     double x = rate(&w, KVB_EVICT_FOL, 0, 1024, &a), y = rate(&w, KVB_EVICT_FOL, 0, 1024, &b);
     KVT_CHECK(x >= 0);
     KVT_CHECK(x == y);
@@ -155,7 +155,7 @@ static void test_shadows_allocated_once(void)
     kvb_block blk[256];
     kvb_hash h[257];
     size_t after_create;
-    KVT_EQ(wl_generate(WL_CHAT, 512, 1000, 1.0, 3, &w), 0);
+    KVT_EQ(wl_generate(WL_CHAT, 512, 1000, 1.0, 3, 0, &w), 0);
     memset(&cfg, 0, sizeof cfg);
     cfg.num_blocks = 256;
     cfg.eviction = KVB_EVICT_FOL;

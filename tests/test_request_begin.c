@@ -60,7 +60,7 @@ static void replay_both(kvb_evict_policy ev)
     KVT_EQ(kvb_pool_create(&cfg, &a), KVB_OK);
     cfg.event_user = &sb;
     KVT_EQ(kvb_pool_create(&cfg, &b), KVB_OK);
-    KVT_EQ(wl_generate(WL_MIXED, 512, 1500, 1.0, 11, &w), 0);
+    KVT_EQ(wl_generate(WL_MIXED, 512, 1500, 1.0, 11, 0, &w), 0);
     for (size_t q = 0; q < w.n; q++) {
         size_t n = w.req[q].num_blocks < CAP ? w.req[q].num_blocks : CAP, m = 0, k = 0;
         if (!n) continue;

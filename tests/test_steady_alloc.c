@@ -94,7 +94,7 @@ static void replay_twice(kvb_evict_policy ev, const char *name)
     static kvb_hash h[CAP + 1];
     uint64_t hits;
     size_t before;
-    KVT_EQ(wl_generate(WL_CHAT, 512, 3000, 1.0, 5, &w), 0);
+    KVT_EQ(wl_generate(WL_CHAT, 512, 3000, 1.0, 5, 0, &w), 0);
     KVT_EQ(kvb_pool_create(&cfg, &pool), KVB_OK);
     /* warm-up: the scratch array, ghost sets, event batch and orphan table reach their size in one pass;
      * an eviction ring's array stops growing once it holds twice its largest live count (+ 64), which
