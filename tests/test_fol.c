@@ -1115,6 +1115,51 @@ static void test_fol_adaptive_step_direction(void)
     fflush(stdout);
 }
 
+/* The rule for tails follows the traffic (the probe: LRU order with the other rule). Pools of 64 blocks;
+ * eight conversations, round after round, each request the conversation's whole chain, one block longer
+ * than its last (a new conversation after 12), so the tail a request adds is the next turn's.
+ * With live tails the pool keeps them one step before class 1: the rule changes at most twice (each
+ * change doubles the probe's wait) and ends there, and the pool stays at or above LRU. With a dead tail
+ * after each request's chain (a unique block, as a trace's partial last block), the pool puts tails
+ * first, once and for good, and keeps far more than LRU (which keeps every dead tail a turnover). */
+static void test_fol_tails_rule_follows_the_traffic(void)
+{
+    for (int dead = 0; dead < 2; dead++) {
+        kvb_pool_config lc = fx_config(64);
+        lc.eviction = KVB_EVICT_LRU;
+        kvb_pool *fol = fol_pool(64, 0, 0, 0, NULL), *lru = fx_pool_from(&lc);
+        uint64_t gen[8] = {0}, len[8], unique = 0;
+        size_t hits_fol = 0, hits_lru = 0, changes = 0;
+        uint32_t rule = fx_stats(fol).fol_tails_first;
+        KVT_EQ(rule, 0u);
+        for (int c = 0; c < 8; c++) len[c] = 1 + (uint64_t)c;
+        for (int round = 0; round < 2000; round++)
+            for (int c = 0; c < 8; c++) {
+                kvb_hash h[16];
+                size_t n = 0;
+                for (uint64_t i = 0; i < len[c]; i++) h[n++] = fx_hash((uint64_t)c * 1000003 + gen[c], i + 1);
+                if (dead) h[n++] = fx_hash(UINT64_C(0xdead000000) + unique++, 99);
+                hits_fol += serve(fol, h, n);
+                hits_lru += serve(lru, h, n);
+                if (fx_stats(fol).fol_tails_first != rule) {
+                    rule = !rule;
+                    changes++;
+                }
+                if (++len[c] > 12) len[c] = 1, gen[c]++;
+            }
+        printf("%s tails: FOL %zu hits (rule changed %zu times, tails first at the end: %u), LRU %zu\n",
+               dead ? "dead" : "live", hits_fol, changes, rule, hits_lru);
+        KVT_EQ(rule, dead ? 1u : 0u);
+        KVT_CHECK(changes <= (dead ? 1u : 2u));
+        KVT_CHECK(hits_fol >= hits_lru);
+        if (dead) KVT_CHECK(hits_fol > hits_lru * 5 / 4);
+        FX_CHECK_POOL(fol);
+        kvb_pool_destroy(fol);
+        kvb_pool_destroy(lru);
+    }
+    fflush(stdout);
+}
+
 int main(void)
 {
     fx_watchdog(300);
@@ -1138,5 +1183,6 @@ int main(void)
     KVT_RUN(test_fol_hit_rate_vs_lru);
     KVT_RUN(test_fol_users_hit_rate_vs_lru);
     KVT_RUN(test_fol_adaptive_step_direction);
+    KVT_RUN(test_fol_tails_rule_follows_the_traffic);
     return kvt_summary();
 }

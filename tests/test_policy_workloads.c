@@ -1,10 +1,13 @@
 /* FOL's self-tuning default on production-like workloads (issue 14): every shape of examples/workloads.h
- * at 512-token and 16-token blocks, pools from 64 to 16,384 blocks, replayed one request at a time as
- * serve_sim --sequential does. Hit rates are deterministic, so the checks are exact:
+ * at 512-token and 16-token blocks, with and without each prompt's partial last block (WL_PARTIAL_TAIL,
+ * as a trace that names every block of a prompt), pools from 64 to 16,384 blocks, replayed one request
+ * at a time as serve_sim --sequential does. Hit rates are deterministic, so the checks are exact:
  *   - the default is never below LRU by more than 0.002, in every cell;
  *   - it keeps at least 90% of the best fixed step's gain over LRU (steps 1k, 3k, 10k, 30k, 100k) in
  *     most of the cells where a fixed step gains (more than half; the table says which);
  *   - the same workload gives the same hits and the same final step twice (deterministic);
+ *   - the rule for tails follows the traffic: chat whose tails come back keeps them one step before
+ *     class 1, the same chat with dead partial tails puts them first;
  *   - the shadow pools take their memory once, when the pool is created (the runtime allocator sees
  *     no call during a replay).
  * 6,000 requests per workload: enough for the largest pool to turn over about six times. The cells of a
@@ -44,7 +47,7 @@ static int cells_gain, cells_kept;
 /* One cell of the table: a workload through one pool size under LRU, the default and every fixed step. */
 typedef struct cell {
     const wl_trace *w;
-    uint32_t cap, best_step, def_step;
+    uint32_t cap, best_step, def_step, def_tails;
     double lru, def, best;
     int failed;
 } cell;
@@ -56,6 +59,7 @@ static void cell_run(cell *c)
     c->lru = rate(c->w, KVB_EVICT_LRU, 0, c->cap, NULL);
     c->def = rate(c->w, KVB_EVICT_FOL, 0, c->cap, &st);
     c->def_step = st.fol_class_step;
+    c->def_tails = st.fol_tails_first;
     c->best = 0;
     for (size_t k = 0; k < NSTEPS; k++)
         if ((v = rate(c->w, KVB_EVICT_FOL, steps[k], c->cap, NULL)) > c->best) c->best = v, c->best_step = steps[k];
@@ -71,17 +75,17 @@ static void *half_run(void *arg)
     return NULL;
 }
 
-static void sweep(uint32_t block_tokens, double scale)
+static void sweep(uint32_t block_tokens, double scale, unsigned flags)
 {
-    printf("| workload (%u-token blocks) | pool blocks | LRU | FOL default | step at end | best fixed step | kept |\n",
-           block_tokens);
-    printf("|---|---:|---:|---:|---:|---:|---:|\n");
+    printf("| workload (%u-token blocks%s) | pool blocks | LRU | FOL default | step at end | tails first | best fixed step | kept |\n",
+           block_tokens, flags & WL_PARTIAL_TAIL ? ", partial tails" : "");
+    printf("|---|---:|---:|---:|---:|---:|---:|---:|\n");
     for (int s = 0; s < WL__COUNT; s++) {
         wl_trace w;
         cell cells[NCAPS];
         half other = {cells, 1}, mine = {cells, 0};
         pthread_t th;
-        KVT_EQ(wl_generate((wl_shape)s, block_tokens, REQUESTS, scale, 1, 0, &w), 0);
+        KVT_EQ(wl_generate((wl_shape)s, block_tokens, REQUESTS, scale, 1, flags, &w), 0);
         for (size_t c = 0; c < NCAPS; c++) cells[c] = (cell){.w = &w, .cap = caps[c]};
         int threaded = pthread_create(&th, NULL, half_run, &other) == 0;
         half_run(&mine);
@@ -91,11 +95,12 @@ static void sweep(uint32_t block_tokens, double scale)
             const cell *x = &cells[c];
             double gain = x->best - x->lru, kept = gain > 0.002 ? (x->def - x->lru) / gain : 1.0;
             KVT_CHECK(!x->failed);
-            printf("| %s | %u | %.4f | %.4f | %u | %.4f (%u) | %s |\n", wl_shape_name((wl_shape)s), x->cap, x->lru, x->def,
-                   x->def_step, x->best, x->best_step, gain > 0.002 ? (kept >= 0.9 ? "yes" : "no") : "(no gain)");
+            printf("| %s | %u | %.4f | %.4f | %u | %s | %.4f (%u) | %s |\n", wl_shape_name((wl_shape)s), x->cap, x->lru,
+                   x->def, x->def_step, x->def_tails ? "yes" : "no", x->best, x->best_step,
+                   gain > 0.002 ? (kept >= 0.9 ? "yes" : "no") : "(no gain)");
             if (x->def < x->lru - 0.002)
-                fprintf(stderr, "  %s at %u blocks: default %.4f below LRU %.4f\n", wl_shape_name((wl_shape)s), x->cap,
-                        x->def, x->lru);
+                fprintf(stderr, "  %s at %u blocks%s: default %.4f below LRU %.4f\n", wl_shape_name((wl_shape)s), x->cap,
+                        flags & WL_PARTIAL_TAIL ? ", partial tails" : "", x->def, x->lru);
             KVT_CHECK(x->def >= x->lru - 0.002);
             if (gain > 0.002) {
                 cells_gain++;
@@ -107,8 +112,10 @@ static void sweep(uint32_t block_tokens, double scale)
     fflush(stdout);
 }
 
-static void test_default_vs_lru_512(void) { sweep(512, 1.0); }
-static void test_default_vs_lru_16(void) { sweep(16, 0.125); }
+static void test_default_vs_lru_512(void) { sweep(512, 1.0, 0); }
+static void test_default_vs_lru_16(void) { sweep(16, 0.125, 0); }
+static void test_default_vs_lru_512_partial_tails(void) { sweep(512, 1.0, WL_PARTIAL_TAIL); }
+static void test_default_vs_lru_16_partial_tails(void) { sweep(16, 0.125, WL_PARTIAL_TAIL); }
 
 static void test_keeps_most_of_the_gain(void)
 {
@@ -128,7 +135,25 @@ static void test_deterministic(void)
     KVT_EQ(a.hit_blocks, b.hit_blocks);
     KVT_EQ(a.evictions, b.evictions);
     KVT_EQ(a.fol_class_step, b.fol_class_step);
+    KVT_EQ(a.fol_tails_first, b.fol_tails_first);
     wl_free(&w);
+}
+
+/* The probe decides: chat whose last full block a conversation's next turn uses again keeps tails one
+ * step before class 1 (LRU order, where recency is all that pays); with the partial last block of each
+ * prompt, which the next turn fills further, the tails die and go first. */
+static void test_tails_rule_follows_the_traffic(void)
+{
+    for (unsigned flags = 0; flags <= WL_PARTIAL_TAIL; flags += WL_PARTIAL_TAIL) {
+        wl_trace w;
+        kvb_pool_stats st;
+        KVT_EQ(wl_generate(WL_CHAT, 512, REQUESTS, 1.0, 1, flags, &w), 0);
+        KVT_CHECK(rate(&w, KVB_EVICT_FOL, 0, 1024, &st) >= 0);
+        KVT_EQ(st.fol_tails_first, flags ? 1u : 0u);
+        KVT_CHECK(rate(&w, KVB_EVICT_FOL, 3000, 1024, &st) >= 0); /* a fixed step: always first */
+        KVT_EQ(st.fol_tails_first, 1u);
+        wl_free(&w);
+    }
 }
 
 /* The runtime allocator: counts calls. */
@@ -185,8 +210,11 @@ int main(void)
 {
     KVT_RUN(test_default_vs_lru_512);
     KVT_RUN(test_default_vs_lru_16);
+    KVT_RUN(test_default_vs_lru_512_partial_tails);
+    KVT_RUN(test_default_vs_lru_16_partial_tails);
     KVT_RUN(test_keeps_most_of_the_gain);
     KVT_RUN(test_deterministic);
+    KVT_RUN(test_tails_rule_follows_the_traffic);
     KVT_RUN(test_shadows_allocated_once);
     return kvt_summary();
 }
