@@ -136,10 +136,11 @@
  * size: the best one on real traffic runs from 0.3 to 30 times the pool's size, and a wrong one loses
  * to LRU. So the pool measures, by miniature simulation (Waldspurger et al., USENIX ATC 2017; SHARDS,
  * FAST 2015): a fixed spatial sample of block hashes (a mix of the hash below a threshold, so a block is
- * always in or always out) is replayed through 10 metadata-only shadow pools of C x rate blocks (C = the
+ * always in or always out) is replayed through 11 metadata-only shadow pools of C x rate blocks (C = the
  * pool's size, rate = min(1, KVB_FOL_SHADOW_BLOCKS / C): every shadow holds 4,096 blocks, all of a
  * smaller pool), one per candidate: step 0 (LRU order) and s = C/4, C/2, C, 2 C, .. 64 C, with
- * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU).
+ * W = {-s, 0, s, 2 s, 3 s} (class 0 one step below class 1, so that small steps stay close to LRU) or,
+ * once the traffic has shown that tails die (below), W[0] = -inf; the eleventh is the probe (below).
  * Each shadow applies FOL's rules with its own ghosts (G x rate) and counts its hits, halved every 8
  * turnovers. The live pool starts at step C/2 (before its first eviction no step can be judged; on
  * real traffic a step pays more often than not, and the fall-back below bounds the cost where it does
@@ -151,12 +152,22 @@
  * hits on the sampled blocks, and when, a turnover or more after its last switch (the time a new step
  * takes to fill the pool), they fall clearly behind the LRU-order shadow's (the same paired test, with
  * the noise of whole requests: a request's blocks hit or miss together), it goes back to LRU order and
- * waits twice as long before the next switch (the wait decays again). The shadows cost
- * about 20 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
+ * waits twice as long before the next switch (the wait decays again).
+ * Tails: whether class 0 (a request's deepest block, seen once) should go one step before class 1 or
+ * before everything depends on the traffic. The next turn of a chat uses its last full block again; a
+ * trace that names every block of a prompt (Mooncake's hash_ids) names its partial last one too, which
+ * the next turn fills further, so that tail is rarely used again, and API calls and one-off documents
+ * end in blocks nobody asks for again either (README, Eviction: "Dead tails"). The probe runs LRU order
+ * with the other rule; when it leads the LRU-order candidate by the same test, for the same dwell, and
+ * is still gaining, the pool and every candidate take its rule (the probe and the LRU-order candidate
+ * trade tables, nothing is copied, the scores stay) and the probe goes on with the old rule, so traffic
+ * that changes can bring it back. The pool starts with tails one step before class 1;
+ * kvb_pool_stats.fol_tails_first reports the rule in use. The shadows cost
+ * about 22 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
  * of 1,000-30,000 blocks (0.2-0.8 us a prompt block, LRU 0.05), and the cycle of a full pool of a
- * million about 1.4-1.45 times LRU's (kvbench evict_fol_vs_lru; README, Eviction). Memory: at most about
- * 13 MiB (pools of 4,096 blocks and more; less below), taken from the pool's allocator when
+ * million about 1.4-1.5 times LRU's (kvbench evict_fol_vs_lru; README, Eviction). Memory: at most about
+ * 14 MiB (pools of 4,096 blocks and more; less below), taken from the pool's allocator when
  * it is created; nothing per reference. A
  * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
  * kvb_pool_stats.fol_class_step reports the step in use. Measured on production-like workloads
@@ -475,6 +486,8 @@ typedef struct kvb_pool_stats {
     uint32_t num_blocks, free_blocks, active_blocks, inactive_blocks;
     uint32_t cached_hashes;  /* distinct hashes matchable */
     uint32_t fol_class_step; /* KVB_EVICT_FOL: the class step in use (chosen online when the config's is 0) */
+    uint32_t fol_tails_first; /* KVB_EVICT_FOL: 1 when class 0 (a request's tail, seen once) goes before every
+                                 other class (always with a fixed step; chosen online when the step is) */
     uint32_t list_blocks[2]; /* ARC: registered blocks in T1, T2; S3-FIFO: in the small, main queue */
     uint32_t ghost_blocks[2]; /* evicted hashes remembered: FOL: ghosts, 0; ARC: B1, B2; S3-FIFO: G, 0 */
     uint32_t arc_target;     /* ARC: p, the target size of T1 (ARC's adaptation) */
@@ -859,9 +872,14 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__S3_SCAN_LIMIT 4096 /* S3-FIFO: blocks one victim search may pass (promote, requeue, skip) */
 #define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
 /* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
-#define KVB__TUNE_K 10       /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
+#define KVB__TUNE_LADDER 10  /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
+#define KVB__TUNE_PROBE 10   /* and the probe: LRU order with the other rule for tails */
+#define KVB__TUNE_K 11       /* shadows in all */
 #ifndef KVB__TUNE_START
 #define KVB__TUNE_START 2    /* the candidate used until the shadows know better: step C/2 */
+#endif
+#ifndef KVB__TUNE_TAILS_START
+#define KVB__TUNE_TAILS_START 0 /* the rule for tails used until the probe knows better: 1 = tails first */
 #endif
 #ifndef KVB__TUNE_MEMORY
 #define KVB__TUNE_MEMORY 8   /* scores halve every 8 turnovers of a shadow */
@@ -985,6 +1003,7 @@ typedef struct kvb__shadow {
     uint32_t nfree, gpos, resident;
     uint32_t head[KVB__CLASSES], tail[KVB__CLASSES]; /* one LRU list per class, oldest at head */
     int64_t step;              /* this candidate's class step */
+    int tails_first;           /* class 0 goes before every other class (else one step before class 1) */
     double score;              /* its hits, halved every KVB__TUNE_MEMORY turnovers */
     double differ;             /* blocks hit here and missed by the current candidate or the other way */
     double base;               /* score - the current's when the present lead began */
@@ -997,7 +1016,11 @@ typedef struct kvb__tuner {
     double caution;            /* dwell multiplier: doubles each time switching lost to LRU order */
     uint32_t cap, gcap, nodes; /* a shadow's blocks, ghosts and nodes */
     uint32_t current;          /* the candidate whose step the pool uses */
+    int tails_first;           /* the rule for tails the pool and the ladder use (the probe, the other) */
     uint64_t lead_for;         /* sampled blocks for which some candidate has been clearly ahead of it */
+    uint64_t tails_lead_for;   /* .. for which the probe has been clearly ahead of LRU order */
+    double tails_base;         /* the probe's score - LRU order's when its present lead began */
+    double tails_caution;      /* the probe's dwell multiplier: doubles each time the rule changes */
     uint64_t since_switch;     /* sampled blocks since the live pool last changed its step */
     void *mem;
     size_t mem_bytes;
@@ -1020,6 +1043,7 @@ struct kvb_pool {
     uint32_t n_cls[KVB__CLASSES];    /* ARC, S3-FIFO: registered blocks per list */
     int64_t fol_step;                /* FOL: the class step the keys use */
     int fol_adaptive;                /* FOL: fol_class_step 0, the step is chosen online (section 2) */
+    int fol_tails_first;             /* FOL: class 0 goes first (a fixed step; online: the tuner's choice) */
     kvb__tuner tune;                 /* FOL self-tuning: the shadow pools */
     int track_kids;         /* the policy takes leaves first: child counts are kept */
     kvb__ctab orphans;      /* parent hash not indexed -> registered blocks naming it (cold path) */
@@ -1865,7 +1889,7 @@ static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
 static int64_t kvb__fol_key(const kvb_pool *p, uint32_t v)
 {
     const kvb__meta *m = &p->meta[v];
-    if (m->cls == 0 && !p->fol_adaptive) return INT64_MAX;
+    if (m->cls == 0 && p->fol_tails_first) return INT64_MAX;
     return (int64_t)(uint32_t)(p->clock - m->last) - ((int64_t)m->cls - 1) * p->fol_step;
 }
 
@@ -1959,10 +1983,13 @@ static kvb_result kvb__tune_create(kvb_pool *p)
         sh->nfree = t->nodes;
         for (i = 0; i <= t->gcap; i++) sh->ghost[i] = KVB__NIL;
         for (i = 0; i < KVB__CLASSES; i++) sh->head[i] = sh->tail[i] = KVB__NIL;
-        sh->step = kvb__tune_ladder(k, p->cfg.num_blocks);
+        sh->step = kvb__tune_ladder(k < KVB__TUNE_LADDER ? k : 0, p->cfg.num_blocks);
     }
+    t->tails_first = KVB__TUNE_TAILS_START;
+    for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].tails_first = (k == KVB__TUNE_PROBE) != t->tails_first;
+    p->fol_tails_first = t->tails_first;
     t->current = KVB__TUNE_START;
-    t->caution = 1.0;
+    t->caution = t->tails_caution = 1.0;
     p->fol_step = t->sh[t->current].step;
     return KVB_OK;
 }
@@ -2026,8 +2053,8 @@ static void kvb__tune_push(kvb__shadow *sh, uint32_t x)
     sh->tail[n->cls] = x;
 }
 
-/* The shadow's victim: FOL's rule with its own step, over the class heads; blocks of the request being
- * released (last == now) only when nothing else is left, as the live pool holds them. */
+/* The shadow's victim: FOL's rule with its own step and rule for tails, over the class heads; blocks of
+ * the request being released (last == now) only when nothing else is left, as the live pool holds them. */
 static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
 {
     uint32_t c, best = KVB__NIL, pass;
@@ -2040,7 +2067,8 @@ static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
             if (x == KVB__NIL) continue;
             n = &sh->node[x];
             if (!pass && n->last == now) continue;
-            key = (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
+            key = c == 0 && sh->tails_first ? INT64_MAX
+                                            : (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
             if (best == KVB__NIL || key > best_key || (key == best_key && n->depth > sh->node[best].depth)) {
                 best = x;
                 best_key = key;
@@ -2131,7 +2159,7 @@ static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h)
 /* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest): first
  * the hits (counted, then touched, deepest first), then the misses come in. Returns the blocks sampled. */
 /* Where the shadows keep the sampled blocks of a request: every shadow's index slot of each, then the
- * nodes those slots name, so the misses of ten shadows overlap instead of following one another (in a
+ * nodes those slots name, so the misses of the shadows overlap instead of following one another (in a
  * large pool the shadows are touched rarely and are out of cache). */
 static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
 {
@@ -2173,8 +2201,9 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
             kvb__tune_unlink(sh, x);
             kvb__tune_touch(p, sh, x, now, (uint32_t)i, i == tail);
         }
-        for (k = 0; k < KVB__TUNE_K; k++) /* the paired comparison's noise: blocks where k and the current differ */
-            t->sh[k].differ += (double)(((hit >> k) ^ (hit >> t->current)) & 1u);
+        for (k = 0; k < KVB__TUNE_K; k++) /* the paired comparison's noise: blocks where k and the current (the
+                                              probe: LRU order) differ */
+            t->sh[k].differ += (double)(((hit >> k) ^ (hit >> (k == KVB__TUNE_PROBE ? 0 : t->current))) & 1u);
         live = m->cnt != 0; /* the live pool had it cached: touched before, not registered by this request */
         t->live += (double)live;
         live_lead += (double)live - (double)(hit & 1u);
@@ -2204,6 +2233,7 @@ static void kvb__tune_decay(kvb__tuner *t, size_t sampled)
     t->live *= 0.5;
     t->live_differ *= 0.5;
     t->caution = t->caution > 1.0 ? t->caution * 0.75 : 1.0;
+    t->tails_caution = t->tails_caution > 1.0 ? t->tails_caution * 0.75 : 1.0;
     t->seen = 0;
 }
 
@@ -2218,7 +2248,7 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
 {
     kvb__tuner *t = &p->tune;
     uint32_t j;
-    for (j = 0; j < KVB__TUNE_K; j++) t->sh[j].differ = 0; /* differences from the new current, from now on */
+    for (j = 0; j < KVB__TUNE_LADDER; j++) t->sh[j].differ = 0; /* differences from the new current, from now on */
     t->current = k;
     t->lead_for = 0;
     t->since_switch = 0;
@@ -2248,21 +2278,56 @@ static void kvb__tune_choose(kvb_pool *p, size_t sampled)
     kvb__shadow *cur = &t->sh[t->current];
     uint32_t k, best = t->current;
     double dwell = t->caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
-    for (k = 0; k < KVB__TUNE_K; k++)
+    for (k = 0; k < KVB__TUNE_LADDER; k++)
         if (t->sh[k].score > t->sh[best].score) best = k;
     if (best == t->current || !kvb__tune_clear_lead(t->sh[best].score, cur->score, t->sh[best].differ)) {
         t->lead_for = 0;
         return;
     }
     if (!t->lead_for) /* a lead begins: what each candidate is ahead by now */
-        for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].base = t->sh[k].score - cur->score;
+        for (k = 0; k < KVB__TUNE_LADDER; k++) t->sh[k].base = t->sh[k].score - cur->score;
     t->lead_for += sampled;
     if ((double)t->lead_for < dwell) return;
     if (t->sh[best].score - cur->score <= t->sh[best].base + KVB__TUNE_GAIN) t->lead_for = 0;
     else kvb__tune_take(p, best);
 }
 
-/* A request is released: the shadows see it, then the live pool may change its step. */
+/* The probe (LRU order with the other rule for tails) has led LRU order clearly for the dwell time and
+ * is still gaining: the pool and the ladder take its rule. The two trade tables (each then models its
+ * rule), nothing is copied; the scores stay, so the ladder's stay comparable, and the probe starts level
+ * with LRU order. */
+static void kvb__tune_tails(kvb_pool *p, size_t sampled)
+{
+    kvb__tuner *t = &p->tune;
+    kvb__shadow *probe = &t->sh[KVB__TUNE_PROBE], *lru = &t->sh[0], was = *lru;
+    double dwell = t->tails_caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    uint32_t k;
+    if (!kvb__tune_clear_lead(probe->score, lru->score, probe->differ)) {
+        t->tails_lead_for = 0;
+        return;
+    }
+    if (!t->tails_lead_for) t->tails_base = probe->score - lru->score;
+    t->tails_lead_for += sampled;
+    if ((double)t->tails_lead_for < dwell) return;
+    if (probe->score - lru->score <= t->tails_base + KVB__TUNE_GAIN) {
+        t->tails_lead_for = 0;
+        return;
+    }
+    *lru = *probe;
+    lru->score = was.score;
+    lru->differ = was.differ;
+    lru->base = was.base;
+    *probe = was;
+    probe->differ = 0;
+    t->tails_first = !t->tails_first;
+    for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].tails_first = (k == KVB__TUNE_PROBE) != t->tails_first;
+    t->tails_lead_for = 0;
+    t->tails_caution = t->tails_caution * KVB__TUNE_CAUTION < 16.0 ? t->tails_caution * KVB__TUNE_CAUTION : 16.0;
+    p->fol_tails_first = t->tails_first;
+}
+
+/* A request is released: the shadows see it, then the live pool may change its step or its rule for
+ * tails. */
 static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
 {
     size_t sampled = kvb__tune_feed(p, idx, n, tail);
@@ -2270,6 +2335,7 @@ static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t
     kvb__tune_decay(&p->tune, sampled);
     p->tune.since_switch += sampled;
     if (!kvb__tune_fall_back(p)) kvb__tune_choose(p, sampled);
+    kvb__tune_tails(p, sampled);
 }
 
 /* A ghost set: a circle of exactly the last `cap` evicted hashes, found through an open-addressing
@@ -2938,6 +3004,7 @@ KVB_API kvb_result kvb_pool_create(const kvb_pool_config *config, kvb_pool **out
     p->track_kids = c.eviction != KVB_EVICT_LRU && c.eviction != KVB_EVICT_CUSTOM;
     for (i = 0; i < KVB__MAX_LEVELS * KVB__CLASSES; i++) p->rings[i].id = (uint32_t)i;
     p->fol_step = c.fol_class_step;
+    p->fol_tails_first = !p->fol_adaptive;
     if ((c.eviction == KVB_EVICT_FOL && !kvb__gtab_init(p, &p->fol_ghost, c.fol_ghost)) ||
         (p->fol_adaptive && kvb__tune_create(p) != KVB_OK)) {
         pthread_mutex_destroy(&p->lock);
@@ -2977,6 +3044,7 @@ KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
     out->inactive_blocks = pool->n_inactive;
     out->cached_hashes = pool->n_cached;
     out->fol_class_step = pool->cfg.eviction == KVB_EVICT_FOL ? (uint32_t)pool->fol_step : 0;
+    out->fol_tails_first = pool->cfg.eviction == KVB_EVICT_FOL ? (uint32_t)pool->fol_tails_first : 0;
     if (kvb__two_lists(pool)) {
         out->list_blocks[0] = pool->n_cls[KVB__T1];
         out->list_blocks[1] = pool->n_cls[KVB__T2];
@@ -9471,9 +9539,10 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  *     block_stored / block_removed / block_cleared   [tier, tokens, hash, parent] (hashes: 32 hex digits)
  *     transfer    [transfer, stage, src_tier, dst_tier, blocks, moved, error, onboard]; stages:
  *                 PendingEvaluation -> Promoted -> Skipped | Completed | Cancelled | Failed
- *     tiers       once per step [num_tiers, used[4], total[4], policies, device_step] (used: blocks
- *                 holding data; policies: each tier's kvb_evict_policy, a byte per tier, G1 lowest;
- *                 device_step: G1's FOL class step in use, 0 for LRU order or another policy)
+ *     tiers       once per step [num_tiers, used[4], total[4], policies, device_step, device_tails]
+ *                 (used: blocks holding data; policies: each tier's kvb_evict_policy, a byte per tier,
+ *                 G1 lowest; device_step: G1's FOL class step in use, 0 for LRU order or another
+ *                 policy; device_tails: 1 when G1's FOL puts tails first, kvb_pool_stats.fol_tails_first)
  *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs; the
  *                 prompt follows an add in `tokens` events of up to 11 words [words]; an append carries
  *                 its first 10 tokens itself [n, words], the rest follow in `tokens` events
@@ -9868,7 +9937,8 @@ typedef struct kvs_event {
         struct { uint64_t transfer; uint32_t stage, src_tier, dst_tier, blocks, moved; int32_t error;
                  uint32_t onboard; } transfer;                                   /* moved: copied blocks */
         struct { uint32_t num_tiers, used[4], total[4];
-                 uint32_t policies, device_step; } tiers; /* policies: tier t's kvb_evict_policy in bits 8t..8t+7 */
+                 uint32_t policies, device_step, device_tails; } tiers; /* policies: tier t's kvb_evict_policy
+                                                                             in bits 8t..8t+7 */
         struct { uint64_t num_prompt, salt; uint32_t max_new_tokens; int32_t priority;
                  uint32_t num_extra; } add;
         struct { uint32_t n, words[11]; } tokens;                                /* ADD: extra keys (lo, hi) then prompt */
@@ -10296,6 +10366,7 @@ static const kvs__field kvs__fields[] = {
     KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.used, "used"), KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.total, "total"),
     KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.policies, "policies"),
     KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.device_step, "device_step"),
+    KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.device_tails, "device_tails"),
     KVS__F(KVS_EV_ADD, KVS__F_U64, add.num_prompt, "num_prompt"), KVS__F(KVS_EV_ADD, KVS__F_U64, add.salt, "salt"),
     KVS__F(KVS_EV_ADD, KVS__F_U32, add.max_new_tokens, "max_new_tokens"),
     KVS__F(KVS_EV_ADD, KVS__F_I32, add.priority, "priority"),
@@ -13011,6 +13082,7 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
                 e.u.tiers.policies |= ((uint32_t)bc.eviction & 0xffu) << (8 * t);
         }
         if (!t) e.u.tiers.device_step = ps.fol_class_step; /* FOL: the class step in use */
+        if (!t) e.u.tiers.device_tails = ps.fol_tails_first; /* .. and its rule for tails */
     }
     kvs_bus_publish(s->cfg.bus, &e);
 }

@@ -95,9 +95,10 @@
  *     block_stored / block_removed / block_cleared   [tier, tokens, hash, parent] (hashes: 32 hex digits)
  *     transfer    [transfer, stage, src_tier, dst_tier, blocks, moved, error, onboard]; stages:
  *                 PendingEvaluation -> Promoted -> Skipped | Completed | Cancelled | Failed
- *     tiers       once per step [num_tiers, used[4], total[4], policies, device_step] (used: blocks
- *                 holding data; policies: each tier's kvb_evict_policy, a byte per tier, G1 lowest;
- *                 device_step: G1's FOL class step in use, 0 for LRU order or another policy)
+ *     tiers       once per step [num_tiers, used[4], total[4], policies, device_step, device_tails]
+ *                 (used: blocks holding data; policies: each tier's kvb_evict_policy, a byte per tier,
+ *                 G1 lowest; device_step: G1's FOL class step in use, 0 for LRU order or another
+ *                 policy; device_tails: 1 when G1's FOL puts tails first, kvb_pool_stats.fol_tails_first)
  *     add, tokens, run_step, complete, append, finish, abort, release: the scheduler's inputs; the
  *                 prompt follows an add in `tokens` events of up to 11 words [words]; an append carries
  *                 its first 10 tokens itself [n, words], the rest follow in `tokens` events
@@ -492,7 +493,8 @@ typedef struct kvs_event {
         struct { uint64_t transfer; uint32_t stage, src_tier, dst_tier, blocks, moved; int32_t error;
                  uint32_t onboard; } transfer;                                   /* moved: copied blocks */
         struct { uint32_t num_tiers, used[4], total[4];
-                 uint32_t policies, device_step; } tiers; /* policies: tier t's kvb_evict_policy in bits 8t..8t+7 */
+                 uint32_t policies, device_step, device_tails; } tiers; /* policies: tier t's kvb_evict_policy
+                                                                             in bits 8t..8t+7 */
         struct { uint64_t num_prompt, salt; uint32_t max_new_tokens; int32_t priority;
                  uint32_t num_extra; } add;
         struct { uint32_t n, words[11]; } tokens;                                /* ADD: extra keys (lo, hi) then prompt */
@@ -920,6 +922,7 @@ static const kvs__field kvs__fields[] = {
     KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.used, "used"), KVS__F(KVS_EV_TIERS, KVS__F_ARR4, tiers.total, "total"),
     KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.policies, "policies"),
     KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.device_step, "device_step"),
+    KVS__F(KVS_EV_TIERS, KVS__F_U32, tiers.device_tails, "device_tails"),
     KVS__F(KVS_EV_ADD, KVS__F_U64, add.num_prompt, "num_prompt"), KVS__F(KVS_EV_ADD, KVS__F_U64, add.salt, "salt"),
     KVS__F(KVS_EV_ADD, KVS__F_U32, add.max_new_tokens, "max_new_tokens"),
     KVS__F(KVS_EV_ADD, KVS__F_I32, add.priority, "priority"),
@@ -3635,6 +3638,7 @@ static void kvs__emit_step(kvs_sched *s, const kvs_step *st)
                 e.u.tiers.policies |= ((uint32_t)bc.eviction & 0xffu) << (8 * t);
         }
         if (!t) e.u.tiers.device_step = ps.fol_class_step; /* FOL: the class step in use */
+        if (!t) e.u.tiers.device_tails = ps.fol_tails_first; /* .. and its rule for tails */
     }
     kvs_bus_publish(s->cfg.bus, &e);
 }

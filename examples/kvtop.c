@@ -599,7 +599,9 @@ static const char *policy_text(const model *m, uint32_t tier)
     static char text[48];
     uint32_t p = (m->tiers.u.tiers.policies >> (8 * tier)) & 0xffu;
     const char *name = p < sizeof names / sizeof names[0] ? names[p] : "?";
-    if (p == KVB_EVICT_FOL && tier == 0) snprintf(text, sizeof text, "fol, step %u", m->tiers.u.tiers.device_step);
+    if (p == KVB_EVICT_FOL && tier == 0)
+        snprintf(text, sizeof text, "fol, step %u%s", m->tiers.u.tiers.device_step,
+                 m->tiers.u.tiers.device_tails ? ", tails first" : "");
     else snprintf(text, sizeof text, "%s", name);
     return text;
 }

@@ -9,7 +9,8 @@
  *       (as serve_sim --sequential does), and prints the block hit rate of each policy: LRU, FOL's
  *       self-tuning default, FOL at fixed steps 1k/3k/10k/30k/100k (and the best of them), ARC, S3-FIFO,
  *       the offline optimum (Belady's rule: the block used again last goes), then the share of the best
- *       fixed step's gain over LRU that the default keeps
+ *       fixed step's gain over LRU that the default keeps, and the default's rule for tails at the end
+ *       (first, or one step before class 1)
  *   build/workloads --list    the shapes with their request and block counts
  *   --partial-tail: a prompt's partial last block is a block too (WL_PARTIAL_TAIL), as in a trace that
  *   names every block of a prompt: most of these tails are never used again
@@ -46,7 +47,8 @@ static void die(const char *msg)
 }
 
 /* Block hit rate of one pool over the trace (wl_replay: as serve_sim --sequential replays). */
-static double replay(const wl_trace *w, kvb_evict_policy ev, uint32_t step, uint32_t cap, uint32_t *out_step)
+static double replay(const wl_trace *w, kvb_evict_policy ev, uint32_t step, uint32_t cap, uint32_t *out_step,
+                     uint32_t *out_tails)
 {
     kvb_pool_config cfg;
     kvb_pool_stats st;
@@ -58,6 +60,7 @@ static double replay(const wl_trace *w, kvb_evict_policy ev, uint32_t step, uint
     cfg.fol_class_step = step;
     if ((rate = wl_replay(w, &cfg, &st)) < 0) die("replay failed (out of memory?)");
     if (out_step) *out_step = st.fol_class_step;
+    if (out_tails) *out_tails = st.fol_tails_first;
     return rate;
 }
 
@@ -182,10 +185,10 @@ static double optimum(const wl_trace *w, const future *f, uint32_t cap)
 static void sweep(const sweep_opts *o)
 {
     int s;
-    printf(o->markdown ? "| workload | blocks | LRU | FOL default (step at end) | best fixed step | ARC | S3-FIFO | optimum | kept |\n"
+    printf(o->markdown ? "| workload | blocks | LRU | FOL default (step at end, * tails first) | best fixed step | ARC | S3-FIFO | optimum | kept |\n"
                          "|---|---|---|---|---|---|---|---|---|\n"
-                       : "%-9s %7s %8s %8s %8s %8s %8s %8s %8s %8s %6s\n",
-           "shape", "blocks", "LRU", "default", "(step)", "best", "(step)", "ARC", "S3-FIFO", "optimum", "kept");
+                       : "%-9s %7s %8s %8s %8s %8s %8s %8s %8s %8s %6s %6s\n",
+           "shape", "blocks", "LRU", "default", "(step)", "best", "(step)", "ARC", "S3-FIFO", "optimum", "kept", "tails");
     for (s = 0; s < WL__COUNT; s++) {
         wl_trace w;
         uint32_t c;
@@ -194,25 +197,25 @@ static void sweep(const sweep_opts *o)
         if (wl_generate((wl_shape)s, o->block_tokens, o->requests, o->scale, o->seed, o->flags, &w)) die("out of memory");
         future_make(&w, &f);
         for (c = 0; c < o->ncaps; c++) {
-            uint32_t cap = o->caps[c], dstep = 0, k, best_step = 0;
-            double lru = replay(&w, KVB_EVICT_LRU, 0, cap, NULL), def = replay(&w, KVB_EVICT_FOL, 0, cap, &dstep);
+            uint32_t cap = o->caps[c], dstep = 0, dtails = 0, k, best_step = 0;
+            double lru = replay(&w, KVB_EVICT_LRU, 0, cap, NULL, NULL), def = replay(&w, KVB_EVICT_FOL, 0, cap, &dstep, &dtails);
             double best = -1, kept, arc, s3, opt = optimum(&w, &f, cap);
             for (k = 0; k < N_FIXED; k++) {
-                double v = replay(&w, KVB_EVICT_FOL, fixed_steps[k], cap, NULL);
+                double v = replay(&w, KVB_EVICT_FOL, fixed_steps[k], cap, NULL, NULL);
                 if (v > best) {
                     best = v;
                     best_step = fixed_steps[k];
                 }
             }
-            arc = replay(&w, KVB_EVICT_ARC, 0, cap, NULL);
-            s3 = replay(&w, KVB_EVICT_S3FIFO, 0, cap, NULL);
+            arc = replay(&w, KVB_EVICT_ARC, 0, cap, NULL, NULL);
+            s3 = replay(&w, KVB_EVICT_S3FIFO, 0, cap, NULL, NULL);
             kept = best - lru > 1e-4 ? (def - lru) / (best - lru) : 1.0;
             if (o->markdown)
-                printf("| %s | %u | %.4f | %.4f (%u) | %.4f (%u) | %.4f | %.4f | %.4f | %.0f%% |\n", wl_shape_name((wl_shape)s),
-                       cap, lru, def, dstep, best, best_step, arc, s3, opt, 100 * kept);
+                printf("| %s | %u | %.4f | %.4f (%u%s) | %.4f (%u) | %.4f | %.4f | %.4f | %.0f%% |\n", wl_shape_name((wl_shape)s),
+                       cap, lru, def, dstep, dtails ? "*" : "", best, best_step, arc, s3, opt, 100 * kept);
             else
-                printf("%-9s %7u %8.4f %8.4f %8u %8.4f %8u %8.4f %8.4f %8.4f %5.0f%%\n", wl_shape_name((wl_shape)s), cap, lru,
-                       def, dstep, best, best_step, arc, s3, opt, 100 * kept);
+                printf("%-9s %7u %8.4f %8.4f %8u %8.4f %8u %8.4f %8.4f %8.4f %5.0f%% %6s\n", wl_shape_name((wl_shape)s), cap,
+                       lru, def, dstep, best, best_step, arc, s3, opt, 100 * kept, dtails ? "first" : "step");
             fflush(stdout);
         }
         future_free(&f);

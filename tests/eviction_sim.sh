@@ -1,7 +1,7 @@
 #!/bin/sh
 # serve_sim's eviction options (issue 14): every policy replays the sample trace with its pool checked;
-# --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step it
-# chose; a bad policy name or value exits 2. Ends with "N passed, N failed".
+# --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
+# the rule for tails it chose; a bad policy name or value exits 2. Ends with "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
 pass=0 fail=0
@@ -13,8 +13,10 @@ for e in lineage lru fol arc s3fifo; do
 done
 out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --fol-step 100 --json)
 echo "$out" | grep -q '"fol_step_end":[[:space:]]*100' && ok "--fol-step 100 is the step in use" || bad "--fol-step 100"
+echo "$out" | grep -q '"fol_tails_first_end":[[:space:]]*1' && ok "a fixed step puts tails first" || bad "fixed step: tails first"
 out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol)
-echo "$out" | grep -q "FOL class step .*(self-tuning)" && ok "the self-tuning step is reported" || bad "self-tuning step report"
+echo "$out" | grep -q "FOL class step .*(self-tuning), tails " && ok "the self-tuning step and rule for tails are reported" ||
+    bad "self-tuning step report"
 a=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --json | grep -o '"hit_blocks":[^,]*')
 b=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --fol-ghost 500 --json | grep -o '"hit_blocks":[^,]*')
 [ -n "$a" ] && [ -n "$b" ] && ok "--fol-ghost accepted ($a / $b)" || bad "--fol-ghost"

@@ -140,6 +140,9 @@ static kvs_event sample_event(kvs_event_kind kind)
         e.u.tiers.total[0] = 1024;
         e.u.tiers.total[1] = 4096;
         e.u.tiers.total[2] = 100000;
+        e.u.tiers.policies = (uint32_t)KVB_EVICT_FOL | (uint32_t)KVB_EVICT_LRU << 8 | (uint32_t)KVB_EVICT_ARC << 16;
+        e.u.tiers.device_step = 5000;
+        e.u.tiers.device_tails = 1;
         break;
     case KVS_EV_ADD:
         e.u.add.num_prompt = 300;

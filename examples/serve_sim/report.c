@@ -127,8 +127,9 @@ void print_text(const workload *w, const options *o, results *r, const fleet_rep
         if (r->tr.present[k]) printf(" %s %llu ", tier_names[k], (unsigned long long)r->tr.evictions[k]);
     printf("\n");
     if (o->eviction == KVB_EVICT_FOL) /* the step in use at the end: chosen online unless --fol-step gave one */
-        printf("%-22s %u block references%s\n", "FOL class step", r->tr.device_step,
-               o->fol_step ? " (--fol-step)" : " (self-tuning)");
+        printf("%-22s %u block references%s, tails %s\n", "FOL class step", r->tr.device_step,
+               o->fol_step ? " (--fol-step)" : " (self-tuning)",
+               r->tr.device_tails ? "first" : "one step before class 1");
     for (k = 0, first = 1; k < nk; k++) {
         char lbl[32];
         if (r->tr.down_from[k] < 0) continue;
@@ -278,6 +279,7 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
     if (o->remote) cJSON_AddStringToObject(j, "remote", o->remote);
     cJSON_AddStringToObject(j, "eviction", eviction_name(o->eviction));
     if (o->eviction == KVB_EVICT_FOL) json_num(j, "fol_step_end", (double)r->tr.device_step);
+    if (o->eviction == KVB_EVICT_FOL) json_num(j, "fol_tails_first_end", (double)r->tr.device_tails);
     cJSON_AddStringToObject(j, "offload", offload_name(o->offload));
     cJSON_AddBoolToObject(j, "bytes", o->bytes);
     json_num(j, "requests", (double)r->requests);

@@ -175,6 +175,7 @@ typedef struct traffic {
     uint64_t down_blocks[TIER_ALL], down_bytes[TIER_ALL], up_blocks[TIER_ALL], up_bytes[TIER_ALL];
     uint64_t evictions[TIER_ALL];
     uint32_t device_step;    /* FOL: the device pool's class step in use at the end */
+    uint32_t device_tails;   /* FOL: 1 when the device pool puts tails first at the end */
     int down_from[TIER_ALL]; /* kind of the tier it is fed from, -1 */
     int present[TIER_ALL];
     kvo_redis_stats redis;  /* --remote: the backend's counters (imported = blocks other runs stored) */

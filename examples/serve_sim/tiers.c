@@ -192,6 +192,7 @@ void collect_traffic(tiers *t, const options *o, int bytes, traffic *tr)
         tr->present[k] = 1;
         tr->evictions[k] = ps.evictions;
         if (k == TIER_DEVICE) tr->device_step = ps.fol_class_step;
+        if (k == TIER_DEVICE) tr->device_tails = ps.fol_tails_first;
         if (!t->mgr) continue;
         if (i + 1 < t->n && kvo_manager_pipeline(t->mgr, i, 0)) { /* the edge into tier i + 1 */
             int to = t->kind[i + 1];
