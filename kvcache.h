@@ -161,7 +161,9 @@
  * with the other rule; when it leads the LRU-order candidate by the same test, for the same dwell, and
  * is still gaining, the pool and every candidate take its rule (the probe and the LRU-order candidate
  * trade tables, nothing is copied, the scores stay) and the probe goes on with the old rule, so traffic
- * that changes can bring it back. The pool starts with tails one step before class 1;
+ * that changes can bring it back (each change doubles the probe's wait, which decays as the step's
+ * does, so a rule that pays only now and then does not flap). The pool starts with tails one step
+ * before class 1;
  * kvb_pool_stats.fol_tails_first reports the rule in use. The shadows cost
  * about 22 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
