@@ -2265,7 +2265,7 @@ static void kvb__tune_choose(kvb_pool *p, size_t sampled)
 static void kvb__tune_tails(kvb_pool *p, size_t sampled)
 {
     kvb__tuner *t = &p->tune;
-    kvb__shadow *probe = &t->sh[KVB__TUNE_PROBE], *lru = &t->sh[0], was = *lru;
+    kvb__shadow *probe = &t->sh[KVB__TUNE_PROBE], *lru = &t->sh[0], was;
     double dwell = t->tails_caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
     uint32_t k;
     if (!kvb__tune_clear_lead(probe->score, lru->score, probe->differ)) {
@@ -2279,6 +2279,7 @@ static void kvb__tune_tails(kvb_pool *p, size_t sampled)
         t->tails_lead_for = 0;
         return;
     }
+    was = *lru;
     *lru = *probe;
     lru->score = was.score;
     lru->differ = was.differ;
