@@ -557,8 +557,9 @@ KVB_API kvb_result kvb_pool_get_config(const kvb_pool *pool, kvb_pool_config *ou
 KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out);
 
 /* Check every invariant: each block in exactly one set, lists and counts consistent, the index holds
- * exactly the matchable blocks, parent counts exact. KVB_OK or KVB_ECORRUPT with a reason in `why`
- * (may be NULL). Cost O(blocks). Thread safety: safe from any thread. */
+ * exactly the matchable blocks, parent counts exact, and FOL's shadow pools sound. KVB_OK or
+ * KVB_ECORRUPT with a reason in `why` (may be NULL). Cost O(blocks + shadow blocks). Thread safety:
+ * safe from any thread. */
 KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size);
 
 /* Drop every cached block (inactive ones become free; one CLEARED event). KVB_EBUSY, changing
@@ -3725,6 +3726,37 @@ static int kvb__findable(const kvb_pool *p, uint64_t slot)
     return 1;
 }
 
+/* FOL's shadows: each class list linked both ways, its nodes resident and of its class, as many as the
+ * shadow counts and no more than it holds; the ladder follows the pool's rule for tails, the probe the
+ * other one at LRU order. */
+static kvb_result kvb__tune_check(const kvb_pool *pool, char *why, size_t why_size)
+{
+    const kvb__tuner *t = &pool->tune;
+    kvb_result r = KVB_OK;
+    uint32_t k, c;
+    if (pool->fol_tails_first != t->tails_first) KVB__FAIL("FOL: the pool's rule for tails is not the tuner's");
+    for (k = 0; k < KVB__TUNE_K; k++) {
+        const kvb__shadow *sh = &t->sh[k];
+        uint32_t count = 0;
+        if (sh->tails_first != ((k == KVB__TUNE_PROBE) != t->tails_first))
+            KVB__FAIL("FOL shadow %u: rule for tails %d, tuner %d", k, sh->tails_first, t->tails_first);
+        if (k == KVB__TUNE_PROBE && sh->step != t->sh[0].step) KVB__FAIL("FOL probe: step %lld", (long long)sh->step);
+        for (c = 0; c < KVB__CLASSES; c++) {
+            uint32_t x = sh->head[c], prev = KVB__NIL;
+            for (; x != KVB__NIL; prev = x, x = sh->node[x].next) {
+                if (x >= t->nodes || ++count > sh->resident) KVB__FAIL("FOL shadow %u: class %u list runs on", k, c);
+                if (sh->node[x].prev != prev || sh->node[x].where != 1 || sh->node[x].cls != c)
+                    KVB__FAIL("FOL shadow %u: node %u misplaced in class %u", k, x, c);
+            }
+            if (sh->tail[c] != prev) KVB__FAIL("FOL shadow %u: class %u tail", k, c);
+        }
+        if (count != sh->resident || sh->resident > t->cap)
+            KVB__FAIL("FOL shadow %u: %u resident, counted %u, holds %u", k, sh->resident, count, t->cap);
+    }
+done:
+    return r;
+}
+
 KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
 {
     kvb_result r = KVB_OK;
@@ -3846,6 +3878,7 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
         if (kvb__ctab_get(&pool->orphans, &o->key) != o->count) KVB__FAIL("orphan count unreachable by probing");
         if (kvb__find(pool, &o->key) != KVB__NIL) KVB__FAIL("orphan count for an indexed hash");
     }
+    if (pool->fol_adaptive && (r = kvb__tune_check(pool, why, why_size)) != KVB_OK) goto done;
 done:
     stbds_hmfree(kids);
     KVB_FREE(seen);

@@ -1141,9 +1141,10 @@ static void test_fol_tails_rule_follows_the_traffic(void)
                 if (dead) h[n++] = fx_hash(UINT64_C(0xdead000000) + unique++, 99);
                 hits_fol += serve(fol, h, n);
                 hits_lru += serve(lru, h, n);
-                if (fx_stats(fol).fol_tails_first != rule) {
+                if (fx_stats(fol).fol_tails_first != rule) { /* the shadows traded tables: still sound */
                     rule = !rule;
                     changes++;
+                    FX_CHECK_POOL(fol);
                 }
                 if (++len[c] > 12) len[c] = 1, gen[c]++;
             }
