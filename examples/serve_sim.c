@@ -45,7 +45,10 @@
  * kvb_match on the device pool (longest prefix), kvo_manager_lookup for the rest and onboarding of
  * lower-tier hits (when there are lower tiers), kvb_alloc + kvb_register_hashed of the missing blocks
  * (chained to their parents), an eager offer of those to the tier below, and kvb_release of all of
- * them (deepest first). replay_seconds is the wall time of that loop alone. --check-lru replays the
+ * them (deepest first). replay_seconds is the wall time of that loop alone: with the device pool alone
+ * (no lower tier), the median of --timing-runs runs (default 5), each on a fresh pool with the same hits,
+ * alternating with the reference's runs under --check-lru (lru_seconds their median), so that one noisy
+ * run of a loop of a few tens of milliseconds does not decide the ratio. --check-lru replays the
  * same requests through a plain LRU prefix cache of --device-blocks blocks written here (a block hits
  * only if every earlier block of its request hit; a request's blocks all become most recent, deepest
  * first, as kvb_release orders them) and fails (exit 1) when the two hit rates differ by more than 0.005.
@@ -201,6 +204,8 @@ static const optdef optdefs[] = {
     {"--strict", OPT_FLAG, OPT(strict), NULL, NULL, "stop at the first malformed trace line"},
     {"--sequential", OPT_FLAG, OPT(sequential), NULL, NULL, "pure cache replay: one request at a time, prompts only"},
     {"--check-lru", OPT_FLAG, OPT(check_lru), NULL, NULL, "compare the replay with a reference LRU cache (implies --sequential)"},
+    {"--timing-runs", OPT_U32, OPT(timing_runs), NULL, "N",
+     "--sequential with the device pool alone: time the loop N times (the reference's too), median (default 5)"},
     {"--bytes", OPT_FLAG, OPT(bytes), NULL, NULL, "memory-backed pools, disk tier in a /tmp file, data checked"},
     {"--remote", OPT_STR, OPT(remote), NULL, "URL", "G4 tier in Redis, last: redis://host:port[,host:port...] (implies --bytes)"},
     {"--engines", OPT_STR, OPT(engines_arg), NULL, "N|auto", "engines in the fleet, each with its own tiers (default 1); auto: sized from the load"},
@@ -317,7 +322,7 @@ static void parse_options(int argc, char **argv, options *o)
     int i;
     memset(o, 0, sizeof *o);
     o->device_blocks = o->host_blocks = o->disk_blocks = o->block_tokens = o->requests = UNSET;
-    o->eviction = o->offload = o->route = UNSET;
+    o->eviction = o->offload = o->route = o->timing_runs = UNSET;
     o->seed = 1;
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *eq = strchr(a, '=');
@@ -342,12 +347,14 @@ static void parse_options(int argc, char **argv, options *o)
     if (o->host_blocks == UNSET) o->host_blocks = o->trace ? 8192 : 16384;
     if (o->disk_blocks == UNSET) o->disk_blocks = 0;
     if (o->requests == UNSET) o->requests = 5000;
+    if (o->timing_runs == UNSET) o->timing_runs = 5;
     if (o->eviction == UNSET) o->eviction = o->check_lru ? KVB_EVICT_LRU : KVB_EVICT_LINEAGE;
     if (o->offload == UNSET) o->offload = KVO_OFFLOAD_EAGER;
     if (o->route == UNSET) o->route = KVS_ROUTE_KV;
     parse_engines(o);
     parse_shard(o);
     if (!o->device_blocks) die(2, "--device-blocks must be at least 1");
+    if (!o->timing_runs || o->timing_runs > 99) die(2, "--timing-runs must be 1..99");
     if (!o->block_tokens || o->block_tokens > 32768) die(2, "--block-tokens must be 1..32768");
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");
     if (o->check_lru && (o->host_blocks || o->disk_blocks))
@@ -418,6 +425,7 @@ int main(int argc, char **argv)
             res.lru_checked = 1;
             lru_failed = fabs(ratio(res.hit_blocks, res.prompt_blocks) - res.lru_rate) > 0.005;
         }
+        replay_timing_rounds(&w, &o, &res);
     } else {
         int progress = isatty(STDERR_FILENO);
         run_fleet(&w, &o, 1, &res, &fr, o.svg ? &sv : NULL, progress);

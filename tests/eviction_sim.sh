@@ -1,7 +1,8 @@
 #!/bin/sh
 # serve_sim's eviction options (issue 14): every policy replays the sample trace with its pool checked;
 # --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
-# the rule for tails it chose; a bad policy name or value exits 2. Ends with "N passed, N failed".
+# the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
+# policy name or value exits 2. Ends with "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
 pass=0 fail=0
@@ -24,6 +25,13 @@ svg=$(mktemp /tmp/eviction_sim.XXXXXX)
 $SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --eviction fol --svg "$svg" >/dev/null &&
     grep -q "FOL class step" "$svg" && ok "--svg draws the FOL step over time" || bad "--svg FOL step"
 rm -f "$svg"
+out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --check-lru --json)
+echo "$out" | grep -q '"timing_runs":[[:space:]]*5' && ok "the device-only replay is timed 5 times (median)" ||
+    bad "timing runs by default"
+out=$($SIM --sequential --trace $T --device-blocks 64 --host-blocks 0 --check-lru --timing-runs 1 --json)
+echo "$out" | grep -q '"timing_runs":[[:space:]]*1' && ok "--timing-runs 1: one timed run" || bad "--timing-runs 1"
+$SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ $? -eq 2 ] && ok "--timing-runs 0 exits 2" ||
+    bad "--timing-runs 0"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"
 $SIM --sequential --trace $T --fol-step x >/dev/null 2>&1; [ $? -eq 2 ] && ok "bad --fol-step exits 2" || bad "bad --fol-step"
 echo "$pass passed, $fail failed"

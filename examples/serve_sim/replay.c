@@ -100,6 +100,45 @@ void replay(const workload *w, const options *o, results *res, series *sv)
     free(tier_of);
 }
 
+static int compare_doubles(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return (x > y) - (x < y);
+}
+
+static double median_of(double *v, size_t n)
+{
+    qsort(v, n, sizeof *v, compare_doubles);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+
+/* A replay loop of a few tens of milliseconds is at the mercy of a shared machine: one run of it, or of
+ * the reference, can take twice as long as the next. With the device pool alone (nothing outside the
+ * process), the loop runs --timing-runs times in all, each on a fresh pool (the same hits, checked),
+ * alternating with the reference's runs under --check-lru, and replay_seconds and lru_seconds become the
+ * medians: the ratio of two medians of alternating runs, as kvbench measures. */
+void replay_timing_rounds(const workload *w, const options *o, results *res)
+{
+    double replay_s[100], lru_s[100];
+    uint32_t i, n = o->timing_runs;
+    if (n <= 1 || n > 100 || o->host_blocks || o->disk_blocks || o->remote) return;
+    replay_s[0] = res->replay_seconds;
+    lru_s[0] = res->lru_seconds;
+    for (i = 1; i < n; i++) {
+        results again;
+        memset(&again, 0, sizeof again);
+        replay(w, o, &again, NULL);
+        if (again.hit_blocks != res->hit_blocks) die(2, "replay: run %u hit %llu blocks, the first %llu", i + 1,
+                                                     (unsigned long long)again.hit_blocks,
+                                                     (unsigned long long)res->hit_blocks);
+        replay_s[i] = again.replay_seconds;
+        if (res->lru_checked) reference_lru(w, o->device_blocks, &lru_s[i]);
+    }
+    res->replay_seconds = median_of(replay_s, n);
+    if (res->lru_checked) res->lru_seconds = median_of(lru_s, n);
+    res->timing_runs = n;
+}
+
 /* The reference: a plain LRU prefix cache of `cap` blocks, keyed by block identity (the trace's hash
  * ids), written independently of kvblock.h. Per request: the prefix of cached blocks hits; the misses
  * are inserted (evicting the least recent); then the request's blocks become most recent, deepest

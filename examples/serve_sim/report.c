@@ -165,8 +165,10 @@ void print_text(const workload *w, const options *o, results *r, const fleet_rep
                (unsigned long long)r->tr.redis.lookup_errors, (unsigned long long)r->tr.redis.disconnects,
                (unsigned long long)r->tr.redis.connect_failures);
     if (o->sequential) {
-        printf("%-22s %.6f s for %llu prompt blocks: %.1f ns per block\n", "replay loop", r->replay_seconds,
+        printf("%-22s %.6f s for %llu prompt blocks: %.1f ns per block", "replay loop", r->replay_seconds,
                (unsigned long long)r->prompt_blocks, r->prompt_blocks ? r->replay_seconds * 1e9 / (double)r->prompt_blocks : 0.0);
+        if (r->timing_runs > 1) printf(" (median of %u runs, a fresh pool each)", r->timing_runs);
+        printf("\n");
         if (r->lru_checked) {
             double pool = ratio(r->hit_blocks, r->prompt_blocks), diff = fabs(pool - r->lru_rate);
             printf("%-22s %.4f, pool (%s) %.4f: difference %.4f, %s\n", "LRU reference", r->lru_rate,
@@ -334,6 +336,7 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
     }
     if (o->sequential) {
         json_num(j, "replay_seconds", r->replay_seconds);
+        json_num(j, "timing_runs", (double)(r->timing_runs ? r->timing_runs : 1));
         json_num(j, "replay_ns_per_block", r->prompt_blocks ? r->replay_seconds * 1e9 / (double)r->prompt_blocks : 0);
         if (r->lru_checked) {
             json_num(j, "lru_reference_hit_rate", r->lru_rate);

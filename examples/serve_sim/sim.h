@@ -92,6 +92,7 @@ typedef struct options {
     uint32_t device_blocks, host_blocks, disk_blocks, block_tokens, requests;
     uint32_t eviction, offload; /* kvb_evict_policy, kvo_offload_mode; UNSET = default */
     uint32_t fol_step, fol_ghost; /* --fol-step, --fol-ghost: kvb_pool_config's (0 = its default) */
+    uint32_t timing_runs;    /* --sequential, device only: runs of the timed loop, the median reported */
     uint64_t seed;
     const char *trace, *svg, *remote;
     const char *console, *record, *metrics; /* observability of the scheduler run (NULL: off) */
@@ -221,6 +222,7 @@ typedef struct results {
     double lru_rate;         /* --check-lru */
     double lru_seconds;      /* .. and the time the reference's loop took */
     int lru_checked;
+    uint32_t timing_runs;    /* replay_seconds (and lru_seconds) are the medians of this many runs (0: one) */
     char *metrics;           /* --metrics: the Prometheus text at the end of the run */
     char disk_note[160];
 } results;
@@ -228,6 +230,7 @@ typedef struct results {
 /* ---- replay.c ----------------------------------------------------------------------------------- */
 
 void replay(const workload *w, const options *o, results *res, series *sv);
+void replay_timing_rounds(const workload *w, const options *o, results *res);
 double reference_lru(const workload *w, uint32_t cap, double *out_seconds); /* its loop's wall time */
 
 /* ---- engine.c: one engine (a scheduler on its own tiers) with its own clock ---------------------- */
