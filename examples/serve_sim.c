@@ -46,9 +46,10 @@
  * lower-tier hits (when there are lower tiers), kvb_alloc + kvb_register_hashed of the missing blocks
  * (chained to their parents), an eager offer of those to the tier below, and kvb_release of all of
  * them (deepest first). replay_seconds is the wall time of that loop alone: with the device pool alone
- * (no lower tier), the median of --timing-runs runs (default 5), each on a fresh pool with the same hits,
- * alternating with the reference's runs under --check-lru (lru_seconds their median), so that one noisy
- * run of a loop of a few tens of milliseconds does not decide the ratio. --check-lru replays the
+ * (no lower tier, no --bytes, no --svg), the median of --timing-runs runs (default 5), each on a fresh
+ * pool with the same hits, alternating with the reference's runs under --check-lru (lru_seconds their
+ * median), so that one noisy run of a loop of a few tens of milliseconds does not decide the ratio.
+ * --check-lru replays the
  * same requests through a plain LRU prefix cache of --device-blocks blocks written here (a block hits
  * only if every earlier block of its request hit; a request's blocks all become most recent, deepest
  * first, as kvb_release orders them) and fails (exit 1) when the two hit rates differ by more than 0.005.

@@ -114,14 +114,15 @@ static double median_of(double *v, size_t n)
 
 /* A replay loop of a few tens of milliseconds is at the mercy of a shared machine: one run of it, or of
  * the reference, can take twice as long as the next. With the device pool alone (nothing outside the
- * process), the loop runs --timing-runs times in all, each on a fresh pool (the same hits, checked),
+ * process) and nothing else in the loop (no --bytes patterns, no --svg samples: every run the same
+ * work), the loop runs --timing-runs times in all, each on a fresh pool (the same hits, checked),
  * alternating with the reference's runs under --check-lru, and replay_seconds and lru_seconds become the
  * medians: the ratio of two medians of alternating runs, as kvbench measures. */
 void replay_timing_rounds(const workload *w, const options *o, results *res)
 {
     double replay_s[100], lru_s[100];
     uint32_t i, n = o->timing_runs;
-    if (n <= 1 || n > 100 || o->host_blocks || o->disk_blocks || o->remote) return;
+    if (n <= 1 || n > 100 || o->host_blocks || o->disk_blocks || o->remote || o->bytes || o->svg) return;
     replay_s[0] = res->replay_seconds;
     lru_s[0] = res->lru_seconds;
     for (i = 1; i < n; i++) {
