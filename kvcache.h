@@ -2222,12 +2222,19 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     return sampled;
 }
 
+/* Sampled blocks in a shadow's turnover, counted as for a shadow of at least KVB__TUNE_MIN_CAP blocks
+ * (the unit of the tuner's memory, dwells and waits). */
+static uint32_t kvb__tune_turnover(const kvb__tuner *t)
+{
+    return t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP;
+}
+
 /* The last few turnovers of a shadow weigh most: every count halves every KVB__TUNE_MEMORY of them. */
 static void kvb__tune_decay(kvb__tuner *t, size_t sampled)
 {
     uint32_t k;
     t->seen += sampled;
-    if (t->seen < (uint64_t)KVB__TUNE_MEMORY * (t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP)) return;
+    if (t->seen < (uint64_t)KVB__TUNE_MEMORY * kvb__tune_turnover(t)) return;
     for (k = 0; k < KVB__TUNE_K; k++) {
         t->sh[k].score *= 0.5;
         t->sh[k].differ *= 0.5;
@@ -2264,7 +2271,7 @@ static void kvb__tune_take(kvb_pool *p, uint32_t k)
 static int kvb__tune_fall_back(kvb_pool *p)
 {
     kvb__tuner *t = &p->tune;
-    double turnover = (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    double turnover = (double)kvb__tune_turnover(t);
     if ((double)t->since_switch < turnover) return 0; /* a new step needs a turnover to fill the pool */
     if (!t->current || !kvb__tune_clear_lead(t->sh[0].score, t->live, t->live_differ)) return 0;
     kvb__tune_take(p, 0);
@@ -2281,7 +2288,7 @@ static void kvb__tune_choose(kvb_pool *p, size_t sampled)
     kvb__tuner *t = &p->tune;
     kvb__shadow *cur = &t->sh[t->current];
     uint32_t k, best = t->current;
-    double dwell = t->caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    double dwell = t->caution * KVB__TUNE_DWELL * (double)kvb__tune_turnover(t);
     for (k = 0; k < KVB__TUNE_LADDER; k++)
         if (t->sh[k].score > t->sh[best].score) best = k;
     if (best == t->current || !kvb__tune_clear_lead(t->sh[best].score, cur->score, t->sh[best].differ)) {
@@ -2304,7 +2311,7 @@ static void kvb__tune_tails(kvb_pool *p, size_t sampled)
 {
     kvb__tuner *t = &p->tune;
     kvb__shadow *probe = &t->sh[KVB__TUNE_PROBE], *lru = &t->sh[0], was;
-    double dwell = t->tails_caution * KVB__TUNE_DWELL * (double)(t->cap > KVB__TUNE_MIN_CAP ? t->cap : KVB__TUNE_MIN_CAP);
+    double dwell = t->tails_caution * KVB__TUNE_DWELL * (double)kvb__tune_turnover(t);
     uint32_t k;
     if (!kvb__tune_clear_lead(probe->score, lru->score, probe->differ)) {
         t->tails_lead_for = 0;
