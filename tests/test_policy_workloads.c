@@ -124,6 +124,17 @@ static void test_keeps_most_of_the_gain(void)
     KVT_CHECK(2 * cells_kept > cells_gain);
 }
 
+/* wl_generate refuses what it cannot make: an unknown flag, no block size, a scale of 0. */
+static void test_generate_bad_arguments(void)
+{
+    wl_trace w;
+    KVT_EQ(wl_generate(WL_CHAT, 512, 10, 1.0, 1, 2u, &w), -1);
+    KVT_EQ(w.n, 0u);
+    KVT_EQ(wl_generate(WL_CHAT, 0, 10, 1.0, 1, 0, &w), -1);
+    KVT_EQ(wl_generate(WL_CHAT, 512, 10, 0.0, 1, WL_PARTIAL_TAIL, &w), -1);
+    KVT_EQ(wl_generate(WL__COUNT, 512, 10, 1.0, 1, 0, &w), -1);
+}
+
 static void test_deterministic(void)
 {
     wl_trace w;
@@ -213,6 +224,7 @@ int main(void)
     KVT_RUN(test_default_vs_lru_512_partial_tails);
     KVT_RUN(test_default_vs_lru_16_partial_tails);
     KVT_RUN(test_keeps_most_of_the_gain);
+    KVT_RUN(test_generate_bad_arguments);
     KVT_RUN(test_deterministic);
     KVT_RUN(test_tails_rule_follows_the_traffic);
     KVT_RUN(test_shadows_allocated_once);
