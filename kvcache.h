@@ -118,7 +118,8 @@
  * brought back counts from long ago, and (busy API sessions, README) kept the pool far below what its
  * shadows, which remember exactly the last G, predicted. A ghost keeps a count of at most 7 (above 4 all
  * counts are class 4). Class 0 = seen once and the request's tail block
- * (and a leaf); else class = min(count, 4). One LRU ring per class; the victim is, of the oldest leaf of
+ * (and a leaf); else class = min(count, 4); self-tuning adds a dead class, a tail the request ended
+ * inside (below), always first. One LRU ring per class; the victim is, of the oldest leaf of
  * each ring, the one with the smallest last + W[class]; ties go to the deeper block. With a step s set
  * in the config (fol_class_step > 0), W = {-inf, 0, s, 2 s, 3 s}: class 0 always goes first. A parent
  * is touched whenever its child is, so it scores no lower unless its count restarted (horizon);
@@ -164,7 +165,11 @@
  * that changes can bring it back (each change doubles the probe's wait, which decays as the step's
  * does, so a rule that pays only now and then does not flap). The pool starts with tails one step
  * before class 1;
- * kvb_pool_stats.fol_tails_first reports the rule in use. The shadows cost
+ * kvb_pool_stats.fol_tails_first reports the rule in use. A caller that knows a request ends inside
+ * its last block (a trace's partial last block, which an engine never registers) says so in
+ * kvb_release_opts.last_block_tokens: seen once, that block is a dead tail and goes before everything,
+ * whatever the rule (it is the tail, so the rule then concerns requests that end on a block boundary;
+ * a fixed step takes it for a tail, first anyway). The shadows cost
  * about 22 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
  * of 1,000-30,000 blocks (0.2-0.8 us a prompt block, LRU 0.05), and the cycle of a full pool of a
@@ -505,8 +510,12 @@ typedef struct kvb_block_info {
     kvb_hash parent;    /* from init or registration */
 } kvb_block_info;
 
-typedef struct kvb_release_opts {
+typedef struct kvb_release_opts { /* zero it first ({0} or memset): fields may be added */
     uint32_t priority;  /* eviction level for blocks that become inactive (0 = evicted first) */
+    uint32_t last_block_tokens; /* the request ends inside its last block, after this many of its tokens
+                                   (a trace's partial last block): only the same prompt can use it again,
+                                   so self-tuning FOL evicts it first (section 2). 0 or block_tokens: it
+                                   ends on a block boundary */
 } kvb_release_opts;
 
 typedef struct kvb_pool kvb_pool;
@@ -585,8 +594,8 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
 
 /* Drop one reference from each block, last element first (deepest first). A block whose last reference
  * goes becomes inactive (Registered) or free (otherwise). All or nothing: KVB_ESTALE, KVB_EWEAK,
- * KVB_EDOUBLE (more releases than references, also within the array), KVB_ERANGE (priority).
- * opts may be NULL. Thread safety: safe from any thread. */
+ * KVB_EDOUBLE (more releases than references, also within the array), KVB_ERANGE (priority, or
+ * last_block_tokens above block_tokens). opts may be NULL. Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n,
                                const kvb_release_opts *opts);
 
@@ -873,7 +882,9 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__STORAGE_ALIGN 4096
 #define KVB__LEAF_PENDING 8     /* new leaves a ring remembers behind its leaf search's place */
 #define KVB__S3_SCAN_LIMIT 4096 /* S3-FIFO: blocks one victim search may pass (promote, requeue, skip) */
-#define KVB__CLASSES 5     /* FOL classes; other policies use class 0 */
+#define KVB__CLASSES 6     /* FOL classes; other policies use class 0 (ARC, S3-FIFO: and 1) */
+#define KVB__CLS_DEAD 5    /* FOL, self-tuning: a request's partial last block, seen once: first out */
+#define KVB__TAIL_DEAD 2   /* FOL touches: the block is the request's partial last block (1: its tail) */
 /* FOL's self-tuning (section 2): private constants, overridable only to experiment. */
 #define KVB__TUNE_LADDER 10  /* candidates: LRU order, then steps C/4, C/2, .. 64 C */
 #define KVB__TUNE_PROBE 10   /* and the probe: LRU order with the other rule for tails */
@@ -1892,7 +1903,7 @@ static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
 static int64_t kvb__fol_key(const kvb_pool *p, uint32_t v)
 {
     const kvb__meta *m = &p->meta[v];
-    if (m->cls == 0 && p->fol_tails_first) return INT64_MAX;
+    if (m->cls == KVB__CLS_DEAD || (m->cls == 0 && p->fol_tails_first)) return INT64_MAX;
     return (int64_t)(uint32_t)(p->clock - m->last) - ((int64_t)m->cls - 1) * p->fol_step;
 }
 
@@ -2070,8 +2081,9 @@ static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
             if (x == KVB__NIL) continue;
             n = &sh->node[x];
             if (!pass && n->last == now) continue;
-            key = c == 0 && sh->tails_first ? INT64_MAX
-                                            : (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
+            key = c == KVB__CLS_DEAD || (c == 0 && sh->tails_first)
+                      ? INT64_MAX
+                      : (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
             if (best == KVB__NIL || key > best_key || (key == best_key && n->depth > sh->node[best].depth)) {
                 best = x;
                 best_key = key;
@@ -2123,7 +2135,7 @@ static void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint
     kvb__tnode *n = &sh->node[x];
     n->cnt = (n->cnt && (uint32_t)(now - n->last) <= p->cfg.fol_horizon) ? (uint8_t)(n->cnt < 255 ? n->cnt + 1 : 255) : 1;
     n->last = now;
-    n->cls = (uint8_t)((n->cnt == 1 && tail) ? 0 : (n->cnt < 4 ? n->cnt : 4));
+    n->cls = (uint8_t)((n->cnt == 1 && tail) ? (tail == KVB__TAIL_DEAD ? KVB__CLS_DEAD : 0) : (n->cnt < 4 ? n->cnt : 4));
     n->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
     n->where = 1;
     kvb__tune_push(sh, x);
@@ -2159,8 +2171,9 @@ static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h)
     return (((h->lo ^ h->hi) * UINT64_C(0x9e3779b97f4a7c15)) >> 32) < t->thresh;
 }
 
-/* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest): first
- * the hits (counted, then touched, deepest first), then the misses come in. Returns the blocks sampled. */
+/* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest, `kind`
+ * as kvb__fol_touch's tail): first the hits (counted, then touched, deepest first), then the misses
+ * come in. Returns the blocks sampled. */
 /* Where the shadows keep the sampled blocks of a request: every shadow's index slot of each, then the
  * nodes those slots name, so the misses of the shadows overlap instead of following one another (in a
  * large pool the shadows are touched rarely and are out of cache). */
@@ -2183,7 +2196,7 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
         }
 }
 
-static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
+static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail, int kind)
 {
     kvb__tuner *t = &p->tune;
     uint32_t k, now = p->clock, hit, live;
@@ -2202,7 +2215,7 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
             sh->score += 1.0;
             hit |= 1u << k;
             kvb__tune_unlink(sh, x);
-            kvb__tune_touch(p, sh, x, now, (uint32_t)i, i == tail);
+            kvb__tune_touch(p, sh, x, now, (uint32_t)i, i == tail ? kind : 0);
         }
         for (k = 0; k < KVB__TUNE_K; k++) /* the paired comparison's noise: blocks where k and the current (the
                                               probe: LRU order) differ */
@@ -2217,7 +2230,8 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
         if (!(m->flags & KVB__F_SAMPLED)) continue;
-        for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], kvb__mix(&m->hash), now, (uint32_t)i, i == tail);
+        for (k = 0; k < KVB__TUNE_K; k++)
+            kvb__tune_insert(p, &t->sh[k], kvb__mix(&m->hash), now, (uint32_t)i, i == tail ? kind : 0);
     }
     return sampled;
 }
@@ -2341,9 +2355,9 @@ static void kvb__tune_tails(kvb_pool *p, size_t sampled)
 
 /* A request is released: the shadows see it, then the live pool may change its step or its rule for
  * tails. */
-static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail)
+static void kvb__tune_request(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail, int kind)
 {
-    size_t sampled = kvb__tune_feed(p, idx, n, tail);
+    size_t sampled = kvb__tune_feed(p, idx, n, tail, kind);
     if (!sampled) return;
     kvb__tune_decay(&p->tune, sampled);
     p->tune.since_switch += sampled;
@@ -2467,7 +2481,8 @@ static void kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
 
 /* ---- FOL bookkeeping ---------------------------------------------------------------------------- */
 
-/* One reference to a registered block by the request releasing it. */
+/* One reference to a registered block by the request releasing it; tail: 1 when it is the request's
+ * deepest block, KVB__TAIL_DEAD when that block is partial (self-tuning only), else 0. */
 static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
 {
     kvb__meta *m = &p->meta[idx];
@@ -2478,8 +2493,9 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
     m->cnt = (m->cnt && (uint32_t)(p->clock - m->last) <= p->cfg.fol_horizon) ? (uint8_t)(m->cnt < 255 ? m->cnt + 1 : 255)
                                                                               : 1;
     m->last = p->clock;
-    /* Class 0 only for a leaf: a parent that restarted at count 1 still has its children cached. */
-    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? 0 : (m->cnt < 4 ? m->cnt : 4));
+    /* Class 0 (or dead) only for a leaf: a parent that restarted at count 1 still has its children cached. */
+    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? (tail == KVB__TAIL_DEAD ? KVB__CLS_DEAD : 0)
+                                                                      : (m->cnt < 4 ? m->cnt : 4));
     m->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
 }
 
@@ -2831,11 +2847,14 @@ static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
     if (!--m->refs) kvb__unreferenced(p, idx, prio);
 }
 
-/* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. */
-static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
+/* FOL: a request touches its blocks idx[0..n) as it lets them go, deepest (last) first. Its tail is the
+ * deepest registered block; `partial`: the request ends inside its last block, which self-tuning FOL
+ * then takes, when it is the tail, for a dead one (only the same prompt can use it again). */
+static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n, int partial)
 {
     const kvb__gtab *g = &p->fol_ghost;
     size_t i, tail = n, sampled = 0;
+    int kind;
     for (i = n; i-- > 0;) { /* the deepest registered block; the sampled ones; the ghosts to look up */
         const kvb__meta *m = &p->meta[idx[i]];
         if (m->state != KVB_STATE_REGISTERED) continue;
@@ -2843,18 +2862,19 @@ static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n)
         sampled += (m->flags & KVB__F_SAMPLED) != 0;
         if (!m->cnt && g->live) KVB__PREFETCH(kvb__gtab_line(g, &m->hash)); /* their misses overlap */
     }
-    if (sampled) kvb__tune_request(p, idx, n, tail); /* before the touches: it reads which blocks were cached */
+    kind = partial && p->fol_adaptive && tail == n - 1 ? KVB__TAIL_DEAD : 1;
+    if (sampled) kvb__tune_request(p, idx, n, tail, kind); /* before the touches: it reads which blocks were cached */
     for (i = n; i-- > 0;)
-        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail);
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail ? kind : 0);
     p->clock += (uint32_t)n;
 }
 
 /* A request lets go of its blocks idx[0..n), deepest (last) first: FOL touches them (unless the
  * release only drops rejected tokens), then each drops one reference. */
-static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch)
+static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
 {
     size_t i;
-    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
     for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
 }
 
@@ -3186,7 +3206,7 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
 
 /* Drop one reference from each of idx[0..n), deepest (last) first. Validates first: on a double
  * release (more drops of a block than it has references) nothing changes. */
-static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
 {
     size_t i, bad = n;
     for (i = 0; i < n; i++) {
@@ -3201,7 +3221,7 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
         return KVB_EDOUBLE;
     }
     for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
-    kvb__release_request(p, idx, n, prio, 1);
+    kvb__release_request(p, idx, n, prio, 1, partial);
     return KVB_OK;
 }
 
@@ -3231,10 +3251,10 @@ static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uin
 }
 
 /* The references kvb__release_take took off: the unreferenced blocks leave, deepest first. */
-static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio)
+static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
 {
     size_t i;
-    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n);
+    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
     for (i = n; i-- > 0;) {
         kvb__meta *m = &p->meta[idx[i]];
         m->flags &= (uint8_t)~KVB__F_MARK;
@@ -3244,11 +3264,12 @@ static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint3
 
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
 {
-    uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0;
+    uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
+    int partial = last && last < pool->cfg.block_tokens;
     size_t i;
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
-    if (prio >= pool->cfg.priority_levels) return KVB_ERANGE;
+    if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
     if (!n) return KVB_OK;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
@@ -3256,7 +3277,7 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
         return KVB_ENOMEM;
     }
     if (KVB__LIKELY(kvb__release_take(pool, blocks, n, idx))) {
-        kvb__release_taken(pool, idx, n, prio);
+        kvb__release_taken(pool, idx, n, prio, partial);
         kvb__unlock(pool);
         return KVB_OK;
     }
@@ -3265,7 +3286,7 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
         else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
             r = KVB_EDOUBLE;
     }
-    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio);
+    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio, partial);
     kvb__unlock(pool);
     return r;
 }
@@ -3950,7 +3971,7 @@ static void kvb__seq_drop_tail(kvb_seq *s, size_t from, int touch)
     uint32_t stack[KVB__SCRATCH] = {0}, *idx = kvb__scratch(s->pool, stack, n);
     if (idx) {
         for (i = 0; i < n; i++) idx[i] = kvb_block_index(s->table[from + i].id);
-        kvb__release_request(s->pool, idx, n, 0, touch);
+        kvb__release_request(s->pool, idx, n, 0, touch, 0);
     } else {
         for (i = stbds_arrlenu(s->table); i-- > from;) kvb__drop_ref(s->pool, kvb_block_index(s->table[i].id), 0);
     }
@@ -6147,6 +6168,7 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
     size_t i, k = 0;
     for (i = 0; i < n; i++) /* the held ones to the front, in order, and released in one call */
         if (blocks[i].id) blocks[k++] = blocks[i];
+    memset(&o, 0, sizeof o);
     o.priority = prio;
     if (k) kvb_release(pool, blocks, k, &o);
     for (i = 0; i < n && k; i++) blocks[i].id = 0;

@@ -1781,6 +1781,7 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
     size_t i, k = 0;
     for (i = 0; i < n; i++) /* the held ones to the front, in order, and released in one call */
         if (blocks[i].id) blocks[k++] = blocks[i];
+    memset(&o, 0, sizeof o);
     o.priority = prio;
     if (k) kvb_release(pool, blocks, k, &o);
     for (i = 0; i < n && k; i++) blocks[i].id = 0;

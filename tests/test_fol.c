@@ -29,8 +29,8 @@
 static kvb_hash key_hash(uint64_t key) { return fx_hash(key, UINT64_C(0xF01F01F01)); }
 
 /* One request over a chain of hashes (hashes[i]'s parent is hashes[i - 1], the first one's the root):
- * match + alloc + register + release. Returns the blocks matched (hits). */
-static size_t serve(kvb_pool *pool, const kvb_hash *hashes, size_t n)
+ * match + alloc + register + release (with `rel`, may be NULL). Returns the blocks matched (hits). */
+static size_t serve_rel(kvb_pool *pool, const kvb_hash *hashes, size_t n, const kvb_release_opts *rel)
 {
     kvb_block blocks[MAXREQ], out[MAXREQ];
     kvb_hash parents[MAXREQ];
@@ -49,21 +49,30 @@ static size_t serve(kvb_pool *pool, const kvb_hash *hashes, size_t n)
         KVT_EQ(kvb_register_hashed(pool, blocks + m, n - m, hashes + m, parents + m, out + m), KVB_OK);
         for (i = m; i < n; i++) blocks[i] = out[i];
     }
-    KVT_EQ(kvb_release(pool, blocks, n, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, blocks, n, rel), KVB_OK);
     return m;
 }
 
-static size_t serve_keys(kvb_pool *pool, const uint64_t *keys, size_t n)
+static size_t serve(kvb_pool *pool, const kvb_hash *hashes, size_t n) { return serve_rel(pool, hashes, n, NULL); }
+
+/* The request ends inside its last block, after 5 of its 16 tokens (a trace's partial last block). */
+static const kvb_release_opts ends_inside = {0, 5};
+
+static size_t serve_keys(kvb_pool *pool, const uint64_t *keys, size_t n, const kvb_release_opts *rel)
 {
     kvb_hash h[MAXREQ];
     for (size_t i = 0; i < n && i < MAXREQ; i++) h[i] = key_hash(keys[i]);
-    return serve(pool, h, n);
+    return serve_rel(pool, h, n, rel);
 }
 
-/* REQ(pool, 3, 4, 5): one request over the chain of blocks 3 -> 4 -> 5 (5 is its tail). */
+/* REQ(pool, 3, 4, 5): one request over the chain of blocks 3 -> 4 -> 5 (5 is its tail); REQ_PARTIAL:
+ * one that ends inside its last block. */
 #define REQ(pool, ...)                                                                          \
     serve_keys((pool), (const uint64_t[]){__VA_ARGS__},                                          \
-               sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t))
+               sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t), NULL)
+#define REQ_PARTIAL(pool, ...)                                                                  \
+    serve_keys((pool), (const uint64_t[]){__VA_ARGS__},                                          \
+               sizeof((const uint64_t[]){__VA_ARGS__}) / sizeof(uint64_t), &ends_inside)
 
 static kvb_pool *fol_pool(uint32_t num_blocks, uint32_t horizon, uint32_t ghost, uint32_t step, fx_events *rec)
 {
@@ -900,7 +909,7 @@ static size_t thrice_trace(kvb_evict_policy policy, int *kept)
     *kept = 1;
     for (int i = 0; i < 3; i++) hits += REQ(pool, 1);
     for (int round = 0; round < 3; round++) {
-        for (int j = 0; j < 3; j++, next += 2) hits += serve_keys(pool, (const uint64_t[]){next, next + 1}, 2);
+        for (int j = 0; j < 3; j++, next += 2) hits += serve_keys(pool, (const uint64_t[]){next, next + 1}, 2, NULL);
         *kept &= is_cached(pool, 1);
         hits += REQ(pool, 1);
     }
@@ -1161,6 +1170,108 @@ static void test_fol_tails_rule_follows_the_traffic(void)
     fflush(stdout);
 }
 
+/* ---- a request that ends inside its last block ---------------------------------------------------- */
+
+/* A fresh self-tuning pool of 8 (step 4, tails one step before class 1: W = {-4, 0, 4, 8, 12}). At
+ * clock 6 the keys are 1: 6, 2 (tail): 6 + 4 = 10, 3: 4, 5: 2, 6 (tail): 2 + 4 = 6, and 4, the last
+ * block of a request that ended inside it: a dead tail, first whatever its age. Told nothing, the pool
+ * takes 4 for a tail like 2 and 6 (key 4 + 4 = 8), after 2. Leaves first; the tie of 1 and 6 goes to
+ * the deeper block. */
+static void test_fol_partial_last_block_goes_first(void)
+{
+    for (int told = 0; told < 2; told++) {
+        fx_events rec;
+        kvb_pool *pool = fol_pool(8, 0, 0, 0, &rec);
+        REQ(pool, 1, 2);
+        if (told) REQ_PARTIAL(pool, 3, 4);
+        else REQ(pool, 3, 4);
+        REQ(pool, 5, 6);
+        KVT_EQ(fx_stats(pool).fol_tails_first, 0u);
+        uint64_t order[16];
+        size_t n = evict_all(pool, &rec, order, 16);
+        if (told) CHECK_ORDER(order, n, 4, 2, 6, 1, 3, 5);
+        else CHECK_ORDER(order, n, 2, 4, 6, 1, 3, 5);
+        kvb_pool_destroy(pool);
+    }
+}
+
+/* The same prompt again uses the dead tail: its count is 2 (class 2), and it waits like any block seen
+ * twice. At clock 8 the keys are 3 and 4: 6 - 4 = 2, 1: 4, 2 (tail): 4 + 4 = 8, 5: 2, 6 (tail): 6; ties
+ * go to the deeper block (4 before 5), then to the ring scanned first (5, class 1, before 3). */
+static void test_fol_partial_last_block_used_again(void)
+{
+    fx_events rec;
+    kvb_pool *pool = fol_pool(8, 0, 0, 0, &rec);
+    REQ_PARTIAL(pool, 3, 4);
+    KVT_EQ(REQ_PARTIAL(pool, 3, 4), 2);
+    REQ(pool, 1, 2);
+    REQ(pool, 5, 6);
+    uint64_t order[16];
+    size_t n = evict_all(pool, &rec, order, 16);
+    CHECK_ORDER(order, n, 2, 6, 1, 4, 5, 3);
+    kvb_pool_destroy(pool);
+}
+
+/* Only self-tuning FOL reads last_block_tokens: every other policy, and FOL with a fixed step (whose
+ * tails go first anyway), evicts the same blocks told or not. Bad values are refused, nothing released. */
+static size_t dead_tail_replay(kvb_pool *pool, int told, kvb_pool_stats *st)
+{
+    uint64_t gen[8] = {0}, len[8], unique = 0;
+    size_t hits = 0;
+    for (int c = 0; c < 8; c++) len[c] = 1 + (uint64_t)c;
+    for (int round = 0; round < 600; round++)
+        for (int c = 0; c < 8; c++) {
+            kvb_hash h[16];
+            size_t n = 0;
+            for (uint64_t i = 0; i < len[c]; i++) h[n++] = fx_hash((uint64_t)c * 1000003 + gen[c], i + 1);
+            h[n++] = fx_hash(UINT64_C(0xdead000000) + unique++, 99);
+            hits += serve_rel(pool, h, n, told ? &ends_inside : NULL);
+            if (++len[c] > 12) len[c] = 1, gen[c]++;
+        }
+    *st = fx_stats(pool);
+    FX_CHECK_POOL(pool);
+    return hits;
+}
+
+static void test_fol_partial_last_block_only_self_tuning(void)
+{
+    static const kvb_evict_policy pol[] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU, KVB_EVICT_ARC, KVB_EVICT_S3FIFO,
+                                           KVB_EVICT_FOL, KVB_EVICT_FOL};
+    for (size_t k = 0; k < sizeof pol / sizeof pol[0]; k++) {
+        size_t hits[2];
+        kvb_pool_stats st[2];
+        for (int told = 0; told < 2; told++) {
+            kvb_pool_config cfg = fx_config(64);
+            cfg.eviction = pol[k];
+            cfg.fol_class_step = k == 4 ? 40 : 0; /* the last: self-tuning */
+            kvb_pool *pool = fx_pool_from(&cfg);
+            hits[told] = dead_tail_replay(pool, told, &st[told]);
+            kvb_pool_destroy(pool);
+        }
+        printf("policy %zu: %zu hits told, %zu not told\n", k, hits[1], hits[0]);
+        if (k + 1 < sizeof pol / sizeof pol[0]) {
+            KVT_EQ(hits[1], hits[0]);
+            KVT_EQ(st[1].evictions, st[0].evictions);
+        } else { /* told, it need not learn that tails die: no rule to change, more hits */
+            KVT_CHECK(hits[1] > hits[0]);
+            KVT_EQ(st[1].fol_tails_first, 0u);
+        }
+    }
+    fflush(stdout);
+    kvb_pool *pool = fol_pool(4, 0, 0, 0, NULL);
+    kvb_block b[2];
+    kvb_hash h[2] = {key_hash(1), key_hash(2)}, root = fx_hash(0, 0), parents[2] = {root, h[0]};
+    KVT_EQ(kvb_alloc(pool, 2, b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, b, 2, h, parents, b), KVB_OK);
+    kvb_release_opts over = {0, 17}, full = {0, 16};
+    KVT_EQ(kvb_release(pool, b, 2, &over), KVB_ERANGE); /* more tokens than a block holds */
+    KVT_EQ(fx_stats(pool).active_blocks, 2u);
+    KVT_EQ(kvb_release(pool, b, 2, &full), KVB_OK); /* a whole last block: the same as 0 */
+    KVT_EQ(fx_stats(pool).inactive_blocks, 2u);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     fx_watchdog(300);
@@ -1185,5 +1296,8 @@ int main(void)
     KVT_RUN(test_fol_users_hit_rate_vs_lru);
     KVT_RUN(test_fol_adaptive_step_direction);
     KVT_RUN(test_fol_tails_rule_follows_the_traffic);
+    KVT_RUN(test_fol_partial_last_block_goes_first);
+    KVT_RUN(test_fol_partial_last_block_used_again);
+    KVT_RUN(test_fol_partial_last_block_only_self_tuning);
     return kvt_summary();
 }

@@ -422,9 +422,10 @@ static void op_release(dz *d)
 {
     kvb_block b[D_MAXN];
     int sl[D_MAXN], uses[D_SLOTS] = {0};
-    uint32_t x[D_MAXN], prio = below(d, d->m.levels + 1);
+    uint8_t pb = u8(d); /* the level and where the request ends in its last block (policies here ignore it) */
+    uint32_t x[D_MAXN], prio = pb % (d->m.levels + 1), last = (uint32_t)(pb >> 4) % (D_BT + 2);
     size_t n = below(d, D_MAXN), i, k = 0;
-    kvb_release_opts o = {prio};
+    kvb_release_opts o = {prio, last};
     kvb_result want = KVB_OK, r;
     for (i = 0; i < n; i++) { /* never a reference this harness does not own (a sequence's) */
         uint64_t id = pick_handle(d, &sl[k]);
@@ -434,7 +435,7 @@ static void op_release(dz *d)
         b[k++].id = id;
     }
     n = k;
-    if (prio >= d->m.levels) want = KVB_ERANGE;
+    if (prio >= d->m.levels || last > D_BT) want = KVB_ERANGE;
     for (i = 0; want == KVB_OK && i < n; i++) {
         if (b[i].id & KVB_WEAK_BIT) want = KVB_EWEAK;
         else if ((want = m_lookup(&d->m, b[i].id, &x[i])) == KVB_OK && !d->m.b[x[i]].refs) want = KVB_EDOUBLE;

@@ -380,7 +380,7 @@ static void op_release_or_retain(fz *f, int release)
     kvb_block b[4];
     size_t which[4], n = fz_pick_blocks(f, b, which, 4);
     uint8_t prio = fz_u8(f);
-    kvb_release_opts opts = {(uint32_t)(prio & 3u)};
+    kvb_release_opts opts = {(uint32_t)(prio & 3u), (uint32_t)(prio >> 2) & 7u}; /* 5..7 > any block_tokens */
     fz_sets before;
     kvb_result r;
     for (size_t i = 0; i < n; i++) {
@@ -396,6 +396,7 @@ static void op_release_or_retain(fz *f, int release)
         if (asked > (int)info.refs) must_fail = 1;                            /* a detectable double release */
         else if (asked > fz_ours(f, p, b[i].id)) return;                      /* would take someone's reference */
     }
+    if (release && !(prio & 0x80) && opts.last_block_tokens > f->block_tokens) must_fail = 1; /* KVB_ERANGE */
     before = fz_sets_of(f, p);
     r = release ? kvb_release(f->pool[p], b, n, prio & 0x80 ? NULL : &opts) : kvb_retain(f->pool[p], b, n);
     FZ_TRACE(f, "%s pool %c n %zu [%#llx %#llx %#llx %#llx] -> %s", release ? "release" : "retain", "AB"[p], n,
