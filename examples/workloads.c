@@ -55,7 +55,6 @@ static double replay(const wl_trace *w, kvb_evict_policy ev, uint32_t step, uint
     double rate;
     memset(&cfg, 0, sizeof cfg);
     cfg.num_blocks = cap;
-    cfg.block_tokens = 512;
     cfg.eviction = ev;
     cfg.fol_class_step = step;
     if ((rate = wl_replay(w, &cfg, &st)) < 0) die("replay failed (out of memory?)");

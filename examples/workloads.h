@@ -57,6 +57,7 @@ typedef struct wl_req {
     uint32_t prompt_tokens;
     uint32_t output_tokens;
     uint32_t num_blocks;      /* full blocks of the prompt (and its partial last one, WL_PARTIAL_TAIL) */
+    uint32_t last_tokens;     /* WL_PARTIAL_TAIL: the prompt's tokens in its partial last block (0: none) */
     uint64_t *blocks;         /* their chained identities (nonzero), block 0 first */
 } wl_req;
 
@@ -66,6 +67,7 @@ typedef struct wl_trace {
     uint64_t total_blocks;    /* sum of num_blocks */
     uint64_t unique_blocks;   /* distinct identities: the working set */
     uint64_t *store;          /* all block identities */
+    uint32_t block_tokens;    /* tokens per block */
 } wl_trace;
 
 enum { WL_PARTIAL_TAIL = 1 }; /* wl_generate flags: a prompt's partial last block is a block too */
@@ -79,8 +81,9 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
 WL_FN void wl_free(wl_trace *w);
 #ifdef KVBLOCK_H
 /* Replay a workload through a pool as serve_sim --sequential does: per request, match the cached prefix
- * (at most the pool's size), allocate and register the rest, release the whole chain. The pool is
- * created from cfg (num_blocks and eviction set by the caller). Returns the block hit rate over all
+ * (at most the pool's size), allocate and register the rest, release the whole chain, telling the pool
+ * when the prompt ends inside its last block (WL_PARTIAL_TAIL). The pool is created from cfg (num_blocks
+ * and eviction set by the caller; block_tokens is the workload's). Returns the block hit rate over all
  * prompt blocks, or -1 when a call fails; *out_stats (may be NULL) gets the pool's final statistics. */
 WL_FN double wl_replay(const wl_trace *w, const kvb_pool_config *cfg, kvb_pool_stats *out_stats);
 #endif
@@ -461,11 +464,13 @@ WL_FN int wl_generate(wl_shape shape, uint32_t block_tokens, uint32_t requests, 
         r->blocks = out->store + off;
         r->num_blocks = wl__blocks(g.segs + g.req[i].first, g.req[i].nseg, block_tokens, tail, r->blocks);
         for (j = 0; j < g.req[i].nseg; j++) r->prompt_tokens += g.segs[g.req[i].first + j].len;
+        r->last_tokens = tail ? r->prompt_tokens % block_tokens : 0;
         r->output_tokens = g.req[i].output;
         off += r->num_blocks;
     }
     out->n = g.fail ? 0 : g.nreq;
     out->total_blocks = total;
+    out->block_tokens = block_tokens;
     if (!g.fail && total) { /* distinct identities: sort a copy */
         uint64_t *c = (uint64_t *)malloc(total * sizeof *c);
         if (c) {
@@ -507,12 +512,16 @@ static kvb_hash wl__block_hash(uint64_t id)
 WL_FN double wl_replay(const wl_trace *w, const kvb_pool_config *cfg, kvb_pool_stats *out_stats)
 {
     uint32_t cap = cfg->num_blocks;
+    kvb_pool_config c = *cfg;
     kvb_pool *pool = NULL;
     kvb_block *blk = (kvb_block *)calloc(cap ? cap : 1, sizeof *blk);
     kvb_hash *h = (kvb_hash *)calloc((size_t)cap + 1, sizeof *h);
     uint64_t hits = 0;
     size_t q;
-    int ok = blk && h && kvb_pool_create(cfg, &pool) == KVB_OK;
+    kvb_release_opts rel = {0, 0};
+    int ok;
+    c.block_tokens = w->block_tokens;
+    ok = blk && h && kvb_pool_create(&c, &pool) == KVB_OK;
     for (q = 0; ok && q < w->n; q++) {
         const wl_req *r = &w->req[q];
         size_t n = r->num_blocks < cap ? r->num_blocks : cap, m = 0, i;
@@ -523,7 +532,8 @@ WL_FN double wl_replay(const wl_trace *w, const kvb_pool_config *cfg, kvb_pool_s
         if (ok && m < n)
             ok = kvb_alloc(pool, n - m, blk + m) == KVB_OK &&
                  kvb_register_hashed(pool, blk + m, n - m, h + 1 + m, h + m, blk + m) == KVB_OK;
-        ok = ok && kvb_release(pool, blk, n, NULL) == KVB_OK;
+        rel.last_block_tokens = n == r->num_blocks ? r->last_tokens : 0; /* a prompt cut to the pool ends whole */
+        ok = ok && kvb_release(pool, blk, n, &rel) == KVB_OK;
     }
     if (ok && out_stats) kvb_pool_get_stats(pool, out_stats);
     kvb_pool_destroy(pool);

@@ -47,6 +47,7 @@ void replay(const workload *w, const options *o, results *res, series *sv)
     kvb_block *blk;
     uint8_t *tier_of;
     double t0;
+    kvb_release_opts rel = {0, 0};
     open_tiers(&t, o, 0, 1, o->bytes, NULL, 1, NULL, NULL, NULL, NULL, NULL);
     for (q = 0; q < w->n; q++)
         if (w->reqs[q].num_blocks > maxb) maxb = w->reqs[q].num_blocks;
@@ -81,7 +82,8 @@ void replay(const workload *w, const options *o, results *res, series *sv)
                 for (i = k; i < n; i++) pattern_write(&t, blk[i], &r->hashes[i]);
             if (t.mgr) kvo_manager_offer(t.mgr, 0, blk + k, n - k, NULL);
         }
-        check_kv(kvb_release(t.pool[0], blk, n, NULL), "kvb_release");
+        rel.last_block_tokens = n == r->num_blocks ? r->last_tokens : 0; /* a prompt cut to the pool ends whole */
+        check_kv(kvb_release(t.pool[0], blk, n, &rel), "kvb_release");
         if (t.mgr) kvo_manager_poll(t.mgr);
         if (sv && (q % every == 0 || q + 1 == w->n)) {
             float occ[TIER_ALL];

@@ -39,8 +39,8 @@ void describe(char *out, size_t len, const workload *w, const options *o)
     char shard[48] = "";
     if (o->shards > 1) snprintf(shard, sizeof shard, " (shard %u/%u)", o->shard, o->shards);
     if (w->is_trace)
-        snprintf(out, len, "trace %s: %zu requests%s (%zu malformed lines skipped), %u tokens per block", o->trace, w->n,
-                 shard, w->malformed, o->block_tokens);
+        snprintf(out, len, "trace %s: %zu requests%s (%zu malformed lines skipped, %zu end inside their last block), "
+                 "%u tokens per block", o->trace, w->n, shard, w->malformed, w->partial_last, o->block_tokens);
     else if (o->shards > 1) /* the conversation count is the whole workload's */
         snprintf(out, len, "synthetic workload, seed %llu: %zu requests%s, %u tokens per block",
                  (unsigned long long)o->seed, w->n, shard, o->block_tokens);
@@ -287,6 +287,7 @@ void print_json(const workload *w, const options *o, results *r, const fleet_rep
     json_num(j, "requests", (double)r->requests);
     json_num(j, "skipped_requests", (double)r->skipped);
     json_num(j, "malformed_lines", (double)w->malformed);
+    if (w->is_trace) json_num(j, "partial_last_blocks", (double)w->partial_last);
     json_num(j, "prompt_blocks", (double)r->prompt_blocks);
     json_num(j, "prompt_tokens", (double)r->prompt_blocks * bt);
     json_num(j, "hit_blocks", (double)r->hit_blocks);

@@ -120,6 +120,7 @@ typedef struct sim_req {
     uint32_t conv, turn;     /* synthetic conversation and turn; trace: request number, 0 */
     uint32_t line;           /* trace line */
     uint32_t num_prompt, num_output, num_blocks;
+    uint32_t last_tokens;    /* trace: the prompt ends inside its last id's block, after this many tokens (0: no) */
     const kvb_hash *hashes;  /* num_blocks chained hashes (shared by the turns of a conversation) */
     const uint64_t *keys;    /* block identities for the reference LRU (trace: the hash ids) */
     const uint64_t *ids;     /* trace: the hash ids */
@@ -143,6 +144,7 @@ typedef struct workload {
     uint32_t sys_len[SYN_SYSTEM], doc_len[SYN_DOCS];
     uint32_t *user_len, *out_len; /* per request (synthetic) */
     size_t malformed;        /* trace lines skipped */
+    size_t partial_last;     /* trace: requests whose prompt ends inside the block of its last id */
     void **owned;            /* allocations to free */
     size_t nowned, capowned;
 } workload;

@@ -282,6 +282,10 @@ static void load_trace(workload *w, const options *o)
             rq->num_prompt = (uint32_t)n;
             rq->num_output = out >= 1 ? (uint32_t)(out < 1e6 ? out : 1e6) : 1;
             rq->num_blocks = (uint32_t)(n / o->block_tokens);
+            if (nids && in < (double)n && in > (double)(nids - 1) * o->block_tokens) { /* the last id names a partial block */
+                rq->last_tokens = (uint32_t)(in - (double)(nids - 1) * o->block_tokens);
+                w->partial_last++;
+            }
             GROW(buf, bufcap, n + 1);
             fill_prompt(w, rq, buf);
             hash_tokens(w, buf, n, &h, &keys);
