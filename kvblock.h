@@ -131,9 +131,9 @@
  * before class 1;
  * kvb_pool_stats.fol_tails_first reports the rule in use. A caller that knows a request ends inside
  * its last block (a trace's partial last block, which an engine never registers) says so in
- * kvb_release_opts.last_block_tokens: seen once, that block is a dead tail and goes before everything,
- * whatever the rule (it is the tail, so the rule then concerns requests that end on a block boundary;
- * a fixed step takes it for a tail, first anyway). The shadows cost
+ * kvb_release_opts.last_block_tokens: seen once (and a leaf), that block is a dead tail and goes
+ * before everything, whatever the rule (it is the tail, so the rule then concerns requests that end
+ * on a block boundary; a fixed step takes it for a tail, first anyway). The shadows cost
  * about 22 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
  * of 1,000-30,000 blocks (0.2-0.8 us a prompt block, LRU 0.05), and the cycle of a full pool of a
@@ -474,12 +474,13 @@ typedef struct kvb_block_info {
     kvb_hash parent;    /* from init or registration */
 } kvb_block_info;
 
-typedef struct kvb_release_opts { /* zero it first ({0} or memset): fields may be added */
+typedef struct kvb_release_opts { /* zero it first (memset, or designated initializers): fields may be added */
     uint32_t priority;  /* eviction level for blocks that become inactive (0 = evicted first) */
     uint32_t last_block_tokens; /* the request ends inside its last block, after this many of its tokens
                                    (a trace's partial last block): only the same prompt can use it again,
-                                   so self-tuning FOL evicts it first (section 2). 0 or block_tokens: it
-                                   ends on a block boundary */
+                                   so self-tuning FOL evicts it first (section 2) when it is the last
+                                   element, registered, a leaf and seen once. 0 or block_tokens: it ends
+                                   on a block boundary */
 } kvb_release_opts;
 
 typedef struct kvb_pool kvb_pool;
@@ -901,7 +902,7 @@ typedef struct kvb__meta { /* one cache line per block */
     uint8_t state;
     uint8_t prio;
     uint8_t flags;
-    uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 */
+    uint8_t cnt, cls;    /* FOL: saturating reference count, class 0..4 (KVB__CLS_DEAD: 5) */
     uint8_t depth;       /* FOL: position in the request that touched it last, up to 255 (ties) */
     uint32_t kids;       /* indexed blocks: registered blocks naming its hash as parent (leaf-first policies) */
 } kvb__meta;
@@ -1848,7 +1849,7 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
     return r->e[i].idx;
 }
 
-/* FOL, which looks at five rings per eviction and takes from one: a ring's oldest leaf, read straight
+/* FOL, which looks at up to six rings per eviction and takes from one: a ring's oldest leaf, read straight
  * from the place its last search stopped while that entry is current and a leaf (every current entry
  * before it is a parent), else a search. */
 static inline uint32_t kvb__ring_leaf(kvb_pool *p, uint32_t rid)
@@ -2093,13 +2094,21 @@ static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
     kvb__tune_ghost_ahead(t, sh);
 }
 
+/* FOL's class of a block with count cnt; tail as kvb__fol_touch's: seen once, a request's tail is class 0,
+ * a dead one KVB__CLS_DEAD. */
+static uint8_t kvb__fol_class(uint8_t cnt, int tail)
+{
+    if (cnt == 1 && tail) return tail == KVB__TAIL_DEAD ? KVB__CLS_DEAD : 0;
+    return cnt < 4 ? cnt : 4;
+}
+
 /* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown). */
 static void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint32_t now, uint32_t depth, int tail)
 {
     kvb__tnode *n = &sh->node[x];
     n->cnt = (n->cnt && (uint32_t)(now - n->last) <= p->cfg.fol_horizon) ? (uint8_t)(n->cnt < 255 ? n->cnt + 1 : 255) : 1;
     n->last = now;
-    n->cls = (uint8_t)((n->cnt == 1 && tail) ? (tail == KVB__TAIL_DEAD ? KVB__CLS_DEAD : 0) : (n->cnt < 4 ? n->cnt : 4));
+    n->cls = kvb__fol_class(n->cnt, tail);
     n->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
     n->where = 1;
     kvb__tune_push(sh, x);
@@ -2458,8 +2467,7 @@ static void kvb__fol_touch(kvb_pool *p, uint32_t idx, uint32_t depth, int tail)
                                                                               : 1;
     m->last = p->clock;
     /* Class 0 (or dead) only for a leaf: a parent that restarted at count 1 still has its children cached. */
-    m->cls = (uint8_t)((m->cnt == 1 && tail && kvb__is_leaf(p, idx)) ? (tail == KVB__TAIL_DEAD ? KVB__CLS_DEAD : 0)
-                                                                      : (m->cnt < 4 ? m->cnt : 4));
+    m->cls = kvb__fol_class(m->cnt, tail && kvb__is_leaf(p, idx) ? tail : 0);
     m->depth = (uint8_t)(depth < UINT8_MAX ? depth : UINT8_MAX);
 }
 
@@ -2827,9 +2835,10 @@ static void kvb__release_touch(kvb_pool *p, const uint32_t *idx, size_t n, int p
         if (!m->cnt && g->live) KVB__PREFETCH(kvb__gtab_line(g, &m->hash)); /* their misses overlap */
     }
     kind = partial && p->fol_adaptive && tail == n - 1 ? KVB__TAIL_DEAD : 1;
-    if (sampled) kvb__tune_request(p, idx, n, tail, kind); /* before the touches: it reads which blocks were cached */
+    if (sampled) kvb__tune_request(p, idx, n, tail, kind); /* before the touches: it reads which were cached */
     for (i = n; i-- > 0;)
-        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED) kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail ? kind : 0);
+        if (p->meta[idx[i]].state == KVB_STATE_REGISTERED)
+            kvb__fol_touch(p, idx[i], (uint32_t)i, i == tail ? kind : 0);
     p->clock += (uint32_t)n;
 }
 
@@ -3229,12 +3238,13 @@ static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint3
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
 {
     uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
-    int partial = last && last < pool->cfg.block_tokens;
+    int partial;
     size_t i;
     kvb_result r = KVB_OK;
     if (!pool || (!blocks && n)) return KVB_EINVAL;
     if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
     if (!n) return KVB_OK;
+    partial = last && last < pool->cfg.block_tokens;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);

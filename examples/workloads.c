@@ -324,6 +324,7 @@ int main(int argc, char **argv)
         i++;
     }
     if (!o.block_tokens || !o.requests || o.scale <= 0) die("--block-tokens, --requests and --scale must be positive");
+    if (o.block_tokens > 32768) die("--block-tokens: at most 32768 (a pool's limit)");
     if (write_shape) write_trace(write_shape, write_path, &o);
     if (do_list)
         for (i = 0; i < WL__COUNT; i++) {

@@ -1264,6 +1264,7 @@ static void test_fol_partial_last_block_only_self_tuning(void)
     KVT_EQ(kvb_alloc(pool, 2, b), KVB_OK);
     KVT_EQ(kvb_register_hashed(pool, b, 2, h, parents, b), KVB_OK);
     kvb_release_opts over = {0, 17}, full = {0, 16};
+    KVT_EQ(kvb_release(NULL, b, 2, &ends_inside), KVB_EINVAL);
     KVT_EQ(kvb_release(pool, b, 2, &over), KVB_ERANGE); /* more tokens than a block holds */
     KVT_EQ(fx_stats(pool).active_blocks, 2u);
     KVT_EQ(kvb_release(pool, b, 2, &full), KVB_OK); /* a whole last block: the same as 0 */

@@ -282,10 +282,8 @@ static void load_trace(workload *w, const options *o)
             rq->num_prompt = (uint32_t)n;
             rq->num_output = out >= 1 ? (uint32_t)(out < 1e6 ? out : 1e6) : 1;
             rq->num_blocks = (uint32_t)(n / o->block_tokens);
-            if (nids && in < (double)n && in > (double)(nids - 1) * o->block_tokens) { /* the last id names a partial block */
+            if (nids && in < (double)n && in > (double)(nids - 1) * o->block_tokens) /* the last id names a partial block */
                 rq->last_tokens = (uint32_t)(in - (double)(nids - 1) * o->block_tokens);
-                w->partial_last++;
-            }
             GROW(buf, bufcap, n + 1);
             fill_prompt(w, rq, buf);
             hash_tokens(w, buf, n, &h, &keys);
@@ -339,6 +337,7 @@ void load_workload(workload *w, const options *o)
         keep_shard(w, o->shard, o->shards);
         if (!w->n) die(2, "--shard %u/%u: no requests in this share of the workload", o->shard, o->shards);
     }
+    for (i = 0; i < w->n; i++) w->partial_last += w->reqs[i].last_tokens != 0;
     arrival_key *keys = (arrival_key *)xcalloc(w->n, sizeof *keys);
     w->order = (size_t *)owned(w, w->n * sizeof *w->order);
     for (i = 0; i < w->n; i++) {
