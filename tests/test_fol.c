@@ -1124,6 +1124,23 @@ static void test_fol_adaptive_step_direction(void)
     fflush(stdout);
 }
 
+/* Eight conversations that restart in turn: conversation c's next request is its chain of len[c]
+ * blocks (1..12, one longer each time, then a new chain), with `dead`, a block of its own after it that
+ * nobody asks for again. Writes the request into h (at most 13 blocks), returns its length. */
+typedef struct loop_gen { uint64_t gen[8], len[8], unique; } loop_gen;
+static void loop_init(loop_gen *g)
+{
+    memset(g, 0, sizeof *g);
+    for (int c = 0; c < 8; c++) g->len[c] = 1 + (uint64_t)c;
+}
+static size_t loop_next(loop_gen *g, int c, int dead, kvb_hash *h)
+{
+    size_t n = 0;
+    for (uint64_t i = 0; i < g->len[c]; i++) h[n++] = fx_hash((uint64_t)c * 1000003 + g->gen[c], i + 1);
+    if (dead) h[n++] = fx_hash(UINT64_C(0xdead000000) + g->unique++, 99);
+    if (++g->len[c] > 12) g->len[c] = 1, g->gen[c]++;
+    return n;
+}
 /* The rule for tails follows the traffic (the probe: LRU order with the other rule). Pools of 64 blocks;
  * eight conversations, round after round, each request the conversation's whole chain, one block longer
  * than its last (a new conversation after 12), so the tail a request adds is the next turn's.
@@ -1137,17 +1154,15 @@ static void test_fol_tails_rule_follows_the_traffic(void)
         kvb_pool_config lc = fx_config(64);
         lc.eviction = KVB_EVICT_LRU;
         kvb_pool *fol = fol_pool(64, 0, 0, 0, NULL), *lru = fx_pool_from(&lc);
-        uint64_t gen[8] = {0}, len[8], unique = 0;
+        loop_gen g;
         size_t hits_fol = 0, hits_lru = 0, changes = 0;
         uint32_t rule = fx_stats(fol).fol_tails_first;
         KVT_EQ(rule, 0u);
-        for (int c = 0; c < 8; c++) len[c] = 1 + (uint64_t)c;
+        loop_init(&g);
         for (int round = 0; round < 2000; round++)
             for (int c = 0; c < 8; c++) {
                 kvb_hash h[16];
-                size_t n = 0;
-                for (uint64_t i = 0; i < len[c]; i++) h[n++] = fx_hash((uint64_t)c * 1000003 + gen[c], i + 1);
-                if (dead) h[n++] = fx_hash(UINT64_C(0xdead000000) + unique++, 99);
+                size_t n = loop_next(&g, c, dead, h);
                 hits_fol += serve(fol, h, n);
                 hits_lru += serve(lru, h, n);
                 if (fx_stats(fol).fol_tails_first != rule) { /* the shadows traded tables: still sound */
@@ -1155,7 +1170,6 @@ static void test_fol_tails_rule_follows_the_traffic(void)
                     changes++;
                     FX_CHECK_POOL(fol);
                 }
-                if (++len[c] > 12) len[c] = 1, gen[c]++;
             }
         printf("%s tails: FOL %zu hits (rule changed %zu times, tails first at the end: %u), LRU %zu\n",
                dead ? "dead" : "live", hits_fol, changes, rule, hits_lru);
@@ -1216,17 +1230,14 @@ static void test_fol_partial_last_block_used_again(void)
  * tails go first anyway), evicts the same blocks told or not. Bad values are refused, nothing released. */
 static size_t dead_tail_replay(kvb_pool *pool, int told, kvb_pool_stats *st)
 {
-    uint64_t gen[8] = {0}, len[8], unique = 0;
+    loop_gen g;
     size_t hits = 0;
-    for (int c = 0; c < 8; c++) len[c] = 1 + (uint64_t)c;
+    loop_init(&g);
     for (int round = 0; round < 600; round++)
         for (int c = 0; c < 8; c++) {
             kvb_hash h[16];
-            size_t n = 0;
-            for (uint64_t i = 0; i < len[c]; i++) h[n++] = fx_hash((uint64_t)c * 1000003 + gen[c], i + 1);
-            h[n++] = fx_hash(UINT64_C(0xdead000000) + unique++, 99);
+            size_t n = loop_next(&g, c, 1, h);
             hits += serve_rel(pool, h, n, told ? &ends_inside : NULL);
-            if (++len[c] > 12) len[c] = 1, gen[c]++;
         }
     *st = fx_stats(pool);
     FX_CHECK_POOL(pool);
