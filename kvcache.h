@@ -4744,7 +4744,8 @@ typedef struct kvo_pipeline_config {
     void *done_user;
     kvo_stage_fn on_stage;        /* optional: every status change */
     void *stage_user;
-    uint32_t dst_priority;        /* eviction level of landed blocks in the destination */
+    uint32_t dst_priority;        /* eviction level of landed blocks in the destination (below its
+                                     priority_levels) */
 } kvo_pipeline_config;
 
 typedef struct kvo_enqueue_opts {
@@ -4763,8 +4764,9 @@ typedef struct kvo_pipeline_stats {
 
 typedef struct kvo_pipeline kvo_pipeline;
 
-/* Create a pipeline from src to dst through backend. KVO_EINVAL for missing pools/backend, KVO_ELAYOUT
- * when both pools have storage of different block sizes. Thread safety: any thread. */
+/* Create a pipeline from src to dst through backend. KVO_EINVAL for missing pools/backend or a
+ * dst_priority the destination has no level for, KVO_ELAYOUT when both pools have storage of different
+ * block sizes. Thread safety: any thread. */
 KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pipeline **out);
 /* Cancel what has not started, wait for what is in flight, release every handle, free. */
 KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
@@ -6180,7 +6182,8 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
         if (blocks[i].id) blocks[k++] = blocks[i];
     memset(&o, 0, sizeof o);
     o.priority = prio;
-    if (k) kvb_release(pool, blocks, k, &o);
+    if (k && kvb_release(pool, blocks, k, &o) != KVB_OK) /* out of memory for a long batch: one at a time */
+        for (i = 0; i < k; i++) (void)kvb_release(pool, &blocks[i], 1, &o);
     for (i = 0; i < n && k; i++) blocks[i].id = 0;
 }
 
@@ -6910,8 +6913,13 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
     kvo_queue_config qc;
     uint64_t sb = 0, db = 0;
     void *sbase = NULL, *dbase = NULL;
+    kvb_pool_config dc;
     if (!config || !out || !config->src || !config->dst || !config->backend || !config->backend->submit ||
         config->src == config->dst || (unsigned)config->mode > KVO_MODE_POLL)
+        return KVO_EINVAL;
+    /* Landed blocks are released at dst_priority: at a level the destination lacks every release would
+     * fail and each block stay referenced. */
+    if (kvb_pool_get_config(config->dst, &dc) != KVB_OK || config->dst_priority >= dc.priority_levels)
         return KVO_EINVAL;
     kvb_pool_storage(config->src, &sbase, NULL, &sb, NULL);
     kvb_pool_storage(config->dst, &dbase, NULL, &db, NULL);

@@ -353,6 +353,9 @@ static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
     mc.branch_from = 2;
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
     mc.branch_from = 1;
+    mc.pipeline.dst_priority = 1; /* refused: the pools have one eviction level */
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
+    mc.pipeline.dst_priority = 0;
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_OK);
 }
 

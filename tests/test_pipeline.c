@@ -102,6 +102,47 @@ static void test_create_refuses_bad_config(void)
     kvb_pool_destroy(b);
 }
 
+/* dst_priority names the destination's eviction level of the blocks that land: one the destination
+ * does not have is refused at create (it used to be taken, and every landed block then stayed
+ * referenced, since each release at that level failed); one it has is where landed blocks wait. */
+static void test_dst_priority(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    kvo_pipeline_config pc = rig_config(&r);
+    kvo_pipeline *p = NULL;
+    pc.dst_priority = 1; /* the destination has one level */
+    KVT_EQ(kvo_pipeline_create(&pc, &p), KVO_EINVAL);
+    KVT_CHECK(p == NULL);
+
+    kvb_pool_config dc;
+    KVT_EQ(kvb_pool_get_config(r.dst, &dc), KVB_OK);
+    kvb_pool_destroy(r.dst);
+    dc.priority_levels = 2;
+    pc.dst = r.dst = of_pool_from(&dc);
+    rig_start(&r, &pc);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 4);
+    KVT_EQ(of_active(r.dst), 0); /* released, at level 1 */
+    kvb_weak cand[4];
+    size_t nc = 0;
+    KVT_EQ(kvb_eviction_candidates(r.dst, 4, cand, &nc), KVB_OK);
+    KVT_EQ(nc, 4);
+    for (size_t i = 0; i < nc; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r.dst, cand[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.priority, 1);
+    }
+    kvb_block b[4];
+    size_t found = 0;
+    KVT_EQ(kvb_match(r.dst, r.h, 4, b, &found), KVB_OK);
+    KVT_EQ(found, 4);
+    KVT_EQ(kvb_release(r.dst, b, found, NULL), KVB_OK); /* back at level 0: the match took them */
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    rig_close(&r);
+}
+
 /* Registered source blocks land Registered in the destination, under the same hashes, with the same
  * bytes (the layouts differ), and the source keeps its blocks. */
 static void test_offload_lands_registered(void)
@@ -979,6 +1020,7 @@ int main(void)
     of_watchdog(120);
     KVT_RUN(test_result_strings);
     KVT_RUN(test_create_refuses_bad_config);
+    KVT_RUN(test_dst_priority);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
     KVT_RUN(test_frequency_policy);
