@@ -4726,7 +4726,7 @@ typedef struct kvo_pipeline_config {
     kvb_pool *src, *dst;          /* required */
     kvo_backend *backend;         /* required */
     kvo_mode mode;
-    uint32_t max_batch;           /* blocks, default 64 */
+    uint32_t max_batch;           /* blocks, default 64; at most the destination's blocks / on_deck */
     uint32_t min_batch;           /* default 8 */
     uint32_t flush_interval_us;   /* default 10 ms */
     uint32_t policy_timeout_us;   /* default 100 ms */
@@ -4831,7 +4831,8 @@ typedef struct kvo_manager_config {
     kvo_offload_mode offload;
     uint32_t branch_from;                   /* 0 = a chain; else the tier (1 .. num_tiers - 3) the last tier
                                                copies from, with backend down[num_tiers - 2] (section 5) */
-    uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 */
+    uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 (at
+                                               most a tier's blocks) */
     kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools ignored) */
     kvo_offloaded_fn on_offloaded;          /* optional */
     void *offloaded_user;
@@ -4862,6 +4863,8 @@ KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hash
 KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
                                        kvo_transfer *out);
 KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
+/* The configuration in use (defaults filled in). Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out);
 /* Replace the on_offloaded hook (before any offer; e.g. a connector installing itself). */
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Finish everything in flight (drains each pipeline, eager chains included). */
@@ -6729,11 +6732,24 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
 }
 
 /* Register what arrived, give back every block the batch held, finish its containers. Locked. */
+/* Block j of container c did not land: its destination block (never registered) goes back to free. */
+static void kvo__landing_failed(kvo_pipeline *pl, kvo__container *c, uint32_t j, kvb_block *dst, int err,
+                                const char *message)
+{
+    kvb_release(pl->cfg.dst, dst, 1, NULL);
+    dst->id = 0;
+    c->state[j] = KVO__B_FAILED;
+    c->info.failed++;
+    if (!c->info.error) c->info.error = err;
+    if (message && !c->info.message[0]) snprintf(c->info.message, sizeof c->info.message, "%s", message);
+}
+
 static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message)
 {
     size_t k, n = b->job.n, i;
     kvb_block *keep = b->dst_b; /* reused in place: successes first */
     size_t ok = 0;
+    kvb_result r;
     for (k = 0; k < n; k++) {
         if (b->results[k] == KVO_OK) {
             b->dst_b[ok] = b->dst_b[k];
@@ -6743,15 +6759,15 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
-            kvo__container *c = b->owner[k];
-            kvb_release(pl->cfg.dst, &b->dst_b[k], 1, NULL); /* never registered: back to free */
-            c->state[b->owner_i[k]] = KVO__B_FAILED;
-            c->info.failed++;
-            if (!c->info.error) c->info.error = b->results[k] ? b->results[k] : result;
-            if (message && !c->info.message[0]) snprintf(c->info.message, sizeof c->info.message, "%s", message);
+            kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
+                                message);
         }
     }
-    if (ok && kvb_register_hashed(pl->cfg.dst, keep, ok, b->hashes, b->parents, keep) != KVB_OK) ok = 0;
+    if (ok && (r = kvb_register_hashed(pl->cfg.dst, keep, ok, b->hashes, b->parents, keep)) != KVB_OK) {
+        for (k = 0; k < ok; k++) /* out of memory: the copies are there but cannot be found */
+            kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &keep[k], (int)r, "registering in the destination failed");
+        ok = 0;
+    }
     for (k = 0; k < ok; k++) {
         kvo__container *c = b->owner[k];
         uint32_t j = b->owner_i[k];
@@ -6930,6 +6946,10 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
     pl->cfg = *config;
     kvo__pipeline_defaults(&pl->cfg);
     kvo__pool_tiers(pl);
+    /* A batch takes all of its destination blocks at once, and on_deck batches wait upgraded: larger
+     * batches than the destination holds would fail whole (KVO_EFULL) where their containers fit alone. */
+    if (pl->cfg.max_batch > dc.num_blocks / pl->cfg.on_deck)
+        pl->cfg.max_batch = dc.num_blocks / pl->cfg.on_deck ? dc.num_blocks / pl->cfg.on_deck : 1;
     if (pl->cfg.min_batch > pl->cfg.max_batch) pl->cfg.min_batch = pl->cfg.max_batch;
     qc.on_drop = kvo__on_drop;
     qc.user = pl;
@@ -7303,7 +7323,8 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     uint32_t i;
     kvo_result r = KVO_OK;
     if (!config || !out || config->num_tiers < 2 || config->num_tiers > KVO_MAX_TIERS ||
-        (unsigned)config->offload > KVO_OFFLOAD_LAZY || (config->branch_from && config->branch_from + 3 > config->num_tiers))
+        (unsigned)config->offload > KVO_OFFLOAD_LAZY ||
+        (config->branch_from && (config->num_tiers < 4 || config->branch_from > config->num_tiers - 3)))
         return KVO_EINVAL;
     for (i = 0; i < config->num_tiers; i++)
         if (!config->pools[i]) return KVO_EINVAL;
@@ -7378,18 +7399,24 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
     return r;
 }
 
-/* Lazy mode: keep lazy_reserve blocks of each tier ready to be taken without losing data: free ones,
- * and for what free blocks do not cover, the next eviction candidates backed by the tier below. */
+/* Lazy mode: keep lazy_reserve blocks of each tier (at most all of them) ready to be taken without
+ * losing data: free ones, and for what free blocks do not cover, the next eviction candidates backed by
+ * the tier below. The candidates go through the edge's scratch, so a steady state allocates nothing. */
 static void kvo__manager_back_candidates(kvo_manager *m, uint32_t tier)
 {
     kvb_pool_stats st;
-    kvb_weak *w;
+    kvo__edge *e = &m->edges[tier];
     size_t n = 0, want;
-    if (kvb_pool_get_stats(m->cfg.pools[tier], &st) != KVB_OK || st.free_blocks >= m->cfg.lazy_reserve) return;
-    want = m->cfg.lazy_reserve - st.free_blocks;
-    if (!(w = (kvb_weak *)KVB_MALLOC(want * sizeof *w))) return;
-    if (kvb_eviction_candidates(m->cfg.pools[tier], want, w, &n) == KVB_OK && n) kvo__manager_send(m, tier, w, n, NULL);
-    KVB_FREE(w);
+    if (kvb_pool_get_stats(m->cfg.pools[tier], &st) != KVB_OK) return;
+    want = m->cfg.lazy_reserve < st.num_blocks ? m->cfg.lazy_reserve : st.num_blocks;
+    if (st.free_blocks >= want) return;
+    want -= st.free_blocks;
+    pthread_mutex_lock(&e->lock);
+    if (want > stbds_arrcap(e->scratch)) stbds_arrsetcap(e->scratch, want);
+    KVB__ARR_SHRINK(e->scratch, want);
+    if (kvb_eviction_candidates(m->cfg.pools[tier], want, e->scratch, &n) == KVB_OK && n)
+        kvo__manager_send(m, tier, e->scratch, n, NULL);
+    pthread_mutex_unlock(&e->lock);
 }
 
 KVO_API kvo_result kvo_manager_poll(kvo_manager *manager)
@@ -7441,6 +7468,13 @@ KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_t
 {
     if (!manager || from_tier >= KVO_MAX_TIERS) return NULL;
     return up ? manager->up[from_tier] : manager->down[from_tier];
+}
+
+KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out)
+{
+    if (!manager || !out) return KVO_EINVAL;
+    *out = manager->cfg;
+    return KVO_OK;
 }
 
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user)
@@ -9803,7 +9837,7 @@ typedef kvo_result (*kvs_lookup_fn)(void *user, kvo_manager *tiers, const kvb_ha
 typedef struct kvs_connector_config {
     kvb_pool *device;             /* required: G1 */
     kvo_manager *tiers;           /* required: its G1 must be `device` */
-    kvs_offload_mode offload;
+    kvs_offload_mode offload;     /* lazy needs a lazy manager */
     kvs_bus *bus;                 /* optional: hooks and breakpoints (section 8) */
     kvs_lookup_fn lookup;         /* optional: default kvo_manager_lookup (section 4) */
     void *lookup_user;
@@ -9857,8 +9891,8 @@ typedef struct kvs_sched_config {
     kvo_manager *tiers;           /* optional; its G1 must be `device` (the connector takes its hook) */
     uint32_t max_tokens;          /* per step, default 8192 */
     uint32_t max_seqs;            /* per step, default 256 */
-    kvs_preempt_mode preempt;     /* swap needs tiers */
-    kvs_offload_mode offload;
+    kvs_preempt_mode preempt;     /* swap needs tiers with a G1 -> G2 pipeline */
+    kvs_offload_mode offload;     /* the connector's: lazy needs a lazy manager */
     kvs_bus *bus;                 /* optional: events, hooks, breakpoints (section 8) */
     kvs_lookup_fn lookup;         /* optional: the connector's (kvs_connector_config) */
     void *lookup_user;
@@ -11837,8 +11871,14 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
 {
     kvs_connector *c;
     kvb_pool_config pc;
+    kvo_manager_config mc;
     if (!config || !out || !config->device || !config->tiers || (unsigned)config->offload > KVS_OFFLOAD_LAZY ||
         !kvs__is_g1(config->tiers, config->device))
+        return KVS_EINVAL;
+    /* A lazy connector offers nothing, and an eager manager sends only what is offered: nothing would
+     * ever go down. (An eager connector over a lazy manager works: the manager ignores the offers.) */
+    if (config->offload == KVS_OFFLOAD_LAZY &&
+        (kvo_manager_get_config(config->tiers, &mc) != KVO_OK || mc.offload != KVO_OFFLOAD_LAZY))
         return KVS_EINVAL;
     c = (kvs_connector *)KVB_MALLOC(sizeof *c);
     if (!c) return KVS_ENOMEM;
@@ -12496,7 +12536,8 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     kvs_sched *s;
     kvb_pool_config pc;
     kvs_result r;
-    if (!config || !out || !config->device || (config->preempt == KVS_PREEMPT_SWAP && !config->tiers) ||
+    if (!config || !out || !config->device ||
+        (config->preempt == KVS_PREEMPT_SWAP && !kvo_manager_pipeline(config->tiers, 0, 0)) || /* G1 -> G2 */
         (unsigned)config->preempt > KVS_PREEMPT_SWAP || (unsigned)config->offload > KVS_OFFLOAD_LAZY)
         return KVS_EINVAL;
     s = (kvs_sched *)KVB_MALLOC(sizeof *s);

@@ -273,7 +273,7 @@ typedef kvo_result (*kvs_lookup_fn)(void *user, kvo_manager *tiers, const kvb_ha
 typedef struct kvs_connector_config {
     kvb_pool *device;             /* required: G1 */
     kvo_manager *tiers;           /* required: its G1 must be `device` */
-    kvs_offload_mode offload;
+    kvs_offload_mode offload;     /* lazy needs a lazy manager */
     kvs_bus *bus;                 /* optional: hooks and breakpoints (section 8) */
     kvs_lookup_fn lookup;         /* optional: default kvo_manager_lookup (section 4) */
     void *lookup_user;
@@ -327,8 +327,8 @@ typedef struct kvs_sched_config {
     kvo_manager *tiers;           /* optional; its G1 must be `device` (the connector takes its hook) */
     uint32_t max_tokens;          /* per step, default 8192 */
     uint32_t max_seqs;            /* per step, default 256 */
-    kvs_preempt_mode preempt;     /* swap needs tiers */
-    kvs_offload_mode offload;
+    kvs_preempt_mode preempt;     /* swap needs tiers with a G1 -> G2 pipeline */
+    kvs_offload_mode offload;     /* the connector's: lazy needs a lazy manager */
     kvs_bus *bus;                 /* optional: events, hooks, breakpoints (section 8) */
     kvs_lookup_fn lookup;         /* optional: the connector's (kvs_connector_config) */
     void *lookup_user;
@@ -2307,8 +2307,14 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
 {
     kvs_connector *c;
     kvb_pool_config pc;
+    kvo_manager_config mc;
     if (!config || !out || !config->device || !config->tiers || (unsigned)config->offload > KVS_OFFLOAD_LAZY ||
         !kvs__is_g1(config->tiers, config->device))
+        return KVS_EINVAL;
+    /* A lazy connector offers nothing, and an eager manager sends only what is offered: nothing would
+     * ever go down. (An eager connector over a lazy manager works: the manager ignores the offers.) */
+    if (config->offload == KVS_OFFLOAD_LAZY &&
+        (kvo_manager_get_config(config->tiers, &mc) != KVO_OK || mc.offload != KVO_OFFLOAD_LAZY))
         return KVS_EINVAL;
     c = (kvs_connector *)KVB_MALLOC(sizeof *c);
     if (!c) return KVS_ENOMEM;
@@ -2966,7 +2972,8 @@ KVS_API kvs_result kvs_sched_create(const kvs_sched_config *config, kvs_sched **
     kvs_sched *s;
     kvb_pool_config pc;
     kvs_result r;
-    if (!config || !out || !config->device || (config->preempt == KVS_PREEMPT_SWAP && !config->tiers) ||
+    if (!config || !out || !config->device ||
+        (config->preempt == KVS_PREEMPT_SWAP && !kvo_manager_pipeline(config->tiers, 0, 0)) || /* G1 -> G2 */
         (unsigned)config->preempt > KVS_PREEMPT_SWAP || (unsigned)config->offload > KVS_OFFLOAD_LAZY)
         return KVS_EINVAL;
     s = (kvs_sched *)KVB_MALLOC(sizeof *s);

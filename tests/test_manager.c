@@ -297,6 +297,26 @@ static void test_lazy_backs_eviction_candidates(void)
     tiers_close(&t);
 }
 
+/* A lazy reserve above the tier's size backs every eviction candidate, no more: the whole of G1 once
+ * released, each poll after that finding nothing left to send. */
+static void test_lazy_reserve_above_the_tier(void)
+{
+    tiers t;
+    kvb_hash h[6];
+    kvb_block b[6];
+    tiers_open(&t, 6, 16, 0, KVO_OFFLOAD_LAZY, UINT32_MAX, KVO_MODE_POLL);
+    of_chain(91, 6, h);
+    of_register(t.g1, h, 6, b, NULL);
+    KVT_EQ(kvb_release(t.g1, b, 6, NULL), KVB_OK);
+    for (int i = 0; i < 3; i++) {
+        KVT_EQ(kvo_manager_poll(t.m), KVO_OK);
+        KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    }
+    KVT_EQ(of_holds_all(t.g2, h, 6), 6);
+    KVT_EQ(mstats(&t).down[0].transferred, 6);
+    tiers_close(&t);
+}
+
 /* The same eager chain with pipelines on their own threads. */
 static void test_eager_threaded(void)
 {
@@ -351,6 +371,8 @@ static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
     mc.branch_from = 3; /* refused: the last tier cannot feed itself, nor can the tier just above it */
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
     mc.branch_from = 2;
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
+    mc.branch_from = UINT32_MAX - 2; /* refused, not wrapped around into range */
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
     mc.branch_from = 1;
     mc.pipeline.dst_priority = 1; /* refused: the pools have one eviction level */
@@ -435,6 +457,7 @@ int main(void)
     KVT_RUN(test_eager_chain_and_lookup);
     KVT_RUN(test_full_destination_then_retry);
     KVT_RUN(test_lazy_backs_eviction_candidates);
+    KVT_RUN(test_lazy_reserve_above_the_tier);
     KVT_RUN(test_eager_threaded);
     KVT_RUN(test_branch_four_tiers);
     KVT_RUN(test_branch_lazy);

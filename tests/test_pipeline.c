@@ -143,6 +143,30 @@ static void test_dst_priority(void)
     rig_close(&r);
 }
 
+/* Batches fit the destination: into 16 blocks, four offloads of 8 each land (the default max_batch of
+ * 64 merged them into one batch of 32, which failed whole with KVO_EFULL), two to a pair of batches on
+ * deck. */
+static void test_batches_fit_the_destination(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 32);
+    kvb_pool_destroy(r.dst);
+    r.dst = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE);
+    kvo_pipeline_config pc = rig_config(&r), got;
+    rig_start(&r, &pc);
+    KVT_EQ(kvo_pipeline_get_config(r.p, &got), KVO_OK);
+    KVT_EQ(got.max_batch, 8); /* 16 blocks / 2 on deck */
+    kvo_transfer t[4];
+    for (int i = 0; i < 4; i++) t[i] = of_enqueue(r.p, r.weak + 8 * i, 8, NULL);
+    for (int i = 0; i < 4; i++) {
+        KVT_EQ(of_pump(r.p, &r.clock, t[i], 1000, 200), KVO_STATUS_COMPLETE);
+        KVT_EQ(of_info(r.p, t[i]).transferred, 8);
+        KVT_EQ(kvo_transfer_release(r.p, t[i]), KVO_OK);
+    }
+    KVT_EQ(of_holds_all(r.dst, r.h + 16, 16), 16); /* the last two stay; the first two were evicted */
+    rig_close(&r);
+}
+
 /* Registered source blocks land Registered in the destination, under the same hashes, with the same
  * bytes (the layouts differ), and the source keeps its blocks. */
 static void test_offload_lands_registered(void)
@@ -1021,6 +1045,7 @@ int main(void)
     KVT_RUN(test_result_strings);
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_dst_priority);
+    KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
     KVT_RUN(test_frequency_policy);

@@ -1099,6 +1099,44 @@ static void test_bad_input(void)
     KVT_EQ(kvs_connector_create(&cc, &c), KVS_EINVAL);
     KVT_CHECK(c == NULL);
     kvo_manager_destroy(m);
+
+    /* tiers on `dev`: swap needs their G1 -> G2 pipeline; a lazy connector needs a lazy manager */
+    mc.pools[0] = dev;
+    mc.down[0] = NULL; /* onboarding only */
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    sc = plain_config(dev);
+    sc.tiers = m;
+    sc.preempt = KVS_PREEMPT_SWAP;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_EINVAL); /* swapping out would move nothing */
+    KVT_CHECK(s == NULL);
+    kvo_manager_destroy(m);
+    mc.down[0] = mem; /* eager */
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    sc.tiers = m;
+    sc.preempt = KVS_PREEMPT_RECOMPUTE;
+    sc.offload = KVS_OFFLOAD_LAZY;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_EINVAL); /* nothing would ever be offered */
+    KVT_CHECK(s == NULL);
+    sc.offload = KVS_OFFLOAD_EAGER;
+    sc.preempt = KVS_PREEMPT_SWAP;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    kvs_sched_destroy(s);
+    s = NULL;
+    kvo_manager_destroy(m);
+    mc.offload = KVO_OFFLOAD_LAZY;
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    kvo_manager_config got;
+    KVT_EQ(kvo_manager_get_config(m, &got), KVO_OK);
+    KVT_EQ(got.offload, KVO_OFFLOAD_LAZY);
+    KVT_EQ(got.lazy_reserve, 64); /* the default, filled in */
+    KVT_EQ(kvo_manager_get_config(NULL, &got), KVO_EINVAL);
+    KVT_EQ(kvo_manager_get_config(m, NULL), KVO_EINVAL);
+    sc.tiers = m;
+    sc.offload = KVS_OFFLOAD_LAZY;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    kvs_sched_destroy(s);
+    s = NULL;
+    kvo_manager_destroy(m);
     kvo_backend_destroy(mem);
 
     sc = plain_config(dev);

@@ -7,8 +7,9 @@
  *   - blocks through their whole lifecycle (init, tokens, schedule, compute, register) and sequences
  *     (append, commit, release): after a warm-up round, more rounds allocate nothing;
  *   - an engine's scheduler steps (kvsched.h) with the connector and a host tier (eager offload through
- *     the memcpy backend, onboarding of host hits): requests arrive, prefill, decode, finish and are
- *     released, so every step sees all of that; after warm-up, 1,000 steps allocate nothing.
+ *     the memcpy backend, or lazy: each poll backs the next eviction candidates; onboarding of host
+ *     hits): requests arrive, prefill, decode, finish and are released, so every step sees all of that;
+ *     after warm-up, 1,000 steps allocate nothing.
  */
 #include <stdlib.h>
 static int armed;
@@ -243,7 +244,7 @@ static void eng_step(engine *e)
     }
 }
 
-static void test_sched_steps(void)
+static void sched_steps(kvo_offload_mode mode, const char *name)
 {
     engine e;
     size_t before;
@@ -262,11 +263,13 @@ static void test_sched_steps(void)
     mc.up[1] = e.copy;
     mc.pipeline.mode = KVO_MODE_POLL;
     mc.pipeline.min_batch = 1;
+    mc.offload = mode;
     KVT_EQ(kvo_manager_create(&mc, &e.tiers), KVO_OK);
     kvs_sched_config sc;
     memset(&sc, 0, sizeof sc);
     sc.device = e.device;
     sc.tiers = e.tiers;
+    sc.offload = mode == KVO_OFFLOAD_LAZY ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
     KVT_EQ(kvs_sched_create(&sc, &e.sched), KVS_OK);
     e.live = (uint64_t *)malloc(RUNNING * sizeof *e.live);
     for (int i = 0; i < RUNNING; i++) eng_add(&e);
@@ -278,10 +281,10 @@ static void test_sched_steps(void)
     armed = getenv("ARM") && !strcmp(getenv("ARM"), "sched");
     for (int i = 0; i < 1000; i++) eng_step(&e);
     armed = 0;
-    if (calls() != before) fprintf(stderr, "  scheduler: %zu allocator calls in 1,000 steps\n", calls() - before);
+    if (calls() != before) fprintf(stderr, "  scheduler (%s): %zu allocator calls in 1,000 steps\n", name, calls() - before);
     KVT_EQ(calls() - before, 0);
-    printf("  (1,000 steps: %llu requests finished, %llu of them onboarded from the host tier, %llu tokens sampled)\n",
-           (unsigned long long)(e.finished - finished), (unsigned long long)(e.admitted_with_hits - hits),
+    printf("  (%s, 1,000 steps: %llu requests finished, %llu of them onboarded from the host tier, %llu tokens sampled)\n",
+           name, (unsigned long long)(e.finished - finished), (unsigned long long)(e.admitted_with_hits - hits),
            (unsigned long long)(e.decoded - decoded));
     KVT_CHECK(e.finished - finished > 100);           /* requests came and went */
     KVT_CHECK(e.admitted_with_hits - hits > 10);       /* some were onboarded from the host tier */
@@ -295,6 +298,10 @@ static void test_sched_steps(void)
     free(e.live);
 }
 
+static void test_sched_steps_eager(void) { sched_steps(KVO_OFFLOAD_EAGER, "eager offload"); }
+/* Lazy: each poll backs the device's next eviction candidates below (lazy_reserve) */
+static void test_sched_steps_lazy(void) { sched_steps(KVO_OFFLOAD_LAZY, "lazy offload"); }
+
 int main(void)
 {
     KVT_RUN(test_replay_lru);
@@ -303,6 +310,7 @@ int main(void)
     KVT_RUN(test_replay_arc);
     KVT_RUN(test_replay_s3fifo);
     KVT_RUN(test_block_lifecycle);
-    KVT_RUN(test_sched_steps);
+    KVT_RUN(test_sched_steps_eager);
+    KVT_RUN(test_sched_steps_lazy);
     return kvt_summary();
 }
