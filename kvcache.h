@@ -7064,6 +7064,17 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 
 /* Onboarding: present blocks are matched in the destination, blocks in flight to it joined, the rest
  * taken in the source at once. */
+/* Whether c offers c->hashes[i] at an earlier place: a prefix has no repeats (each hash chains its
+ * parent's), so a repeat ends it. */
+static int kvo__offers_earlier(const kvo__container *c, size_t i)
+{
+    size_t j;
+    for (j = 0; j < i; j++)
+        if (c->state[j] == KVO__B_OFFER && c->hashes[j].lo == c->hashes[i].lo && c->hashes[j].hi == c->hashes[i].hi)
+            return 1;
+    return 0;
+}
+
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
     size_t i, k;
@@ -7077,6 +7088,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             continue;
         }
         if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
+            if (kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on itself would never end */
             c->state[i] = KVO__B_JOINING;
             continue;
         }
@@ -9845,8 +9857,10 @@ typedef struct kvs_connector_config {
 
 typedef struct kvs_connector kvs_connector;
 
-/* The connector installs itself as the manager's on_offloaded hook (kvo_manager_set_offloaded).
- * Thread safety: any thread. */
+/* The connector installs itself as the manager's on_offloaded hook (kvo_manager_set_offloaded):
+ * KVS_EINVAL when the manager has one already (another connector's, or a kvo_manager_config hook), and
+ * when the connector is lazy and the manager eager (nothing would ever be offered). Thread safety: any
+ * thread. */
 KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_connector **out);
 KVS_API void kvs_connector_destroy(kvs_connector *connector);
 
@@ -9856,7 +9870,8 @@ KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, ui
                                                             const kvb_hash *hashes, size_t num_hashes,
                                                             size_t num_computed, size_t *out_tokens,
                                                             int *out_async);
-/* The scheduler takes num_external_tokens of them (0 drops the plan). */
+/* The scheduler takes num_external_tokens of them (0 drops the plan): whole blocks, at most what was
+ * offered (else KVS_EINVAL). Both calls return KVS_ESTATE while the request's loads are on their way. */
 KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
                                                           size_t num_external_tokens);
 /* Device blocks of `request` newly registered by this step (eager stores). */
@@ -9965,7 +9980,8 @@ KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
 /* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
  * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
- * finishes; KVS_ETOOBIG at 2^32 - 1 tokens. */
+ * finishes; KVS_EINVAL for more tokens than it has left, KVS_ETOOBIG when the request would outgrow the
+ * device pool (or 2^32 - 1 tokens). */
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n);
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
@@ -11695,6 +11711,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     kvb_hash *hashes;          /* stb_ds: the request's full-block hashes */
     kvs_load *runs;            /* stb_ds: planned runs (one tier each) */
     int accepted;              /* update_state_after_alloc said how many */
+    size_t offered;            /* tokens get_num_new_matched_tokens offered */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
     uint32_t loads_active;
 } kvs__plan;
@@ -11835,6 +11852,7 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
     }
     p.request = request;
     p.accepted = 0;
+    p.offered = 0;
     p.loads_active = 0;
     return p;
 }
@@ -11877,9 +11895,11 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
         return KVS_EINVAL;
     /* A lazy connector offers nothing, and an eager manager sends only what is offered: nothing would
      * ever go down. (An eager connector over a lazy manager works: the manager ignores the offers.) */
-    if (config->offload == KVS_OFFLOAD_LAZY &&
-        (kvo_manager_get_config(config->tiers, &mc) != KVO_OK || mc.offload != KVO_OFFLOAD_LAZY))
+    if (kvo_manager_get_config(config->tiers, &mc) != KVO_OK || (config->offload == KVS_OFFLOAD_LAZY && mc.offload != KVO_OFFLOAD_LAZY))
         return KVS_EINVAL;
+    /* The manager tells one hook of its offloads: taking it from another connector (or the user) would
+     * leave that one's stores pending for ever. */
+    if (mc.on_offloaded) return KVS_EINVAL;
     c = (kvs_connector *)KVB_MALLOC(sizeof *c);
     if (!c) return KVS_ENOMEM;
     memset(c, 0, sizeof *c);
@@ -11946,7 +11966,13 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     pthread_mutex_lock(&c->lock);
-    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
+    if ((p = kvs__plan_of(c, request)) != NULL) {
+        if (p->loads_active) { /* its loads are on their way: they end before the request asks again */
+            pthread_mutex_unlock(&c->lock);
+            return KVS_ESTATE;
+        }
+        kvs__plan_drop(c, p); /* a new question replaces the plan */
+    }
     if (found > first) {
         fresh = kvs__plan_new(c, request);
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
@@ -11965,6 +11991,7 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
                 stbds_arrput(fresh.runs, l);
             }
         }
+        fresh.offered = (found - first) * c->block_tokens;
         stbds_arrput(c->plans, fresh);
         *out_tokens = (found - first) * c->block_tokens;
         *out_async = stbds_arrlen(fresh.runs) > 0;
@@ -11983,6 +12010,10 @@ static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t 
     p = kvs__plan_of(c, request);
     if (!p) {
         r = num_external_tokens ? KVS_ENOTFOUND : KVS_OK;
+    } else if (p->loads_active) { /* taken already, its loads on their way */
+        r = KVS_ESTATE;
+    } else if (num_external_tokens % c->block_tokens || num_external_tokens > p->offered) {
+        r = KVS_EINVAL; /* whole blocks of what was offered */
     } else if (!num_external_tokens) {
         kvs__plan_drop(c, p);
     } else {
@@ -12050,10 +12081,24 @@ static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out
     return KVS_OK;
 }
 
+/* Whether load l names blocks of its request's plan (a plan it has; a request without one is reported
+ * finished at once). */
+static int kvs__load_in_plan(kvs_connector *c, const kvs_load *l)
+{
+    kvs__plan *p = kvs__plan_of(c, l->request);
+    return !p || (l->first_block <= stbds_arrlenu(p->hashes) && l->num_blocks <= stbds_arrlenu(p->hashes) - l->first_block);
+}
+
 static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
 {
+    size_t i;
     if (!c || !meta || (meta->num_loads && !meta->loads) || (meta->num_stores && !meta->stores)) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
+    for (i = 0; i < meta->num_loads; i++)
+        if (!kvs__load_in_plan(c, &meta->loads[i])) { /* not what build_meta gave: nothing is bound */
+            pthread_mutex_unlock(&c->lock);
+            return KVS_EINVAL;
+        }
     KVB__ARR_SHRINK(c->bound_loads, 0);
     KVB__ARR_SHRINK(c->bound_stores, 0);
     if (meta->num_loads) memcpy(stbds_arraddnptr(c->bound_loads, meta->num_loads), meta->loads, meta->num_loads * sizeof *meta->loads);
@@ -12073,7 +12118,8 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
         kvs__active_load a;
         a.load = *l;
         a.t.id = 0;
-        if (!p || kvo_manager_onboard(c->cfg.tiers, l->tier, p->hashes + l->first_block, l->num_blocks, &a.t) != KVO_OK)
+        if (!p || !kvs__load_in_plan(c, l) || /* its plan changed since the bind */
+            kvo_manager_onboard(c->cfg.tiers, l->tier, p->hashes + l->first_block, l->num_blocks, &a.t) != KVO_OK)
             a.t.id = 0; /* reported finished at once: the request computes those tokens instead */
         stbds_arrput(c->loads, a);
     }
@@ -13430,7 +13476,9 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
     kvs__settle(sched, r);
     if (r->len > r->computed) return KVS_ESTATE; /* the last token is not computed yet */
     if (!n) return KVS_OK;
-    if (n >= UINT32_MAX - r->len) return KVS_ETOOBIG;
+    if (n >= UINT32_MAX - r->len || (r->len + n + sched->block_tokens - 1) / sched->block_tokens > sched->device_blocks)
+        return KVS_ETOOBIG; /* it could never be scheduled again */
+    if (r->end != UINT32_MAX && n > r->end - r->len) return KVS_EINVAL; /* past max_new_tokens */
     if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
     if (n == 1) r->tokens[r->len] = *tokens;
     else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);

@@ -2667,6 +2667,17 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 
 /* Onboarding: present blocks are matched in the destination, blocks in flight to it joined, the rest
  * taken in the source at once. */
+/* Whether c offers c->hashes[i] at an earlier place: a prefix has no repeats (each hash chains its
+ * parent's), so a repeat ends it. */
+static int kvo__offers_earlier(const kvo__container *c, size_t i)
+{
+    size_t j;
+    for (j = 0; j < i; j++)
+        if (c->state[j] == KVO__B_OFFER && c->hashes[j].lo == c->hashes[i].lo && c->hashes[j].hi == c->hashes[i].hi)
+            return 1;
+    return 0;
+}
+
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
     size_t i, k;
@@ -2680,6 +2691,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             continue;
         }
         if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
+            if (kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on itself would never end */
             c->state[i] = KVO__B_JOINING;
             continue;
         }

@@ -154,6 +154,8 @@ static void test_load_then_store(void)
     KVT_EQ(tokens, 0);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 0, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 8), KVS_EINVAL);    /* not a whole block */
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 1000), KVS_EINVAL); /* more than offered */
     KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 64), KVS_OK);
 
     kvs_connector_meta meta;
@@ -167,9 +169,26 @@ static void test_load_then_store(void)
         KVT_EQ(meta.loads[0].first_block, 0);
         KVT_EQ(meta.loads[0].num_blocks, 4);
     }
+    if (meta.num_loads == 1) { /* a load past the request's plan (6 hashes) is refused, and nothing bound */
+        kvs_load bad[2] = {meta.loads[0], meta.loads[0]};
+        kvs_connector_meta wrong = meta;
+        bad[1].first_block = 4;
+        bad[1].num_blocks = 3;
+        wrong.loads = bad;
+        wrong.num_loads = 2;
+        KVT_EQ(kvs_connector_bind_meta(r.c, &wrong), KVS_EINVAL);
+        bad[1].first_block = UINT32_MAX;
+        bad[1].num_blocks = 2;
+        KVT_EQ(kvs_connector_bind_meta(r.c, &wrong), KVS_EINVAL);
+        KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
+        KVT_EQ(kvs_connector_pending(r.c), 0); /* nothing started */
+    }
     KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
     KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
     KVT_CHECK(kvs_connector_pending(r.c) >= 1); /* started, not reported yet */
+    /* while they are on their way the plan stays: asking again or dropping it is refused */
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 6, 0, &tokens, &async), KVS_ESTATE);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 0), KVS_ESTATE);
     KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK); /* nothing to store this step */
     KVT_CHECK(pump(&r, 7, NULL, 0));
     KVT_EQ(kvs_connector_pending(r.c), 0);
@@ -312,6 +331,16 @@ static void test_connector_bad_input(void)
     kvs_worker_output out;
     rig_open(&r, KVS_OFFLOAD_EAGER);
     KVT_EQ(kvs_connector_create(NULL, &r.c), KVS_EINVAL);
+    kvs_connector_config cc;
+    kvs_connector *second = NULL;
+    memset(&cc, 0, sizeof cc);
+    cc.device = r.e.dev;
+    cc.tiers = r.e.m;
+    KVT_EQ(kvs_connector_create(&cc, &second), KVS_EINVAL); /* the manager reports to r.c already */
+    KVT_CHECK(second == NULL);
+    kvs_connector_destroy(r.c); /* gives the hook back: another may take it */
+    r.c = NULL;
+    KVT_EQ(kvs_connector_create(&cc, &r.c), KVS_OK);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(NULL, 1, &h, 1, 0, &tokens, &async), KVS_EINVAL);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, NULL, 1, 0, &tokens, &async), KVS_EINVAL);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, &h, 1, 0, NULL, &async), KVS_EINVAL);

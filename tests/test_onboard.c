@@ -158,6 +158,16 @@ static void test_miss_ends_the_prefix(void)
     KVT_EQ(kvo_transfer_take_blocks(r.p, none, got, 4, &n), KVO_OK);
     KVT_EQ(n, 0);
     kvo_transfer_release(r.p, none);
+
+    /* a repeated hash ends the prefix too (it used to wait on its own copy, Queued for ever) */
+    kvb_hash rep[3] = {r.h[2], r.h[3], r.h[2]}; /* not in G1 yet */
+    kvo_transfer again = onboard(&r, rep, 3);
+    KVT_EQ(of_pump(r.p, &r.clock, again, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, again).transferred, 2);
+    KVT_EQ(kvo_transfer_take_blocks(r.p, again, got, 4, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, again);
     rig_close(&r);
 }
 

@@ -1228,10 +1228,28 @@ static void test_bad_input(void)
     KVT_EQ(info.num_computed, 20);
     KVT_EQ(info.state, KVS_SLOT_DECODING);
     KVT_EQ(kvs_sched_append(s, id, NULL, 1), KVS_EINVAL);
+    uint32_t many[120];
+    sf_tokens(91, many, 120);
+    KVT_EQ(kvs_sched_append(s, id, many, 5), KVS_EINVAL); /* past max_new_tokens: 4 left */
+    KVT_EQ(kvs_sched_get_slot(s, id, &info), KVS_OK);
+    KVT_EQ(info.num_tokens, 20);
     KVT_EQ(kvs_sched_append(s, id, &tok, 1), KVS_OK);
     KVT_EQ(kvs_sched_finish(s, id), KVS_OK);
     KVT_EQ(kvs_sched_get_slot(s, id, &info), KVS_OK);
     KVT_EQ(info.state, KVS_SLOT_FINISHED);
+    KVT_EQ(kvs_sched_release(s, id), KVS_OK);
+    KVT_EQ(kvs_sched_idle(s), 1);
+
+    /* no max_new_tokens: it may grow to the device pool (8 blocks of 16), not past it */
+    rq.max_new_tokens = 0;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_OK);
+    KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_append(s, id, many, 109), KVS_ETOOBIG); /* 129 tokens: it could never run again */
+    KVT_EQ(kvs_sched_get_slot(s, id, &info), KVS_OK);
+    KVT_EQ(info.num_tokens, 20);
+    KVT_EQ(kvs_sched_append(s, id, many, 108), KVS_OK); /* 128: the whole device */
+    KVT_EQ(kvs_sched_finish(s, id), KVS_OK);
     KVT_EQ(kvs_sched_release(s, id), KVS_OK);
     KVT_EQ(kvs_sched_idle(s), 1);
     KVT_EQ(of_active(dev), 0);

@@ -317,9 +317,14 @@ static int fz_open(fz *f, fz_done_ctx done[2])
         pc.done_user = &done[d];
         pc.dst_priority = (c1 >> 4) & 1u;
         r = kvo_pipeline_create(&pc, &f->pipe[d]);
-        if (r != KVO_OK) {
-            if (r != KVO_ELAYOUT || (c1 & 0xf0) != 0xf0) fz_fail(f, "pipeline_create", r);
-            f->pipe[d] = NULL;
+        { /* refused: B's other block bytes (KVO_ELAYOUT), or a level the destination lacks (KVO_EINVAL) */
+            kvb_pool_config dc;
+            int no_level = kvb_pool_get_config(pc.dst, &dc) == KVB_OK && pc.dst_priority >= dc.priority_levels;
+            if (r == KVO_OK && no_level) fz_fail(f, "pipeline_create took a level its destination lacks", r);
+            if (r != KVO_OK) {
+                if (no_level ? r != KVO_EINVAL : (r != KVO_ELAYOUT || (c1 & 0xf0) != 0xf0)) fz_fail(f, "pipeline_create", r);
+                f->pipe[d] = NULL;
+            }
         }
     }
     if (kvo_token_create(&f->token[0]) != KVO_OK || kvo_token_create(&f->token[1]) != KVO_OK) return 0;
