@@ -2847,6 +2847,7 @@ struct kvs_sched {
     size_t next_append;        /* the decode item whose request is expected to append next */
     size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
     kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
+    kvb_weak *swap_out;        /* stb_ds scratch of kvs__swap_out */
     uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
@@ -3166,6 +3167,7 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->commits[0]);
     stbds_arrfree(sched->commits[1]);
     stbds_arrfree(sched->hashes);
+    stbds_arrfree(sched->swap_out);
     stbds_arrfree(sched->words);
     stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
@@ -3291,10 +3293,11 @@ static void kvs__swap_out(kvs_sched *s, kvs__req *v)
     kvo_transfer t;
     kvb_seq_blocks(v->seq, &table, &n);
     full = v->registered_blocks < n ? v->registered_blocks : n;
-    if (!full || !down || !(w = (kvb_weak *)KVB_MALLOC(full * sizeof *w))) return;
+    if (!full || !down) return;
+    KVB__ARR_SHRINK(s->swap_out, 0);
+    w = stbds_arraddnptr(s->swap_out, full); /* kept between swaps: a steady state allocates nothing */
     for (i = 0; i < full; i++) w[i] = kvb_weak_of(table[i]);
     if (kvo_enqueue(down, w, full, NULL, &t) == KVO_OK) kvo_pipeline_drain(down, 5 * 1000000);
-    KVB_FREE(w);
 }
 
 static void kvs__preempt(kvs_sched *s, kvs__req *v)
