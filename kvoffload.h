@@ -1619,6 +1619,7 @@ struct kvo_pipeline {
     kvo_pipeline_stats stats;
     kvo__note *notes;
     uint32_t src_tier, dst_tier;
+    uint32_t first_gen;       /* generation of a new handle slot: from the pools, so pipelines differ */
     /* kept for reuse, so that a steady stream of transfers allocates nothing (lock held) */
     kvo__container **spare_cs;
     kvo__batch **spare_bs;
@@ -1727,15 +1728,31 @@ static kvo_transfer kvo__handle_of(const kvo_pipeline *pl, const kvo__container 
     return t;
 }
 
+static uint64_t kvo__pool_mix(const kvb_pool_config *c)
+{
+    uint64_t x = ((uint64_t)c->tier << 40) ^ ((uint64_t)c->num_blocks << 8) ^ ((uint64_t)c->block_tokens << 32) ^
+                 ((uint64_t)c->layout.kind << 4) ^ ((uint64_t)c->eviction << 1) ^ (uint64_t)c->storage;
+    return (x ^ (x >> 29)) * UINT64_C(0xbf58476d1ce4e5b9);
+}
+
 static void kvo__pool_tiers(kvo_pipeline *pl)
 {
-    kvb_pool_config pc;
-    memset(&pc, 0, sizeof pc);
-    kvb_pool_get_config(pl->cfg.src, &pc);
-    pl->src_tier = pc.tier;
-    memset(&pc, 0, sizeof pc);
-    kvb_pool_get_config(pl->cfg.dst, &pc);
-    pl->dst_tier = pc.tier;
+    kvb_pool_config sc, dc;
+    uint64_t x;
+    memset(&sc, 0, sizeof sc);
+    kvb_pool_get_config(pl->cfg.src, &sc);
+    pl->src_tier = sc.tier;
+    memset(&dc, 0, sizeof dc);
+    kvb_pool_get_config(pl->cfg.dst, &dc);
+    pl->dst_tier = dc.tier;
+    /* Handles are a slot and its generation. Starting the generations where the two pools' settings (in
+     * this order) put them, and not at 1, keeps a handle of one pipeline from naming a transfer of
+     * another (a manager's down and up pipelines between the same pools) unless their pools are alike,
+     * and every run gives the same handles (they are in events, and recordings replay). */
+    x = kvo__pool_mix(&sc);
+    x = (x << 17 | x >> 47) ^ kvo__pool_mix(&dc);
+    x = (x ^ (x >> 31)) * UINT64_C(0x9e3779b97f4a7c15);
+    pl->first_gen = (uint32_t)(x >> 33) | 1u; /* 31 bits, never 0 */
 }
 
 /* A container changed status: tell the observer, if any. Locked. */
@@ -1769,7 +1786,7 @@ static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
         s = stbds_arrpop(pl->free_slots);
     } else {
         kvo__hslot h;
-        h.gen = 1;
+        h.gen = pl->first_gen;
         h.c = NULL;
         s = (uint32_t)stbds_arrlenu(pl->slots);
         stbds_arrput(pl->slots, h);

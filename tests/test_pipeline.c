@@ -143,6 +143,32 @@ static void test_dst_priority(void)
     rig_close(&r);
 }
 
+/* A handle names a transfer of its own pipeline only: the down and up pipelines between two pools hand
+ * out their first handles in the same slot, and each refuses the other's (KVO_ESTALE), its own
+ * transfer untouched. */
+static void test_handles_of_another_pipeline_refused(void)
+{
+    rig r;
+    rig_open(&r, 4);
+    kvo_pipeline_config up = of_config(r.dst, r.src, of_backend_iface(r.w), KVO_MODE_POLL, &r.clock);
+    kvo_pipeline *back = of_pipeline(&up);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL), u;
+    KVT_EQ(kvo_onboard(back, r.h, 1, NULL, &u), KVO_OK);
+    KVT_EQ((uint32_t)t.id, (uint32_t)u.id); /* the same slot */
+    KVT_CHECK(t.id != u.id);
+    kvo_transfer_info info;
+    KVT_EQ(kvo_transfer_get_info(back, t, &info), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_release(back, t), KVO_ESTALE);
+    KVT_EQ(kvo_transfer_release(r.p, u), KVO_ESTALE);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 4);
+    KVT_EQ(kvo_transfer_get_info(back, u, &info), KVO_OK);
+    KVT_EQ(kvo_transfer_release(back, u), KVO_OK);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    kvo_pipeline_destroy(back);
+    rig_close(&r);
+}
+
 /* Batches fit the destination: into 16 blocks, four offloads of 8 each land (the default max_batch of
  * 64 merged them into one batch of 32, which failed whole with KVO_EFULL), two to a pair of batches on
  * deck. */
@@ -1046,6 +1072,7 @@ int main(void)
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_dst_priority);
     KVT_RUN(test_batches_fit_the_destination);
+    KVT_RUN(test_handles_of_another_pipeline_refused);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
     KVT_RUN(test_frequency_policy);
