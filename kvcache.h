@@ -4635,6 +4635,11 @@ struct kvo_backend {
 
 /* Free a backend (its workers stop after the jobs in hand). NULL is a no-op. */
 KVO_API void kvo_backend_destroy(kvo_backend *backend);
+/* What the memcpy and disk backends check before they start a job, for one written by the user too:
+ * both pools, done and (for n > 0) the index and result arrays given, and every index within its pool;
+ * KVO_EINVAL otherwise. (The Redis backend checks the memory pool's indices: its entries are keyed by
+ * hash.) Thread safety: any thread. */
+KVO_API kvo_result kvo_copy_job_check(const kvo_copy_job *job);
 
 /* memcpy between pools with storage (any layouts; same block bytes). threads = 0: inline in submit.
  * Thread safety: submit from any thread. */
@@ -5487,11 +5492,22 @@ static void kvo__memcpy_run(kvo_backend *self, kvo_copy_job *job, uint32_t worke
     job->done(job, KVO_OK, NULL);
 }
 
+KVO_API kvo_result kvo_copy_job_check(const kvo_copy_job *job)
+{
+    kvb_pool_config sc, dc;
+    size_t i;
+    if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)) ||
+        kvb_pool_get_config(job->src, &sc) != KVB_OK || kvb_pool_get_config(job->dst, &dc) != KVB_OK)
+        return KVO_EINVAL;
+    for (i = 0; i < job->n; i++) /* a block past its pool would be read or written anywhere */
+        if (job->src_idx[i] >= sc.num_blocks || job->dst_idx[i] >= dc.num_blocks) return KVO_EINVAL;
+    return KVO_OK;
+}
+
 static int kvo__memcpy_submit(kvo_backend *self, kvo_copy_job *job)
 {
     kvo__geom s, d;
-    if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
-        return KVO_EINVAL;
+    if (kvo_copy_job_check(job) != KVO_OK) return KVO_EINVAL;
     if (!kvo__geom_of(job->src, &s) || !kvo__geom_of(job->dst, &d)) return KVB_ENODATA;
     if (!kvo__same_pages(&s, &d)) return KVO_ELAYOUT;
     return kvo__workers_submit(&((kvo__memcpy *)self->impl)->workers, job);
@@ -5838,8 +5854,7 @@ static int kvo__disk_submit(kvo_backend *self, kvo_copy_job *job)
 {
     kvo__disk *d = (kvo__disk *)self->impl;
     kvo__geom mem;
-    if (!job || !job->done || !job->hashes || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
-        return KVO_EINVAL;
+    if (kvo_copy_job_check(job) != KVO_OK || !job->hashes) return KVO_EINVAL;
     if ((job->dst == d->pool) == (job->src == d->pool)) return KVO_EINVAL;
     if (!kvo__geom_of(job->dst == d->pool ? job->src : job->dst, &mem)) return KVB_ENODATA;
     if (mem.block_bytes != d->block_bytes) return KVO_ELAYOUT;
@@ -7743,7 +7758,9 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
 /* Registers in g4_pool (normally config.pool) the prefix of `hashes` present in Redis, so that
  * kvo_manager_lookup and onboarding from G4 see entries other processes wrote. parents may be NULL:
  * then each block's parent is the previous hash (the first's is the root). Blocks already in the pool
- * stay as they are. *out_n = length of the prefix now known there. Thread safety: any thread. */
+ * stay as they are (held while the others take blocks, so that those do not evict them). KVO_EINVAL for
+ * a pool with storage (the import copies no bytes). *out_n = length of the prefix now known there.
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const kvb_hash *hashes,
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
@@ -7763,9 +7780,9 @@ KVO_API kvo_result kvo_redis_tiers_lookup(void *redis, kvo_manager *manager, con
 KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf, size_t size);
 KVO_API size_t kvo_redis_format_key(const char *namespace_prefix, uint64_t salt, const kvb_hash *hash, char *buf,
                                     size_t size);
-/* CRC16/XMODEM (poly 0x1021, init 0): "123456789" -> 0x31c3. Pure. */
+/* CRC16/XMODEM (poly 0x1021, init 0): "123456789" -> 0x31c3; NULL data counts as no bytes. Pure. */
 KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len);
-/* Redis Cluster hash slot of a key (0 .. 16383), {hash tags} included. Pure. */
+/* Redis Cluster hash slot of a key (0 .. 16383), {hash tags} included; NULL is the empty key. Pure. */
 KVO_API uint16_t kvo_redis_key_slot(const char *key, size_t len);
 /* Name of a kvo_result, kvb_result or remote code. Pure. */
 KVO_API const char *kvo_redis_result_string(int result);
@@ -7829,6 +7846,7 @@ KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len)
     uint16_t crc = 0;
     size_t i;
     int b;
+    if (!p) return 0; /* no bytes: the CRC of none */
     for (i = 0; i < len; i++) {
         crc ^= (uint16_t)(p[i] << 8);
         for (b = 0; b < 8; b++) crc = (uint16_t)(crc & 0x8000 ? (crc << 1) ^ 0x1021 : crc << 1);
@@ -7839,6 +7857,7 @@ KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len)
 KVO_API uint16_t kvo_redis_key_slot(const char *key, size_t len)
 {
     size_t s, e;
+    if (!key) return 0; /* the empty key's slot */
     for (s = 0; s < len && key[s] != '{'; s++) {
     }
     if (s < len) {
@@ -9227,10 +9246,15 @@ static int kvo__redis_submit(kvo_backend *self, kvo_copy_job *job)
     kvo__redis *r = (kvo__redis *)self->impl;
     kvo__rgeom mem;
     kvb_pool *other;
+    kvb_pool_config oc;
+    size_t i;
     if (!job || !job->done || !job->hashes || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
         return KVO_EINVAL;
     if ((job->dst == r->pool) == (job->src == r->pool)) return KVO_EINVAL;
     other = job->dst == r->pool ? job->src : job->dst;
+    if (kvb_pool_get_config(other, &oc) != KVB_OK) return KVO_EINVAL;
+    for (i = 0; i < job->n; i++) /* the memory pool's blocks (entries are keyed by hash, not by index) */
+        if ((job->dst == r->pool ? job->src_idx[i] : job->dst_idx[i]) >= oc.num_blocks) return KVO_EINVAL;
     if (!kvo__rgeom_of(other, &mem)) return KVB_ENODATA;
     if (mem.layout.num_layers != r->layout.num_layers || mem.layout.num_parts != r->layout.num_parts ||
         mem.layout.page_bytes != r->layout.page_bytes)
@@ -9334,6 +9358,8 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
     return (kvo_result)KVO_ECONNECT;
 }
 
+#define KVO__R_MAX_BLOCK ((uint64_t)512 << 20) /* bytes of a block: a Redis string holds at most 512 MiB */
+
 KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_backend **out)
 {
     kvo__redis *r;
@@ -9343,9 +9369,12 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
     uint32_t i;
     if (out) *out = NULL;
     if (!config || !out || !config->pool || !config->layout.page_bytes || config->threads > 64 ||
-        (config->namespace_prefix && strlen(config->namespace_prefix) > KVO_REDIS_MAX_PREFIX)) {
-        kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; threads <= 64; "
-                                "namespace_prefix <= 128 characters)");
+        (config->namespace_prefix && strlen(config->namespace_prefix) > KVO_REDIS_MAX_PREFIX) ||
+        config->layout.page_bytes > KVO__R_MAX_BLOCK / (config->layout.num_layers ? config->layout.num_layers : 1) /
+                                        (config->layout.num_parts ? config->layout.num_parts : 2)) {
+        kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; a block of at "
+                                "most 512 MiB, a Redis value's limit; threads <= 64; namespace_prefix <= 128 "
+                                "characters)");
         return KVO_EINVAL;
     }
     password = config->password;
@@ -9466,7 +9495,7 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
     size_t i;
     int result = KVO_OK;
     if (out_prefix) *out_prefix = 0;
-    if (!r || !out_prefix || (n && !hashes)) return KVO_EINVAL;
+    if (!r || !out_prefix || (n && !hashes) || n > SIZE_MAX / sizeof *items) return KVO_EINVAL;
     if (!n) return KVO_OK;
     if (!(items = kvo__ritems(r, hashes, n))) return KVO_ENOMEM;
     cl = &r->clients[r->n_threads];
@@ -9492,26 +9521,31 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
                                     const kvb_hash *parents, size_t n, size_t *out_n)
 {
     kvo__redis *r = kvo__redis_of(redis);
-    size_t prefix = 0, i, missing = 0, done = 0;
+    size_t prefix = 0, i, missing = 0, done = 0, held = 0, got;
     uint8_t *present = NULL;
     kvb_hash *mh = NULL, *mp = NULL;
-    kvb_block *blocks = NULL;
+    kvb_block *blocks = NULL, *pinned = NULL;
+    kvb_pool_config pc;
     kvo_result e;
     kvo_redis_stats delta;
     if (out_n) *out_n = 0;
-    if (!r || !g4_pool || !out_n || (n && !hashes)) return KVO_EINVAL;
+    if (!r || !g4_pool || !out_n || (n && !hashes) || kvb_pool_get_config(g4_pool, &pc) != KVB_OK ||
+        pc.storage != KVB_STORAGE_NONE) /* a pool with storage would serve bytes nobody copied */
+        return KVO_EINVAL;
     e = kvo_redis_lookup(redis, hashes, n, &prefix);
     if (!prefix) return e;
     present = (uint8_t *)KVO__RALLOC(prefix);
     mh = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mh);
     mp = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mp);
     blocks = (kvb_block *)KVO__RALLOC(prefix * sizeof *blocks);
-    if (!present || !mh || !mp || !blocks) {
+    pinned = (kvb_block *)KVO__RALLOC(prefix * sizeof *pinned);
+    if (!present || !mh || !mp || !blocks || !pinned) {
         e = KVO_ENOMEM;
         goto out;
     }
     if ((e = (kvo_result)kvb_presence(g4_pool, hashes, prefix, present, NULL)) != KVO_OK) goto out;
-    for (i = 0; i < prefix; i++) {
+    for (i = 0; i < prefix; i++) { /* held while the missing ones take blocks: not evicted for them */
+        if (present[i] && kvb_match(g4_pool, &hashes[i], 1, &pinned[held], &got) == KVB_OK && got) held++;
         if (present[i]) continue;
         mh[missing] = hashes[i];
         if (parents) mp[missing] = parents[i];
@@ -9529,6 +9563,7 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
         kvb_release(g4_pool, blocks, done, NULL);
         done = 0;
     }
+    if (held) kvb_release(g4_pool, pinned, held, NULL);
     if (done == missing) {
         *out_n = prefix;
     } else { /* known up to the first hash that found no block */
@@ -9542,6 +9577,7 @@ out:
     memset(&delta, 0, sizeof delta);
     delta.imported = done;
     kvo__rstats_add(r, &delta);
+    KVO__RFREE(pinned);
     KVO__RFREE(present);
     KVO__RFREE(mh);
     KVO__RFREE(mp);
@@ -14043,7 +14079,7 @@ KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *
  *     num_workers       required, 1 .. KVS_ROUTER_MAX_WORKERS (1024)
  *     policy            KVS_ROUTE_KV
  *     load_weight       1.0 (KV: cost of one block of outstanding work against one block to prefill;
- *                       finite, >= 0; to route on cache alone pass loads = NULL)
+ *                       0 .. 1e9; to route on cache alone pass loads = NULL)
  *     tier              0 (the tier whose events are indexed; others are ignored and counted)
  *     expected_blocks   16,384 distinct hashes sized up front (the index grows past them)
  *     affinity_blocks   4 (the blocks kvs_router_route's affinity key covers)
@@ -14211,6 +14247,7 @@ static uint32_t KVS__RCTZ(uint64_t x)
 }
 #endif
 
+#define KVS__RMAX_WEIGHT 1e9 /* load_weight: a block of work worth a billion to prefill is all load */
 #define KVS__RDEF_WEIGHT 1.0
 #define KVS__RDEF_EXPECTED 16384u
 #define KVS__RDEF_AFFINITY 4u
@@ -14347,7 +14384,9 @@ static kvs_result kvs__rresolve(const kvs_router_config *in, kvs_router_config *
     *c = *in;
     if (c->num_workers < 1 || c->num_workers > KVS_ROUTER_MAX_WORKERS) return (kvs_result)KVS_ECONFIG;
     if ((int)c->policy < 0 || c->policy >= KVS_ROUTE__COUNT) return (kvs_result)KVS_ECONFIG;
-    if (!(c->load_weight >= 0) || !isfinite(c->load_weight)) return (kvs_result)KVS_ECONFIG; /* NaN too */
+    /* NaN too; above the bound, weight x load overflows and ties every loaded worker (at infinity),
+     * whatever its cached prefix */
+    if (!(c->load_weight >= 0) || !(c->load_weight <= KVS__RMAX_WEIGHT)) return (kvs_result)KVS_ECONFIG;
     if (c->policy == KVS_ROUTE_DEFAULT) c->policy = KVS_ROUTE_KV;
     if (c->load_weight == 0) c->load_weight = KVS__RDEF_WEIGHT;
     if (!c->expected_blocks) c->expected_blocks = KVS__RDEF_EXPECTED;

@@ -238,6 +238,11 @@ struct kvo_backend {
 
 /* Free a backend (its workers stop after the jobs in hand). NULL is a no-op. */
 KVO_API void kvo_backend_destroy(kvo_backend *backend);
+/* What the memcpy and disk backends check before they start a job, for one written by the user too:
+ * both pools, done and (for n > 0) the index and result arrays given, and every index within its pool;
+ * KVO_EINVAL otherwise. (The Redis backend checks the memory pool's indices: its entries are keyed by
+ * hash.) Thread safety: any thread. */
+KVO_API kvo_result kvo_copy_job_check(const kvo_copy_job *job);
 
 /* memcpy between pools with storage (any layouts; same block bytes). threads = 0: inline in submit.
  * Thread safety: submit from any thread. */
@@ -1090,11 +1095,22 @@ static void kvo__memcpy_run(kvo_backend *self, kvo_copy_job *job, uint32_t worke
     job->done(job, KVO_OK, NULL);
 }
 
+KVO_API kvo_result kvo_copy_job_check(const kvo_copy_job *job)
+{
+    kvb_pool_config sc, dc;
+    size_t i;
+    if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)) ||
+        kvb_pool_get_config(job->src, &sc) != KVB_OK || kvb_pool_get_config(job->dst, &dc) != KVB_OK)
+        return KVO_EINVAL;
+    for (i = 0; i < job->n; i++) /* a block past its pool would be read or written anywhere */
+        if (job->src_idx[i] >= sc.num_blocks || job->dst_idx[i] >= dc.num_blocks) return KVO_EINVAL;
+    return KVO_OK;
+}
+
 static int kvo__memcpy_submit(kvo_backend *self, kvo_copy_job *job)
 {
     kvo__geom s, d;
-    if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
-        return KVO_EINVAL;
+    if (kvo_copy_job_check(job) != KVO_OK) return KVO_EINVAL;
     if (!kvo__geom_of(job->src, &s) || !kvo__geom_of(job->dst, &d)) return KVB_ENODATA;
     if (!kvo__same_pages(&s, &d)) return KVO_ELAYOUT;
     return kvo__workers_submit(&((kvo__memcpy *)self->impl)->workers, job);
@@ -1441,8 +1457,7 @@ static int kvo__disk_submit(kvo_backend *self, kvo_copy_job *job)
 {
     kvo__disk *d = (kvo__disk *)self->impl;
     kvo__geom mem;
-    if (!job || !job->done || !job->hashes || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
-        return KVO_EINVAL;
+    if (kvo_copy_job_check(job) != KVO_OK || !job->hashes) return KVO_EINVAL;
     if ((job->dst == d->pool) == (job->src == d->pool)) return KVO_EINVAL;
     if (!kvo__geom_of(job->dst == d->pool ? job->src : job->dst, &mem)) return KVB_ENODATA;
     if (mem.block_bytes != d->block_bytes) return KVO_ELAYOUT;

@@ -194,7 +194,9 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
 /* Registers in g4_pool (normally config.pool) the prefix of `hashes` present in Redis, so that
  * kvo_manager_lookup and onboarding from G4 see entries other processes wrote. parents may be NULL:
  * then each block's parent is the previous hash (the first's is the root). Blocks already in the pool
- * stay as they are. *out_n = length of the prefix now known there. Thread safety: any thread. */
+ * stay as they are (held while the others take blocks, so that those do not evict them). KVO_EINVAL for
+ * a pool with storage (the import copies no bytes). *out_n = length of the prefix now known there.
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const kvb_hash *hashes,
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
@@ -214,9 +216,9 @@ KVO_API kvo_result kvo_redis_tiers_lookup(void *redis, kvo_manager *manager, con
 KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf, size_t size);
 KVO_API size_t kvo_redis_format_key(const char *namespace_prefix, uint64_t salt, const kvb_hash *hash, char *buf,
                                     size_t size);
-/* CRC16/XMODEM (poly 0x1021, init 0): "123456789" -> 0x31c3. Pure. */
+/* CRC16/XMODEM (poly 0x1021, init 0): "123456789" -> 0x31c3; NULL data counts as no bytes. Pure. */
 KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len);
-/* Redis Cluster hash slot of a key (0 .. 16383), {hash tags} included. Pure. */
+/* Redis Cluster hash slot of a key (0 .. 16383), {hash tags} included; NULL is the empty key. Pure. */
 KVO_API uint16_t kvo_redis_key_slot(const char *key, size_t len);
 /* Name of a kvo_result, kvb_result or remote code. Pure. */
 KVO_API const char *kvo_redis_result_string(int result);
@@ -280,6 +282,7 @@ KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len)
     uint16_t crc = 0;
     size_t i;
     int b;
+    if (!p) return 0; /* no bytes: the CRC of none */
     for (i = 0; i < len; i++) {
         crc ^= (uint16_t)(p[i] << 8);
         for (b = 0; b < 8; b++) crc = (uint16_t)(crc & 0x8000 ? (crc << 1) ^ 0x1021 : crc << 1);
@@ -290,6 +293,7 @@ KVO_API uint16_t kvo_redis_crc16(const void *data, size_t len)
 KVO_API uint16_t kvo_redis_key_slot(const char *key, size_t len)
 {
     size_t s, e;
+    if (!key) return 0; /* the empty key's slot */
     for (s = 0; s < len && key[s] != '{'; s++) {
     }
     if (s < len) {
@@ -1678,10 +1682,15 @@ static int kvo__redis_submit(kvo_backend *self, kvo_copy_job *job)
     kvo__redis *r = (kvo__redis *)self->impl;
     kvo__rgeom mem;
     kvb_pool *other;
+    kvb_pool_config oc;
+    size_t i;
     if (!job || !job->done || !job->hashes || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
         return KVO_EINVAL;
     if ((job->dst == r->pool) == (job->src == r->pool)) return KVO_EINVAL;
     other = job->dst == r->pool ? job->src : job->dst;
+    if (kvb_pool_get_config(other, &oc) != KVB_OK) return KVO_EINVAL;
+    for (i = 0; i < job->n; i++) /* the memory pool's blocks (entries are keyed by hash, not by index) */
+        if ((job->dst == r->pool ? job->src_idx[i] : job->dst_idx[i]) >= oc.num_blocks) return KVO_EINVAL;
     if (!kvo__rgeom_of(other, &mem)) return KVB_ENODATA;
     if (mem.layout.num_layers != r->layout.num_layers || mem.layout.num_parts != r->layout.num_parts ||
         mem.layout.page_bytes != r->layout.page_bytes)
@@ -1785,6 +1794,8 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
     return (kvo_result)KVO_ECONNECT;
 }
 
+#define KVO__R_MAX_BLOCK ((uint64_t)512 << 20) /* bytes of a block: a Redis string holds at most 512 MiB */
+
 KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_backend **out)
 {
     kvo__redis *r;
@@ -1794,9 +1805,12 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
     uint32_t i;
     if (out) *out = NULL;
     if (!config || !out || !config->pool || !config->layout.page_bytes || config->threads > 64 ||
-        (config->namespace_prefix && strlen(config->namespace_prefix) > KVO_REDIS_MAX_PREFIX)) {
-        kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; threads <= 64; "
-                                "namespace_prefix <= 128 characters)");
+        (config->namespace_prefix && strlen(config->namespace_prefix) > KVO_REDIS_MAX_PREFIX) ||
+        config->layout.page_bytes > KVO__R_MAX_BLOCK / (config->layout.num_layers ? config->layout.num_layers : 1) /
+                                        (config->layout.num_parts ? config->layout.num_parts : 2)) {
+        kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; a block of at "
+                                "most 512 MiB, a Redis value's limit; threads <= 64; namespace_prefix <= 128 "
+                                "characters)");
         return KVO_EINVAL;
     }
     password = config->password;
@@ -1917,7 +1931,7 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
     size_t i;
     int result = KVO_OK;
     if (out_prefix) *out_prefix = 0;
-    if (!r || !out_prefix || (n && !hashes)) return KVO_EINVAL;
+    if (!r || !out_prefix || (n && !hashes) || n > SIZE_MAX / sizeof *items) return KVO_EINVAL;
     if (!n) return KVO_OK;
     if (!(items = kvo__ritems(r, hashes, n))) return KVO_ENOMEM;
     cl = &r->clients[r->n_threads];
@@ -1943,26 +1957,31 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
                                     const kvb_hash *parents, size_t n, size_t *out_n)
 {
     kvo__redis *r = kvo__redis_of(redis);
-    size_t prefix = 0, i, missing = 0, done = 0;
+    size_t prefix = 0, i, missing = 0, done = 0, held = 0, got;
     uint8_t *present = NULL;
     kvb_hash *mh = NULL, *mp = NULL;
-    kvb_block *blocks = NULL;
+    kvb_block *blocks = NULL, *pinned = NULL;
+    kvb_pool_config pc;
     kvo_result e;
     kvo_redis_stats delta;
     if (out_n) *out_n = 0;
-    if (!r || !g4_pool || !out_n || (n && !hashes)) return KVO_EINVAL;
+    if (!r || !g4_pool || !out_n || (n && !hashes) || kvb_pool_get_config(g4_pool, &pc) != KVB_OK ||
+        pc.storage != KVB_STORAGE_NONE) /* a pool with storage would serve bytes nobody copied */
+        return KVO_EINVAL;
     e = kvo_redis_lookup(redis, hashes, n, &prefix);
     if (!prefix) return e;
     present = (uint8_t *)KVO__RALLOC(prefix);
     mh = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mh);
     mp = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mp);
     blocks = (kvb_block *)KVO__RALLOC(prefix * sizeof *blocks);
-    if (!present || !mh || !mp || !blocks) {
+    pinned = (kvb_block *)KVO__RALLOC(prefix * sizeof *pinned);
+    if (!present || !mh || !mp || !blocks || !pinned) {
         e = KVO_ENOMEM;
         goto out;
     }
     if ((e = (kvo_result)kvb_presence(g4_pool, hashes, prefix, present, NULL)) != KVO_OK) goto out;
-    for (i = 0; i < prefix; i++) {
+    for (i = 0; i < prefix; i++) { /* held while the missing ones take blocks: not evicted for them */
+        if (present[i] && kvb_match(g4_pool, &hashes[i], 1, &pinned[held], &got) == KVB_OK && got) held++;
         if (present[i]) continue;
         mh[missing] = hashes[i];
         if (parents) mp[missing] = parents[i];
@@ -1980,6 +1999,7 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
         kvb_release(g4_pool, blocks, done, NULL);
         done = 0;
     }
+    if (held) kvb_release(g4_pool, pinned, held, NULL);
     if (done == missing) {
         *out_n = prefix;
     } else { /* known up to the first hash that found no block */
@@ -1993,6 +2013,7 @@ out:
     memset(&delta, 0, sizeof delta);
     delta.imported = done;
     kvo__rstats_add(r, &delta);
+    KVO__RFREE(pinned);
     KVO__RFREE(present);
     KVO__RFREE(mh);
     KVO__RFREE(mp);

@@ -77,7 +77,7 @@
  *     num_workers       required, 1 .. KVS_ROUTER_MAX_WORKERS (1024)
  *     policy            KVS_ROUTE_KV
  *     load_weight       1.0 (KV: cost of one block of outstanding work against one block to prefill;
- *                       finite, >= 0; to route on cache alone pass loads = NULL)
+ *                       0 .. 1e9; to route on cache alone pass loads = NULL)
  *     tier              0 (the tier whose events are indexed; others are ignored and counted)
  *     expected_blocks   16,384 distinct hashes sized up front (the index grows past them)
  *     affinity_blocks   4 (the blocks kvs_router_route's affinity key covers)
@@ -245,6 +245,7 @@ static uint32_t KVS__RCTZ(uint64_t x)
 }
 #endif
 
+#define KVS__RMAX_WEIGHT 1e9 /* load_weight: a block of work worth a billion to prefill is all load */
 #define KVS__RDEF_WEIGHT 1.0
 #define KVS__RDEF_EXPECTED 16384u
 #define KVS__RDEF_AFFINITY 4u
@@ -381,7 +382,9 @@ static kvs_result kvs__rresolve(const kvs_router_config *in, kvs_router_config *
     *c = *in;
     if (c->num_workers < 1 || c->num_workers > KVS_ROUTER_MAX_WORKERS) return (kvs_result)KVS_ECONFIG;
     if ((int)c->policy < 0 || c->policy >= KVS_ROUTE__COUNT) return (kvs_result)KVS_ECONFIG;
-    if (!(c->load_weight >= 0) || !isfinite(c->load_weight)) return (kvs_result)KVS_ECONFIG; /* NaN too */
+    /* NaN too; above the bound, weight x load overflows and ties every loaded worker (at infinity),
+     * whatever its cached prefix */
+    if (!(c->load_weight >= 0) || !(c->load_weight <= KVS__RMAX_WEIGHT)) return (kvs_result)KVS_ECONFIG;
     if (c->policy == KVS_ROUTE_DEFAULT) c->policy = KVS_ROUTE_KV;
     if (c->load_weight == 0) c->load_weight = KVS__RDEF_WEIGHT;
     if (!c->expected_blocks) c->expected_blocks = KVS__RDEF_EXPECTED;

@@ -143,6 +143,49 @@ static void test_dst_priority(void)
     rig_close(&r);
 }
 
+static void count_done(kvo_copy_job *job, int result, const char *message)
+{
+    (void)message;
+    *(int *)job->user = result == KVO_OK ? 1 : -1;
+}
+
+/* A job naming a block past its pool is refused at submit (the memcpy backend copied from or to
+ * wherever that index pointed), as kvo_copy_job_check says; a job within the pools is copied. */
+static void test_backend_refuses_blocks_past_the_pool(void)
+{
+    kvb_pool *a = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *b = of_mem_pool(8, KVB_LAYOUT_LAYER_SEPARATE);
+    kvo_backend *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    uint32_t src_idx[2] = {0, 3}, dst_idx[2] = {7, 8};
+    int results[2] = {0, 0}, done = 0;
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = a;
+    job.dst = b;
+    job.src_idx = src_idx;
+    job.dst_idx = dst_idx;
+    job.n = 2;
+    job.results = results;
+    job.done = count_done;
+    job.user = &done;
+    KVT_EQ(kvo_copy_job_check(&job), KVO_EINVAL); /* dst block 8 of 8 */
+    KVT_EQ(mem->submit(mem, &job), KVO_EINVAL);
+    KVT_EQ(done, 0);
+    dst_idx[1] = 6;
+    src_idx[1] = 4; /* src block 4 of 4 */
+    KVT_EQ(mem->submit(mem, &job), KVO_EINVAL);
+    src_idx[1] = 3;
+    KVT_EQ(kvo_copy_job_check(&job), KVO_OK);
+    KVT_EQ(mem->submit(mem, &job), KVO_OK);
+    KVT_EQ(done, 1);
+    job.results = NULL;
+    KVT_EQ(kvo_copy_job_check(&job), KVO_EINVAL);
+    KVT_EQ(kvo_copy_job_check(NULL), KVO_EINVAL);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(a);
+    kvb_pool_destroy(b);
+}
+
 /* A handle names a transfer of its own pipeline only: the down and up pipelines between two pools hand
  * out their first handles in the same slot, and each refuses the other's (KVO_ESTALE), its own
  * transfer untouched. */
@@ -1073,6 +1116,7 @@ int main(void)
     KVT_RUN(test_dst_priority);
     KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_handles_of_another_pipeline_refused);
+    KVT_RUN(test_backend_refuses_blocks_past_the_pool);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
     KVT_RUN(test_frequency_policy);

@@ -178,6 +178,8 @@ static void test_crc16_and_slots(void)
     KVT_EQ(kvo_redis_key_slot("foo{{bar}}zap", 13), kvo_redis_crc16("{bar", 4) & 16383);
     KVT_EQ(kvo_redis_key_slot("foo{bar}{zap}", 13), kvo_redis_key_slot("bar", 3));
     KVT_EQ(kvo_redis_key_slot("{", 1), kvo_redis_crc16("{", 1) & 16383);
+    KVT_EQ(kvo_redis_crc16(NULL, 5), 0); /* no bytes (it read through NULL) */
+    KVT_EQ(kvo_redis_key_slot(NULL, 5), kvo_redis_key_slot("", 0));
 }
 
 static void test_key_format(void)
@@ -224,6 +226,11 @@ static void test_no_server(void)
     KVT_CHECK(strstr(g_err, "hunter2-secret") == NULL);
     rc = rconfig(addr, NULL, 0);
     KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    rc = rconfig(addr, g4, 0);
+    rc.layout.page_bytes = (uint64_t)1 << 62; /* x 4 pages wrapped to a block of 0 bytes */
+    rc.layout.num_layers = 2;
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(strstr(g_err, "512 MiB") != NULL);
     rc = rconfig(addr, g4, 0);
     rc.password_env = "KVTEST_REDIS_PASSWORD_NOT_SET";
     unsetenv(rc.password_env);
@@ -919,6 +926,73 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
     return w.result;
 }
 
+/* What the calls refuse: a lookup of more hashes than memory has room for, an import into a pool with
+ * storage (it copies no bytes), a job naming a block past the memory pool; and an import into a full
+ * pool keeps the blocks it holds already (it used to evict them for the new ones, and report a prefix
+ * the pool no longer held). */
+static void test_remote_bounds(void)
+{
+    rf_server s;
+    char addr[64];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16), *small = of_meta_pool(2);
+    kvo_backend *b = NULL;
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    if (!b) goto out;
+    kvb_hash h[4];
+    uint32_t idx[4] = {0, 1, 2, 3}, far[4] = {0, 1, 2, 16};
+    int results[4];
+    kvb_block bl[4], sb[2];
+    for (int i = 0; i < 4; i++) {
+        h[i].lo = 500u + (unsigned)i;
+        h[i].hi = 9;
+    }
+    KVT_EQ(kvb_alloc(mem, 4, bl), KVB_OK);
+    for (int i = 0; i < 4; i++) of_fill(mem, bl[i], h[i]);
+    size_t n = 0;
+    KVT_EQ(kvo_redis_lookup(b, h, SIZE_MAX / 64, &n), KVO_EINVAL); /* its item array would wrap */
+    job_wait w = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = mem;
+    job.dst = g4;
+    job.src_idx = far;
+    job.dst_idx = idx;
+    job.hashes = h;
+    job.n = 4;
+    job.results = results;
+    job.done = job_done;
+    job.user = &w;
+    KVT_EQ(b->submit(b, &job), KVO_EINVAL); /* memory block 16 of 16 */
+    KVT_EQ(w.done, 0);
+    KVT_EQ(run_job(b, mem, g4, idx, idx, h, 4, results), KVO_OK);
+    KVT_EQ(kvo_redis_lookup(b, h, 4, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    KVT_EQ(kvo_redis_import(b, mem, h, NULL, 4, &n), KVO_EINVAL);
+    KVT_EQ(n, 0);
+    kvb_hash par[2] = {{0, 0}, h[0]};
+    KVT_EQ(kvb_alloc(small, 2, sb), KVB_OK);
+    KVT_EQ(kvb_register_hashed(small, sb, 2, h, par, sb), KVB_OK);
+    KVT_EQ(kvb_release(small, sb, 2, NULL), KVB_OK);
+    KVT_EQ(kvo_redis_import(b, small, h, NULL, 3, &n), KVO_OK);
+    size_t known = 0;
+    KVT_EQ(kvb_lookup(small, h, 4, &known), KVB_OK);
+    KVT_EQ(known, 2); /* h0 and h1 kept; no room for h2 */
+    KVT_EQ(n, known);
+    OF_CHECK_POOL(small);
+    kvo_backend_destroy(b);
+out:
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    kvb_pool_destroy(small);
+    rf_stop(&s);
+}
+
 /* Redis's own eviction (maxmemory, allkeys-lru): the entries it dropped are misses; a read batch larger
  * than the window goes in several round trips. */
 static void test_server_eviction(void)
@@ -1144,6 +1218,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
     KVT_RUN(test_server_eviction);
+    KVT_RUN(test_remote_bounds);
     KVT_RUN(test_auth);
     rf_kill_all();
     return kvt_summary();

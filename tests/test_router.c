@@ -26,6 +26,7 @@ static void *count_realloc(void *p, size_t n)
 #define KVCACHE_IMPLEMENTATION
 #include "kvroute.h"
 #include "kvtest.h"
+#include <float.h>
 
 #include <math.h>
 
@@ -640,6 +641,12 @@ static void test_bad_arguments_change_nothing(void)
     KVT_EQ(kvs_router_create(&rc, &r), KVS_ECONFIG);
     rc.load_weight = INFINITY;
     KVT_EQ(kvs_router_create(&rc, &r), KVS_ECONFIG);
+    rc.load_weight = DBL_MAX; /* finite, but weight x load overflowed: every loaded worker tied */
+    KVT_EQ(kvs_router_create(&rc, &r), KVS_ECONFIG);
+    rc.load_weight = 1e9;
+    KVT_EQ(kvs_router_create(&rc, &r), KVS_OK);
+    kvs_router_destroy(r);
+    r = NULL;
     rc.load_weight = 0;
     rc.policy = KVS_ROUTE__COUNT;
     KVT_EQ(kvs_router_create(&rc, &r), KVS_ECONFIG);
