@@ -837,11 +837,15 @@ static int kvo__rcall(kvo__redis *r, kvo__rclient *cl, kvo__rnode *nd, int argc,
     return KVO_OK;
 }
 
-/* Between batches nothing may be waiting on a connection: readable means closed (or out of step). */
+/* Between batches nothing may be waiting on a connection: readable means closed (or out of step), and so
+ * do bytes left in the reader (a reply nobody asked for came in with the last one: it would be taken
+ * for the next command's answer). */
 static int kvo__ralive(kvo__rnode *nd)
 {
     char b;
-    ssize_t got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    ssize_t got;
+    if (nd->c->reader && nd->c->reader->pos < nd->c->reader->len) return 0;
+    got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     if (got < 0 && errno == EINTR) got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
     return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }

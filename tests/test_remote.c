@@ -25,6 +25,10 @@
 #include "redis_fixtures.h"
 
 #include <sys/stat.h>
+#include <sys/socket.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <ctype.h>
 
 enum { MAXN = 64 };
 
@@ -926,6 +930,129 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
     return w.result;
 }
 
+/* ---- a server out of step: a scripted one on a thread ------------------------------------------------ */
+
+/* Answers each command of one connection at a time as a Redis with a full memory would (SET -> -OOM,
+ * GET -> nil, GETRANGE -> an empty string), but sends one reply nobody asked for after the first
+ * GETRANGE, in the same write: the client then holds it in its reader, behind the answer it wanted. */
+typedef struct stray_server { int listen_fd, port; pthread_t thread; } stray_server;
+
+static int stray_command(int fd, char *buf, size_t *len, char *name, size_t name_size)
+{
+    for (;;) { /* one RESP array of bulk strings: name = its first, upper-cased */
+        size_t pos = 0, n, i, k;
+        char *end;
+        if (*len && buf[0] == '*' && (end = memchr(buf, '\n', *len)) != NULL) {
+            n = strtoul(buf + 1, NULL, 10);
+            pos = (size_t)(end - buf) + 1;
+            for (i = 0; i < n && pos < *len; i++) {
+                char *e2 = memchr(buf + pos, '\n', *len - pos);
+                size_t l;
+                if (!e2 || buf[pos] != '$') break;
+                l = strtoul(buf + pos + 1, NULL, 10);
+                if ((size_t)(e2 - buf) + 1 + l + 2 > *len) break;
+                if (i == 0)
+                    for (k = 0; k < l && k + 1 < name_size; k++) name[k] = (char)toupper((unsigned char)e2[1 + k]), name[k + 1] = 0;
+                pos = (size_t)(e2 - buf) + 1 + l + 2;
+            }
+            if (i == n) {
+                memmove(buf, buf + pos, *len - pos);
+                *len -= pos;
+                return 1;
+            }
+        }
+        ssize_t got = recv(fd, buf + *len, 65536 - *len, 0);
+        if (got <= 0) return 0;
+        *len += (size_t)got;
+    }
+}
+
+static void *stray_serve(void *arg)
+{
+    stray_server *sv = (stray_server *)arg;
+    int getranges = 0, fd;
+    static char buf[65536];
+    while ((fd = accept(sv->listen_fd, NULL, NULL)) >= 0) {
+        size_t len = 0;
+        char name[32] = "";
+        while (stray_command(fd, buf, &len, name, sizeof name)) {
+            const char *out = "-ERR unknown\r\n";
+            if (!strcmp(name, "PING")) out = "+PONG\r\n";
+            else if (!strcmp(name, "CLUSTER")) out = "-ERR This instance has cluster support disabled\r\n";
+            else if (!strcmp(name, "GETRANGE")) out = getranges++ ? "$0\r\n\r\n" : "$0\r\n\r\n+OK\r\n";
+            else if (!strcmp(name, "SET")) out = "-OOM command not allowed when used memory > 'maxmemory'.\r\n";
+            else if (!strcmp(name, "GET")) out = "$-1\r\n";
+            if (send(fd, out, strlen(out), MSG_NOSIGNAL) < 0) break;
+        }
+        close(fd);
+    }
+    return NULL;
+}
+
+static int stray_start(stray_server *sv)
+{
+    struct sockaddr_in a;
+    socklen_t al = sizeof a;
+    int one = 1;
+    memset(&a, 0, sizeof a);
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if ((sv->listen_fd = socket(AF_INET, SOCK_STREAM, 0)) < 0) return 0;
+    setsockopt(sv->listen_fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(sv->listen_fd, (struct sockaddr *)&a, sizeof a) != 0 || listen(sv->listen_fd, 8) != 0 ||
+        getsockname(sv->listen_fd, (struct sockaddr *)&a, &al) != 0) {
+        close(sv->listen_fd);
+        return 0;
+    }
+    sv->port = ntohs(a.sin_port);
+    return pthread_create(&sv->thread, NULL, stray_serve, sv) == 0;
+}
+
+static void stray_stop(stray_server *sv)
+{
+    shutdown(sv->listen_fd, SHUT_RDWR);
+    close(sv->listen_fd);
+    pthread_join(sv->thread, NULL);
+}
+
+/* A reply left over in the client's reader is not taken for the next command's: the connection is
+ * dropped and made again, and the SET that follows reports the server's refusal (it was taken as
+ * stored, from the stray +OK). */
+static void test_stray_reply(void)
+{
+    stray_server sv;
+    char addr[64];
+    if (!stray_start(&sv)) {
+        KVT_CHECK(!"the scripted server did not start");
+        return;
+    }
+    server_addr(sv.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
+    kvo_backend *b = NULL;
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    if (b) {
+        kvb_hash h[1] = {{11, 1}};
+        uint32_t idx[1] = {0};
+        int results[1] = {0};
+        kvb_block bl[1];
+        size_t n = 9;
+        KVT_EQ(kvb_alloc(mem, 1, bl), KVB_OK);
+        KVT_EQ(kvo_redis_lookup(b, h, 1, &n), KVO_OK);
+        KVT_EQ(n, 0);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, h, 1, results), KVO_EREMOTE);
+        KVT_EQ(results[0], KVO_EREMOTE);
+        kvo_redis_stats st;
+        KVT_EQ(kvo_redis_backend_stats(b, &st), KVO_OK);
+        KVT_EQ(st.puts, 0);
+        KVT_CHECK(st.disconnects >= 1);
+        kvo_backend_destroy(b);
+    }
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    stray_stop(&sv);
+}
+
 /* What the calls refuse: a lookup of more hashes than memory has room for, an import into a pool with
  * storage (it copies no bytes), a job naming a block past the memory pool; and an import into a full
  * pool keeps the blocks it holds already (it used to evict them for the new ones, and report a prefix
@@ -1219,6 +1346,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_other_format_version);
     KVT_RUN(test_server_eviction);
     KVT_RUN(test_remote_bounds);
+    KVT_RUN(test_stray_reply);
     KVT_RUN(test_auth);
     rf_kill_all();
     return kvt_summary();
