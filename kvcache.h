@@ -12839,10 +12839,10 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
-    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
     if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
-        return KVS_ETOOBIG;
+        return KVS_ETOOBIG; /* before the event: it would name an id the next add takes */
+    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
     if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */

@@ -245,6 +245,37 @@ static kvs_bus *new_bus(void)
     return bus;
 }
 
+/* A refused add publishes nothing: its event named the id the next add takes, so two adds of one
+ * request went out. */
+static void refused_add_publishes_nothing(void)
+{
+    obs_env e;
+    kvs_reader *adds = NULL;
+    kvs_event got[4];
+    size_t n = 0;
+    uint64_t lost = 0, id = 0;
+    uint32_t prompt[100];
+    for (uint32_t i = 0; i < 100; i++) prompt[i] = i;
+    obs_open(&e, 4, 0, new_bus()); /* 4 blocks of 16 tokens */
+    KVT_EQ(kvs_reader_open(e.bus, KVS_EV_MASK(KVS_EV_ADD), 4, &adds), KVS_OK);
+    kvs_request rq;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = 100;
+    KVT_EQ(kvs_sched_add(e.s, &rq, &id), KVS_ETOOBIG);
+    KVT_EQ(kvs_reader_read(adds, got, 4, &n, &lost), KVS_OK);
+    KVT_EQ(n, 0);
+    rq.num_prompt = 20;
+    KVT_EQ(kvs_sched_add(e.s, &rq, &id), KVS_OK);
+    KVT_EQ(kvs_reader_read(adds, got, 4, &n, &lost), KVS_OK);
+    KVT_EQ(n, 1);
+    if (n == 1) KVT_EQ(got[0].request, id);
+    kvs_reader_close(adds);
+    kvs_bus *bus = e.bus;
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 /* ---- the recorded workload ------------------------------------------------------------------------------
  * 30 requests arriving every other step into a 24-block (384-token) device: two in three share one of
  * three 32-token prefixes (device hits once the first of them has computed it), priorities 0..2 (later,
@@ -2364,5 +2395,6 @@ int main(void)
     KVT_RUN(metrics_into_a_short_buffer_say_how_much_is_needed);
     /* 7 */
     KVT_RUN(null_arguments_are_invalid);
+    KVT_RUN(refused_add_publishes_nothing);
     return kvt_summary();
 }
