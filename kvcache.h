@@ -7109,7 +7109,7 @@ static int kvo__offers_earlier(const kvo__container *c, size_t i)
 
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
-    size_t i, k;
+    size_t i, k, offers = 0; /* a join scans for a repeat only after an offer: joining another's prefix stays linear */
     for (i = 0; i < n; i++) {
         kvb_block_info info;
         c->hashes[i] = hashes[i];
@@ -7120,7 +7120,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             continue;
         }
         if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
-            if (kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on itself would never end */
+            if (offers && kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on it would never end */
             c->state[i] = KVO__B_JOINING;
             continue;
         }
@@ -7129,6 +7129,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
         c->parents[i] = info.parent;
         c->state[i] = KVO__B_OFFER;
         kvo__count_add(&pl->inflight, &hashes[i], 1);
+        offers++;
     }
     c->inflight_marked = 1;
     return i;
@@ -7758,9 +7759,9 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
 /* Registers in g4_pool (normally config.pool) the prefix of `hashes` present in Redis, so that
  * kvo_manager_lookup and onboarding from G4 see entries other processes wrote. parents may be NULL:
  * then each block's parent is the previous hash (the first's is the root). Blocks already in the pool
- * stay as they are (held while the others take blocks, so that those do not evict them). KVO_EINVAL for
- * a pool with storage (the import copies no bytes). *out_n = length of the prefix now known there.
- * Thread safety: any thread. */
+ * stay as they are (in a pool short of room the new ones may take the place of some). KVO_EINVAL for a
+ * pool with storage (the import copies no bytes). *out_n = length of the prefix the pool holds after
+ * the import. Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const kvb_hash *hashes,
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
@@ -9525,10 +9526,10 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
                                     const kvb_hash *parents, size_t n, size_t *out_n)
 {
     kvo__redis *r = kvo__redis_of(redis);
-    size_t prefix = 0, i, missing = 0, done = 0, held = 0, got;
+    size_t prefix = 0, i, missing = 0, done = 0;
     uint8_t *present = NULL;
     kvb_hash *mh = NULL, *mp = NULL;
-    kvb_block *blocks = NULL, *pinned = NULL;
+    kvb_block *blocks = NULL;
     kvb_pool_config pc;
     kvo_result e;
     kvo_redis_stats delta;
@@ -9542,14 +9543,12 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
     mh = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mh);
     mp = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mp);
     blocks = (kvb_block *)KVO__RALLOC(prefix * sizeof *blocks);
-    pinned = (kvb_block *)KVO__RALLOC(prefix * sizeof *pinned);
-    if (!present || !mh || !mp || !blocks || !pinned) {
+    if (!present || !mh || !mp || !blocks) {
         e = KVO_ENOMEM;
         goto out;
     }
     if ((e = (kvo_result)kvb_presence(g4_pool, hashes, prefix, present, NULL)) != KVO_OK) goto out;
-    for (i = 0; i < prefix; i++) { /* held while the missing ones take blocks: not evicted for them */
-        if (present[i] && kvb_match(g4_pool, &hashes[i], 1, &pinned[held], &got) == KVB_OK && got) held++;
+    for (i = 0; i < prefix; i++) {
         if (present[i]) continue;
         mh[missing] = hashes[i];
         if (parents) mp[missing] = parents[i];
@@ -9567,21 +9566,16 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
         kvb_release(g4_pool, blocks, done, NULL);
         done = 0;
     }
-    if (held) kvb_release(g4_pool, pinned, held, NULL);
-    if (done == missing) {
-        *out_n = prefix;
-    } else { /* known up to the first hash that found no block */
-        size_t seen = 0;
-        for (i = 0; i < prefix; i++)
-            if (!present[i] && seen++ == done) break;
-        *out_n = i;
+    /* What the pool holds now: in a pool short of room the new blocks may have taken the place of
+     * some that were there (asked without a lookup, so the pool's statistics do not change) */
+    if ((e = (kvo_result)kvb_presence(g4_pool, hashes, prefix, present, NULL)) != KVO_OK) goto out;
+    for (i = 0; i < prefix && present[i]; i++) {
     }
-    e = KVO_OK;
+    *out_n = i;
 out:
     memset(&delta, 0, sizeof delta);
     delta.imported = done;
     kvo__rstats_add(r, &delta);
-    KVO__RFREE(pinned);
     KVO__RFREE(present);
     KVO__RFREE(mh);
     KVO__RFREE(mp);

@@ -2712,7 +2712,7 @@ static int kvo__offers_earlier(const kvo__container *c, size_t i)
 
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
-    size_t i, k;
+    size_t i, k, offers = 0; /* a join scans for a repeat only after an offer: joining another's prefix stays linear */
     for (i = 0; i < n; i++) {
         kvb_block_info info;
         c->hashes[i] = hashes[i];
@@ -2723,7 +2723,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
             continue;
         }
         if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
-            if (kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on itself would never end */
+            if (offers && kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on it would never end */
             c->state[i] = KVO__B_JOINING;
             continue;
         }
@@ -2732,6 +2732,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
         c->parents[i] = info.parent;
         c->state[i] = KVO__B_OFFER;
         kvo__count_add(&pl->inflight, &hashes[i], 1);
+        offers++;
     }
     c->inflight_marked = 1;
     return i;
