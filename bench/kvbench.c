@@ -173,6 +173,7 @@
 #define DISK_BLOCK_BYTES    ((uint64_t)2 << 20)
 #define CANCEL_ROUNDS       10
 #define CANCEL_PER_ROUND    5         /* 1-block containers: 5 blocks wait, below the min batch of 8 */
+#define CANCEL_DST_BLOCKS   128       /* room for two default batches of 64 */
 #define CANCEL_FLUSH_US     (10u * 1000000u) /* so nothing leaves the batcher before it is cancelled */
 #define WAIT_LIMIT_US       INT64_C(10000000) /* 10 s: a transfer that takes longer is a bug */
 
@@ -1210,7 +1211,9 @@ static void wait_queued(kvo_pipeline *pl, kvo_transfer t)
 static void bench_cancel(results *rs, uint64_t *rng)
 {
     enum { N = CANCEL_ROUNDS * CANCEL_PER_ROUND };
-    kvb_pool *src = create_metadata_pool(CANCEL_PER_ROUND), *dst = create_metadata_pool(CANCEL_PER_ROUND);
+    /* the destination is sized for the default batches (a pipeline caps max_batch at its blocks / on_deck,
+     * and min_batch at max_batch): 5 blocks would make a batch of 2 */
+    kvb_pool *src = create_metadata_pool(CANCEL_PER_ROUND), *dst = create_metadata_pool(CANCEL_DST_BLOCKS);
     kvb_block strong[CANCEL_PER_ROUND];
     kvb_hash hashes[CANCEL_PER_ROUND];
     kvb_weak weak[CANCEL_PER_ROUND];
