@@ -74,7 +74,8 @@ CHECK_PROGRAMS := "$(BUILD)/tiny_llm --check" \
   "sh tests/remote_sim.sh" \
   "sh tests/fleet_sim.sh" \
   "sh tests/fleet_cluster.sh" \
-  "sh tests/kvtop_tmux.sh"
+  "sh tests/kvtop_tmux.sh" \
+  "sh tests/bench_smoke.sh $(BUILD)/kvbench"
 
 # ---- GPU tier: kvcuda.cu, built with nvcc when it is there (the rest of the build never needs it) ----
 # `make cuda` -> build/libkvcuda.a; `make test` adds the CUDA tests (they skip without a device);
@@ -99,7 +100,7 @@ CFLAGS_CUDA_TEST := $(BASE) -g -O1 -fsanitize=undefined -fno-sanitize-recover=al
 CUDA_TESTS := $(if $(HAVE_NVCC),$(BUILD)/cuda/test_cuda)
 .PHONY: cuda bench-cuda
 
-test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(BUILD)/kvtop $(BUILD)/workloads $(CUDA_TESTS)
+test: deps $(addprefix $(BUILD)/test/,$(TESTS)) $(BUILD)/tiny_llm $(BUILD)/serve_sim $(BUILD)/kvtop $(BUILD)/workloads $(BUILD)/kvbench $(CUDA_TESTS)
 	@sh tests/run.sh $(addprefix $(BUILD)/test/,$(TESTS)) $(CHECK_PROGRAMS) $(CUDA_TESTS) $(TEST_MORE)
 
 tsan: deps $(addprefix $(BUILD)/tsan/,$(TSAN_TESTS))
