@@ -2505,12 +2505,10 @@ static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out
     return KVS_OK;
 }
 
-/* Whether load l names blocks of its request's plan (a plan it has; a request without one is reported
- * finished at once). */
-static int kvs__load_in_plan(kvs_connector *c, const kvs_load *l)
+/* Whether load l names blocks of plan p (its request's). */
+static int kvs__load_in_plan(const kvs__plan *p, const kvs_load *l)
 {
-    kvs__plan *p = kvs__plan_of(c, l->request);
-    return !p || (l->first_block <= stbds_arrlenu(p->hashes) && l->num_blocks <= stbds_arrlenu(p->hashes) - l->first_block);
+    return l->first_block <= stbds_arrlenu(p->hashes) && l->num_blocks <= stbds_arrlenu(p->hashes) - l->first_block;
 }
 
 static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
@@ -2518,11 +2516,13 @@ static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta
     size_t i;
     if (!c || !meta || (meta->num_loads && !meta->loads) || (meta->num_stores && !meta->stores)) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    for (i = 0; i < meta->num_loads; i++)
-        if (!kvs__load_in_plan(c, &meta->loads[i])) { /* not what build_meta gave: nothing is bound */
+    for (i = 0; i < meta->num_loads; i++) { /* a request without a plan is reported finished at once */
+        const kvs__plan *p = kvs__plan_of(c, meta->loads[i].request);
+        if (p && !kvs__load_in_plan(p, &meta->loads[i])) { /* not what build_meta gave: nothing is bound */
             pthread_mutex_unlock(&c->lock);
             return KVS_EINVAL;
         }
+    }
     KVB__ARR_SHRINK(c->bound_loads, 0);
     KVB__ARR_SHRINK(c->bound_stores, 0);
     if (meta->num_loads) memcpy(stbds_arraddnptr(c->bound_loads, meta->num_loads), meta->loads, meta->num_loads * sizeof *meta->loads);
@@ -2542,7 +2542,7 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
         kvs__active_load a;
         a.load = *l;
         a.t.id = 0;
-        if (!p || !kvs__load_in_plan(c, l) || /* its plan changed since the bind */
+        if (!p || !kvs__load_in_plan(p, l) || /* its plan changed since the bind */
             kvo_manager_onboard(c->cfg.tiers, l->tier, p->hashes + l->first_block, l->num_blocks, &a.t) != KVO_OK)
             a.t.id = 0; /* reported finished at once: the request computes those tokens instead */
         stbds_arrput(c->loads, a);

@@ -909,11 +909,9 @@ static void job_done(kvo_copy_job *job, int result, const char *message)
     pthread_mutex_unlock(&w->mu);
 }
 
-/* One backend job (inline backend: done before submit returns). */
-static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t *src_idx, const uint32_t *dst_idx,
-                   const kvb_hash *hashes, size_t n, int *results)
+static kvo_copy_job job_of(kvb_pool *src, kvb_pool *dst, const uint32_t *src_idx, const uint32_t *dst_idx,
+                           const kvb_hash *hashes, size_t n, int *results, job_wait *w)
 {
-    job_wait w = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
     kvo_copy_job job;
     memset(&job, 0, sizeof job);
     job.src = src;
@@ -924,7 +922,16 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
     job.n = n;
     job.results = results;
     job.done = job_done;
-    job.user = &w;
+    job.user = w;
+    return job;
+}
+
+/* One backend job (inline backend: done before submit returns). */
+static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t *src_idx, const uint32_t *dst_idx,
+                   const kvb_hash *hashes, size_t n, int *results)
+{
+    job_wait w = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
+    kvo_copy_job job = job_of(src, dst, src_idx, dst_idx, hashes, n, results, &w);
     KVT_EQ(b->submit(b, &job), KVO_OK);
     KVT_EQ(w.done, 1);
     return w.result;
@@ -1084,17 +1091,7 @@ static void test_remote_bounds(void)
     size_t n = 0;
     KVT_EQ(kvo_redis_lookup(b, h, SIZE_MAX / 64, &n), KVO_EINVAL); /* its item array would wrap */
     job_wait w = {PTHREAD_MUTEX_INITIALIZER, 0, 0};
-    kvo_copy_job job;
-    memset(&job, 0, sizeof job);
-    job.src = mem;
-    job.dst = g4;
-    job.src_idx = far;
-    job.dst_idx = idx;
-    job.hashes = h;
-    job.n = 4;
-    job.results = results;
-    job.done = job_done;
-    job.user = &w;
+    kvo_copy_job job = job_of(mem, g4, far, idx, h, 4, results, &w);
     KVT_EQ(b->submit(b, &job), KVO_EINVAL); /* memory block 16 of 16 */
     KVT_EQ(w.done, 0);
     KVT_EQ(run_job(b, mem, g4, idx, idx, h, 4, results), KVO_OK);
