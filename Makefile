@@ -175,8 +175,8 @@ $(BUILD)/libkvcuda.a: $(BUILD)/cuda/kvcuda.o
 $(BUILD)/cuda/test_cuda: tests/cuda/test_cuda.c tests/kvtest.h kvcuda.h kvblock.h kvoffload.h $(BUILD)/cuda/tests/cuda/test_kernels.o $(BUILD)/libkvcuda.a | deps
 	$(CC) $(CFLAGS_CUDA_TEST) -o $@ $< $(BUILD)/cuda/tests/cuda/test_kernels.o $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
 
-$(BUILD)/kvbench_cuda: bench/kvbench_cuda.c kvcuda.h kvblock.h kvoffload.h $(BUILD)/libkvcuda.a | deps
-	$(CC) $(CFLAGS_OPT) -o $@ $< $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
+$(BUILD)/kvbench_cuda: bench/kvbench_cuda.c kvcuda.h kvblock.h kvoffload.h $(BUILD)/cuda/bench/kvbench_cuda_floor.o $(BUILD)/libkvcuda.a | deps
+	$(CC) $(CFLAGS_OPT) -o $@ $< $(BUILD)/cuda/bench/kvbench_cuda_floor.o $(BUILD)/libkvcuda.a $(CUDA_LIBS) -lm
 
 # tiny_llm --check --gpu: its fork check with the pool in GPU memory (copy-on-write on the device)
 $(BUILD)/tiny_llm_cuda: examples/tiny_llm.c kvcuda.h $(HEADERS) $(BUILD)/libkvcuda.a | deps

@@ -36,6 +36,7 @@
 #define KVC__MSG 256
 #define KVC__KERNEL_CHUNK (64u * 1024u)  /* kernel work item: runs are split into chunks of this */
 #define KVC__DESC_MIN 4096               /* initial kernel descriptor capacity of a job slot */
+#define KVC__INLINE_DESCS 160            /* descriptors passed in the launch itself (3840 of 4096 bytes) */
 
 #if defined(__GNUC__)
 #define KVC__PRINTF(a, b) __attribute__((format(printf, a, b)))
@@ -68,6 +69,9 @@ typedef struct kvc__alloc {
     size_t mapped;  /* mmap length (page-rounded) */
     kvc_memory kind;
     kvc__how how;
+    kvc_memory seen;  /* what cudaPointerGetAttributes said of ptr when it was remembered, */
+    void *dev;        /* with its address for kernels, */
+    int device;       /* and its device: the copy backend's submit asks the table, not the driver */
 } kvc__alloc;
 
 struct kvc_context {
@@ -306,9 +310,12 @@ extern "C" kvc_result kvc_synchronize(kvc_context *ctx)
 
 /* ---- allocations -------------------------------------------------------------------------------- */
 
-static kvc_result kvc__remember(kvc_context *ctx, const kvc__alloc *a)
+static kvc_memory kvc__classify(const void *p, void **dev, int *device);
+
+static kvc_result kvc__remember(kvc_context *ctx, kvc__alloc *a)
 {
     kvc_result r = KVC_OK;
+    a->seen = kvc__classify(a->ptr, &a->dev, &a->device);
     pthread_mutex_lock(&ctx->lock);
     if (ctx->n_allocs == ctx->cap_allocs) {
         size_t cap = ctx->cap_allocs ? ctx->cap_allocs * 2 : 16;
@@ -734,8 +741,8 @@ __host__ __device__ static inline void kvc__item(const kvc__desc *descs, unsigne
 /* Thread block b takes items b, b + gridDim.x, ...; its threads copy one item together, 16 bytes per
  * load with four loads in flight per thread (byte by byte when an end is not 16-byte aligned). Plain
  * loads and stores only (no cp.async, TMA or clusters), so the same source runs on sm_80 and later. */
-__global__ void kvc__copy_kernel(const kvc__desc *__restrict__ descs, unsigned long long items, unsigned count,
-                                 unsigned long long sstride, unsigned long long dstride)
+__device__ static void kvc__copy_items(const kvc__desc *__restrict__ descs, unsigned long long items, unsigned count,
+                                       unsigned long long sstride, unsigned long long dstride)
 {
     unsigned long long k;
     for (k = blockIdx.x; k < items; k += gridDim.x) {
@@ -760,6 +767,25 @@ __global__ void kvc__copy_kernel(const kvc__desc *__restrict__ descs, unsigned l
             for (i = threadIdx.x; i < bytes; i += blockDim.x) d1[i] = s1[i];
         }
     }
+}
+
+/* Descriptors staged in device memory (a copy of the job slot's pinned array): any number. */
+__global__ void kvc__copy_kernel(const kvc__desc *__restrict__ descs, unsigned long long items, unsigned count,
+                                 unsigned long long sstride, unsigned long long dstride)
+{
+    kvc__copy_items(descs, items, count, sstride, dstride);
+}
+
+/* Up to KVC__INLINE_DESCS descriptors in the launch's own parameters: a job of a few hundred scattered
+ * blocks then costs one driver call instead of two (the staging copy is the slower one from a thread
+ * that has been waiting). __grid_constant__ reads them in place, without a per-thread copy. */
+typedef struct kvc__inline_descs { kvc__desc d[KVC__INLINE_DESCS]; } kvc__inline_descs;
+static_assert(sizeof(kvc__inline_descs) + 32 <= 4096, "a launch's parameters must fit in 4 KiB");
+
+__global__ void kvc__copy_kernel_inline(const __grid_constant__ kvc__inline_descs descs, unsigned long long items,
+                                        unsigned count, unsigned long long sstride, unsigned long long dstride)
+{
+    kvc__copy_items(descs.d, items, count, sstride, dstride);
 }
 
 /* ---- the copy plan ------------------------------------------------------------------------------ */
@@ -824,8 +850,30 @@ static int kvc__grow(void **p, size_t *cap, size_t need, size_t size)
     return 1;
 }
 
-/* Storage, geometry and (classify = 1) memory kind of a pool. 0: no storage. */
-static int kvc__side_of(kvb_pool *pool, kvc__side *s, int classify)
+/* Memory kind of p: from the context's table when p lies in one of its allocations (no driver call),
+ * else from the driver. */
+static kvc_memory kvc__classify_in(kvc_context *ctx, const void *p, void **dev, int *device)
+{
+    const unsigned char *q = (const unsigned char *)p;
+    kvc_memory kind = KVC_MEMORY_UNKNOWN;
+    size_t i;
+    pthread_mutex_lock(&ctx->lock);
+    for (i = 0; i < ctx->n_allocs; i++) {
+        const kvc__alloc *a = &ctx->allocs[i];
+        const unsigned char *b = (const unsigned char *)a->ptr;
+        if (q >= b && q < b + a->bytes) {
+            kind = a->seen;
+            *dev = a->dev ? (unsigned char *)a->dev + (q - b) : NULL;
+            *device = a->device;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    return kind != KVC_MEMORY_UNKNOWN ? kind : kvc__classify(p, dev, device);
+}
+
+/* Storage, geometry and (ctx given) memory kind of a pool; without ctx, host memory. 0: no storage. */
+static int kvc__side_of(kvc_context *ctx, kvb_pool *pool, kvc__side *s)
 {
     void *base = NULL, *dev = NULL;
     kvb_pool_config c;
@@ -836,8 +884,8 @@ static int kvc__side_of(kvb_pool *pool, kvc__side *s, int classify)
     s->num_blocks = c.num_blocks;
     s->base = (unsigned char *)base;
     s->device = -1;
-    if (classify) {
-        s->mem = kvc__classify(base, &dev, &s->device);
+    if (ctx) {
+        s->mem = kvc__classify_in(ctx, base, &dev, &s->device);
         s->dev = (unsigned char *)dev;
     } else {
         s->mem = KVC_MEMORY_HOST;
@@ -1095,6 +1143,16 @@ static void kvc__enqueue_dma(kvc__backend *b, kvc__op *op, const kvc__side *s, c
     }
 }
 
+/* The launch's error, if any, becomes the op's. */
+static void kvc__launched(kvc__backend *b, kvc__op *op, unsigned grid, unsigned long long items)
+{
+    char t[160];
+    cudaError_t e = cudaGetLastError();
+    if (e != cudaSuccess)
+        kvc__op_set_error(op, KVC_ECUDA, "kvcuda: copy kernel launch (%u x %u threads, %llu items) failed: %s", grid,
+                          b->cfg.kernel_threads, items, kvc__cuda_text(e, t, sizeof t));
+}
+
 static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s, const kvc__side *d, cudaStream_t st)
 {
     size_t n, need = kvc__descs_needed(op);
@@ -1102,6 +1160,15 @@ static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s
     unsigned grid;
     cudaError_t e;
     char t[160];
+    if (need <= KVC__INLINE_DESCS) {
+        kvc__inline_descs inl;
+        n = kvc__build_descs(op, inl.d, s->dev, d->dev);
+        items = (unsigned long long)n * op->count;
+        grid = items < b->cfg.kernel_blocks ? (unsigned)items : b->cfg.kernel_blocks;
+        kvc__copy_kernel_inline<<<grid, b->cfg.kernel_threads, 0, st>>>(inl, items, op->count, op->sstride, op->dstride);
+        kvc__launched(b, op, grid, items);
+        return;
+    }
     if (need > op->cap_desc) {
         size_t cap = op->cap_desc ? op->cap_desc : KVC__DESC_MIN;
         while (cap < need) cap *= 2;
@@ -1128,10 +1195,7 @@ static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s
     items = (unsigned long long)n * op->count;
     grid = items < b->cfg.kernel_blocks ? (unsigned)items : b->cfg.kernel_blocks;
     kvc__copy_kernel<<<grid, b->cfg.kernel_threads, 0, st>>>(op->ddesc, items, op->count, op->sstride, op->dstride);
-    e = cudaGetLastError();
-    if (e != cudaSuccess)
-        kvc__op_set_error(op, KVC_ECUDA, "kvcuda: copy kernel launch (%u x %u threads, %llu items) failed: %s", grid,
-                          b->cfg.kernel_threads, items, kvc__cuda_text(e, t, sizeof t));
+    kvc__launched(b, op, grid, items);
 }
 
 /* Poll the op's event until the copies ended (or failed). */
@@ -1221,6 +1285,15 @@ static void *kvc__worker_main(void *arg)
     return NULL;
 }
 
+/* A job that never reached the GPU still counts (the queued ones count under the submit's own lock). */
+static void kvc__count_job(kvc__backend *b, size_t copies)
+{
+    pthread_mutex_lock(&b->lock);
+    b->stats.jobs++;
+    b->stats.copies += copies;
+    pthread_mutex_unlock(&b->lock);
+}
+
 static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
 {
     kvc__backend *b = (kvc__backend *)self->impl;
@@ -1242,14 +1315,10 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
     op->src_blocks = op->dst_blocks = UINT32_MAX;
     op->block_bytes = 0;
     op->dir = KVC_D2H;
-    pthread_mutex_lock(&b->lock);
-    b->stats.jobs++;
-    b->stats.copies += job->n;
-    pthread_mutex_unlock(&b->lock);
 
     if (e != cudaSuccess)
         kvc__op_set_error(op, KVC_ECUDA, "kvcuda: cudaSetDevice(%d) failed: %s", ctx->device, kvc__cuda_text(e, t, sizeof t));
-    else if (!kvc__side_of(job->src, &s, 1) || !kvc__side_of(job->dst, &d, 1))
+    else if (!kvc__side_of(ctx, job->src, &s) || !kvc__side_of(ctx, job->dst, &d))
         kvc__op_set_error(op, KVC_ESTORAGE, "kvcuda: a pool of the job has no storage (metadata only)");
     else if (!kvc__same_pages(&s, &d))
         kvc__op_set_error(op, KVC_ELAYOUT,
@@ -1259,6 +1328,7 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
     else if (s.mem != KVC_MEMORY_DEVICE && d.mem != KVC_MEMORY_DEVICE)
         kvc__op_set_error(op, KVC_ESTORAGE, "kvcuda: neither pool is device memory (use the memcpy backend)");
     if (op->error) { /* nothing reached the GPU: every copy fails with the error */
+        kvc__count_job(b, job->n);
         kvc__finish(b, op);
         return KVO_OK;
     }
@@ -1268,6 +1338,7 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
     op->dir = s.mem != KVC_MEMORY_DEVICE ? KVC_H2D : KVC_D2H; /* device -> device uses the d2h stream */
     if (!kvc__plan(op, job, &s, &d)) kvc__op_set_error(op, KVC_ENOMEM, "kvcuda: out of host memory planning %zu copies", job->n);
     if (op->error || !op->n_runs) {
+        kvc__count_job(b, job->n);
         kvc__finish(b, op);
         return KVO_OK;
     }
@@ -1287,6 +1358,8 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
         (void)cudaGetLastError();
     }
     pthread_mutex_lock(&b->lock);
+    b->stats.jobs++;
+    b->stats.copies += job->n;
     b->stats.runs += kernel ? op->n_runs * op->count : op->n_copies;
     if (kernel)
         b->stats.kernel_jobs++;
@@ -1404,7 +1477,7 @@ extern "C" kvc_result kvc_copy_on_host(const kvc_backend_config *config, kvo_cop
     kvc__config_defaults(&c);
     if (c.method < KVC_COPY_AUTO || c.method > KVC_COPY_KERNEL) return KVC_EINVAL;
     memset(&op, 0, sizeof op);
-    if (!kvc__side_of(job->src, &s, 0) || !kvc__side_of(job->dst, &d, 0))
+    if (!kvc__side_of(NULL, job->src, &s) || !kvc__side_of(NULL, job->dst, &d))
         r = KVC_ESTORAGE;
     else if (!kvc__same_pages(&s, &d))
         r = KVC_ELAYOUT;
