@@ -6,7 +6,7 @@
  * ids, byte-compared, by DMA, by the kernel and by the automatic choice; an offload waiting on a CUDA
  * event behind a slow kernel; cancel before the upgrade copies nothing; many small scattered copies in
  * one kernel job equal the same copies done one job each; per-copy errors; fork and copy-on-write of
- * sequences on a device pool. */
+ * sequences on a device pool; the tier manager taking blocks down to pinned memory and back. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -715,6 +715,88 @@ static void test_precondition_event(void)
     kvc_context_destroy(ctx);
 }
 
+/* The tier manager over the GPU backend, as an engine runs it: blocks written on the device go down to
+ * pinned host memory (eager offload), leave the device under pressure, the device memory is scrawled
+ * over, and the blocks come back by onboarding, byte for byte. The device pool is layer-separate (its
+ * pages go by the kernel), the host pool block-contiguous; one backend serves both directions. */
+static void test_manager_round_trip(void)
+{
+    NEED_GPU(ctx);
+    enum { ND = 24, NH = 64, N = 16, LAYERS = 4 };
+    const uint64_t page = 2048;
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, ND, layout_of(KVB_LAYOUT_LAYER_SEPARATE, LAYERS, page));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, NH, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, LAYERS, page));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    if (!dev || !host || !be) return;
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = dev;
+    mc.pools[1] = host;
+    mc.down[0] = be;
+    mc.up[1] = be;
+    mc.offload = KVO_OFFLOAD_EAGER;
+    mc.pipeline.mode = KVO_MODE_THREADS;
+    mc.pipeline.min_batch = 1;
+    kvo_manager *mgr = NULL;
+    KVT_EQ(kvo_manager_create(&mc, &mgr), KVO_OK);
+    if (!mgr) return;
+
+    kvb_block strong[N], back[N], filler[ND];
+    kvb_weak weak[N];
+    kvb_hash hashes[N];
+    uint8_t tier_of[N];
+    size_t found = 0, got = 0;
+    uint64_t bytes = 0;
+    register_blocks(dev, N, 11, strong, weak, hashes);
+    fill_random(ctx, dev, 0x5eed);
+    unsigned char *before = snapshot(ctx, dev, &bytes);
+    KVT_EQ(kvo_manager_offer(mgr, 0, strong, N, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(mgr, 10 * 1000 * 1000), KVO_OK);
+    KVT_EQ(kvb_release(dev, strong, N, NULL), KVB_OK);
+
+    /* pressure: the whole device pool taken by other blocks evicts them, then the bytes change */
+    KVT_EQ(kvb_alloc(dev, ND, filler), KVB_OK);
+    KVT_EQ(kvb_release(dev, filler, ND, NULL), KVB_OK);
+    fill_random(ctx, dev, 0xbad);
+    KVT_EQ(kvo_manager_lookup(mgr, hashes, N, tier_of, &found), KVO_OK);
+    KVT_EQ(found, N);
+    for (size_t i = 0; i < found; i++) KVT_EQ(tier_of[i], 1);
+
+    kvo_transfer x;
+    kvo_status st = KVO_STATUS_FAILED;
+    kvo_pipeline *up = kvo_manager_pipeline(mgr, 1, 1);
+    KVT_CHECK(up != NULL);
+    KVT_EQ(kvo_manager_onboard(mgr, 1, hashes, N, &x), KVO_OK);
+    KVT_EQ(kvo_transfer_wait(up, x, 10 * 1000 * 1000, &st), KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_take_blocks(up, x, back, N, &got), KVO_OK);
+    KVT_EQ(got, N);
+    KVT_EQ(kvo_transfer_release(up, x), KVO_OK);
+    unsigned char *after = snapshot(ctx, dev, &bytes);
+    size_t bad = 0;
+    for (size_t i = 0; i < got; i++)
+        bad += !same_block(before, dev, kvb_block_index(strong[i].id), after, dev, kvb_block_index(back[i].id));
+    KVT_EQ(bad, 0);
+    KVT_EQ(kvb_release(dev, back, got, NULL), KVB_OK);
+
+    kvc_backend_stats bs;
+    KVT_EQ(kvc_backend_get_stats(be, &bs), KVC_OK);
+    KVT_CHECK(bs.jobs >= 2); /* down and up, each in one batch or more */
+    KVT_EQ(bs.copies, 2 * N);
+    KVT_EQ(bs.failed_jobs, 0);
+    KVT_EQ(bs.kernel_jobs, bs.jobs); /* 2 KiB pages: the kernel */
+    free(before);
+    free(after);
+    kvo_manager_destroy(mgr);
+    kvo_backend_destroy(be);
+    KVT_EQ(kvb_pool_check(dev, NULL, 0), KVB_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, dev), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, host), KVC_OK);
+    kvc_context_destroy(ctx);
+}
+
 /* A transfer cancelled while it waits on its CUDA precondition never reaches the backend: no job, no
  * bytes in the host pool, nothing registered there. */
 static void test_cancel_before_upgrade(void)
@@ -982,5 +1064,6 @@ int main(void)
     KVT_RUN(test_scattered_equals_one_by_one);
     KVT_RUN(test_copy_errors);
     KVT_RUN(test_fork_on_device_pool);
+    KVT_RUN(test_manager_round_trip);
     return kvt_summary();
 }
