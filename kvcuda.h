@@ -73,9 +73,10 @@
  *
  * 3. THE COPY BACKEND (kvc_backend_create; used like kvo_memcpy_backend_create)
  * A job copies blocks between a device pool and a host pool (pinned, or pageable), in either
- * direction, or between two device pools. Which side is device memory is asked of
- * cudaPointerGetAttributes for each pool's storage, so pools over memory allocated elsewhere (an
- * engine's own cudaMalloc'd KV tensors, say) work too. Both pools need the same layer count, part count
+ * direction, or between two device pools. Which side is device memory: the context's own allocations
+ * say (kvc_pool_create's memory is classified once, when allocated), anything else is asked of
+ * cudaPointerGetAttributes, so pools over memory allocated elsewhere (an engine's own cudaMalloc'd KV
+ * tensors, say) work too. Both pools need the same layer count, part count
  * and page bytes; their layouts may differ. The copies are first merged into runs: consecutive pairs
  * (src i, dst i), (src i + 1, dst i + 1) become one run of whole blocks when both pools are
  * block-contiguous; otherwise a run is one page per block, repeated for every (layer, part) at a fixed
@@ -85,7 +86,8 @@
  *          repetition one copy (merged again where they touch), in one cudaMemcpyBatchAsync where the
  *          toolkit (12.8+) and driver have it, else one cudaMemcpyAsync each;
  *   kernel (average < kernel_below_bytes): one launch for the whole job: the runs, cut into 64 KiB
- *          chunks, go to the device as descriptors (24 bytes each, one per chunk, not per page); work
+ *          chunks, go to the device as descriptors (24 bytes each, one per chunk, not per page): up
+ *          to 160 in the launch's own parameters, more through a pinned staging copy first; work
  *          item k is chunk k / repetitions at repetition k % repetitions; a few thread blocks take the
  *          items in turn, 16-byte vector loads and stores, four in flight per thread. The host side
  *          is reached through its mapped device address.
