@@ -1286,6 +1286,95 @@ static void replay_of_a_tampered_recording_differs(void)
     free(ev);
 }
 
+/* Runs one request with these extra keys to the end (one generated token) and releases it. */
+static void run_one_with_extra(kvs_sched *s, const uint32_t *prompt, size_t n, uint64_t key)
+{
+    kvs_request rq;
+    kvs_step st;
+    kvs_slot_info info;
+    uint64_t id = 0;
+    uint64_t extra[1] = {key};
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = n;
+    rq.max_new_tokens = 1;
+    rq.extra = extra;
+    rq.num_extra = 1;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_OK);
+    for (int i = 0; i < 16 && kvs_sched_get_slot(s, id, &info) == KVS_OK && info.state != KVS_SLOT_FINISHED; i++) {
+        KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+        KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+        if (kvs_sched_get_slot(s, id, &info) == KVS_OK && info.state == KVS_SLOT_DECODING &&
+            info.num_computed == info.num_tokens) {
+            uint32_t tok = 5;
+            KVT_EQ(kvs_sched_append(s, id, &tok, 1), KVS_OK);
+        }
+    }
+    KVT_EQ(kvs_sched_get_slot(s, id, &info), KVS_OK);
+    KVT_EQ(info.state, KVS_SLOT_FINISHED);
+    KVT_EQ(kvs_sched_release(s, id), KVS_OK);
+}
+
+/* Extra hash keys (a LoRA id, an image hash) travel with the recorded add: one prompt under keys 7, 9
+ * and 7 again hits the cache only the third time, in the recording and in its replay. */
+static void replay_carries_extra_keys(void)
+{
+    obs_env e;
+    kvs_bus *bus = new_bus();
+    kvs_recorder *rec = new_recorder(bus, NULL);
+    uint32_t prompt[48];
+    size_t n = 0, admits = 0;
+    kvs_replay_report rep;
+    uint64_t hits[3] = {0, 0, 0};
+    sf_tokens(31, prompt, 48);
+    obs_open(&e, WL_DEVICE_BLOCKS, 0, bus);
+    run_one_with_extra(e.s, prompt, 48, 7);
+    run_one_with_extra(e.s, prompt, 48, 9);
+    run_one_with_extra(e.s, prompt, 48, 7);
+    kvs_event *ev = snapshot_all(rec, &n);
+    kvs_recorder_destroy(rec);
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+    for (size_t i = 0; ev && i < n; i++)
+        if (ev[i].kind == KVS_EV_ADMIT && admits < 3) hits[admits++] = ev[i].u.admit.device_hit_tokens;
+    KVT_EQ(admits, 3);
+    KVT_EQ(hits[0], 0);
+    KVT_EQ(hits[1], 0); /* same prompt, other key: nothing shared */
+    KVT_CHECK(hits[2] >= 32); /* key 7 again: its full blocks */
+    KVT_EQ(replay_into(WL_DEVICE_BLOCKS, 0, ev, n, &rep), KVS_OK);
+    KVT_CHECK(rep.compared > 0);
+    free(ev);
+}
+
+/* A recording cut short after an input, before the decisions that input led to: the fresh run decides
+ * more than the recording holds, which is a difference too, reported one past the recording's last seq. */
+static void replay_of_a_recording_cut_short_differs(void)
+{
+    size_t n = 0, cut = 0, i;
+    kvs_replay_report rep;
+    kvs_event *ev = record_workload(1, &n, NULL, NULL);
+    kvs_result r;
+    for (i = 0; ev && i + 1 < n; i++) /* an input followed by a decision, about halfway */
+        if (i > n / 2 && ev[i].kind >= KVS_EV_ADD && ev[i].kind <= KVS_EV_RELEASE &&
+            (KVS_EV_DECISIONS & KVS_EV_MASK(ev[i + 1].kind))) {
+            cut = i + 1;
+            break;
+        }
+    KVT_CHECK(cut > 0);
+    if (!cut) {
+        free(ev);
+        return;
+    }
+    r = replay_into(WL_DEVICE_BLOCKS, 0, ev, cut, &rep);
+    KVT_EQ(r, KVS_EREPLAY);
+    KVT_EQ(rep.mismatch_seq, ev[cut - 1].seq + 1);
+    KVT_EQ(rep.got.kind, ev[cut].kind); /* the first decision the recording lacks */
+    KVT_CHECK(rep.compared > 0);
+    r = replay_into(WL_DEVICE_BLOCKS, 0, ev, n, &rep); /* the whole recording still replays clean */
+    KVT_EQ(r, KVS_OK);
+    free(ev);
+}
+
 /* =========================================================================================================
  * 5. breakpoints, pauses and hooks
  * ======================================================================================================= */
@@ -2238,6 +2327,46 @@ static void metrics_into_a_short_buffer_say_how_much_is_needed(void)
     obs_close(&e);
 }
 
+/* A scheduler on a bus also exports how many events the bus has published (the bus's sequence; events
+ * are published only while someone subscribes: here a recorder). */
+static void metrics_count_the_bus_events(void)
+{
+    obs_env e;
+    kvs_bus *bus = new_bus();
+    kvs_recorder *rec = new_recorder(bus, NULL);
+    char *buf = NULL;
+    size_t need = 0, got = 0;
+    char probe[8];
+    obs_open(&e, WL_DEVICE_BLOCKS, 0, bus);
+    run_workload(e.s, 6);
+    KVT_EQ(kvs_metrics_write(e.s, NULL, probe, sizeof probe, &need), KVS_ENOSPACE);
+    buf = (char *)malloc(need + 1);
+    KVT_CHECK(buf != NULL);
+    if (buf) {
+        KVT_EQ(kvs_metrics_write(e.s, NULL, buf, need + 1, &got), KVS_OK);
+        const char *line = strstr(buf, "\nkvcache_events_total ");
+        KVT_CHECK(line != NULL);
+        KVT_CHECK(strstr(buf, "# TYPE kvcache_events_total counter") != NULL);
+        if (line) {
+            unsigned long long total = strtoull(line + strlen("\nkvcache_events_total "), NULL, 10);
+            KVT_CHECK(total > 100); /* a whole workload's steps, slots and inputs */
+        }
+    }
+    free(buf);
+    obs_close(&e);
+    obs_open(&e, WL_DEVICE_BLOCKS, 0, NULL); /* no bus: no such family */
+    KVT_EQ(kvs_metrics_write(e.s, NULL, probe, sizeof probe, &need), KVS_ENOSPACE);
+    buf = (char *)malloc(need + 1);
+    if (buf) {
+        KVT_EQ(kvs_metrics_write(e.s, NULL, buf, need + 1, &got), KVS_OK);
+        KVT_CHECK(strstr(buf, "kvcache_events_total") == NULL);
+    }
+    free(buf);
+    obs_close(&e);
+    kvs_recorder_destroy(rec);
+    kvs_bus_destroy(bus);
+}
+
 /* =========================================================================================================
  * 7. bad input
  * ======================================================================================================= */
@@ -2376,6 +2505,8 @@ int main(void)
     KVT_RUN(replay_maps_request_ids_in_order_of_addition);
     KVT_RUN(replay_into_another_config_reports_the_first_difference);
     KVT_RUN(replay_of_a_tampered_recording_differs);
+    KVT_RUN(replay_of_a_recording_cut_short_differs);
+    KVT_RUN(replay_carries_extra_keys);
     /* 5 */
     KVT_RUN(state_breakpoint_holds_the_engine_until_resumed);
     KVT_RUN(request_breakpoint_stops_only_that_request);
@@ -2393,6 +2524,7 @@ int main(void)
     KVT_RUN(metrics_count_what_the_stats_count);
     KVT_RUN(metrics_with_tiers_and_disk_are_valid_prometheus_text);
     KVT_RUN(metrics_into_a_short_buffer_say_how_much_is_needed);
+    KVT_RUN(metrics_count_the_bus_events);
     /* 7 */
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);

@@ -899,6 +899,28 @@ static void test_custom_precondition_events(void)
     rig_close(&r);
 }
 
+/* kvo_event_wait on a custom event polls its query: until it says done (KVO_OK), failed (KVO_EPRECOND)
+ * or the timeout passes (KVO_ETIMEDOUT); kvo_event_signal is for plain events only. */
+static void test_wait_on_custom_events(void)
+{
+    scripted_event later = {0, 3, 1}, failing = {0, 2, -1}, never = {0, 1 << 30, 1};
+    kvo_event *e1 = NULL, *e2 = NULL, *e3 = NULL;
+    KVT_EQ(kvo_event_create_custom(scripted_query, &later, &e1), KVO_OK);
+    KVT_EQ(kvo_event_create_custom(scripted_query, &failing, &e2), KVO_OK);
+    KVT_EQ(kvo_event_create_custom(scripted_query, &never, &e3), KVO_OK);
+    KVT_EQ(kvo_event_wait(e1, -1), KVO_OK);
+    KVT_EQ(later.calls, 4); /* three "not yet", then done */
+    KVT_EQ(kvo_event_wait(e2, -1), KVO_EPRECOND);
+    KVT_EQ(failing.calls, 3);
+    KVT_EQ(kvo_event_wait(e3, 2000), KVO_ETIMEDOUT);
+    KVT_CHECK(never.calls >= 2);
+    KVT_EQ(kvo_event_signal(e3), KVO_EINVAL);
+    KVT_EQ(kvo_event_wait(NULL, 0), KVO_EINVAL);
+    kvo_event_release(e1);
+    kvo_event_release(e2);
+    kvo_event_release(e3);
+}
+
 /* ---- backend faults ---- */
 
 /* The backend fails the 3rd copy of an 8-block job: the handle is Failed with the backend's code and
@@ -1134,6 +1156,7 @@ int main(void)
     KVT_RUN(test_precondition_gates_the_copy);
     KVT_RUN(test_precondition_timeout_fails);
     KVT_RUN(test_custom_precondition_events);
+    KVT_RUN(test_wait_on_custom_events);
     KVT_RUN(test_backend_failure_mid_batch);
     KVT_RUN(test_backend_refuses_job);
     KVT_RUN(test_priority_order);

@@ -975,9 +975,10 @@ static void test_abort_mid_step(void)
 }
 
 /* kvs_sched_item: "its block table (valid until the next step)" — also when the request is aborted
- * while the forward pass runs: the engine still reads the items of the step in flight. Run in a child
- * process so that a use after free (ASan) fails this test and not the whole program. */
-static void test_abort_mid_step_items_stay_valid(void)
+ * (and, release = 1, released: its id is gone at once) while the forward pass runs: the engine still
+ * reads the items of the step in flight; the request's memory is reused only after the step completes.
+ * Run in a child process so that a use after free (ASan) fails this test and not the whole program. */
+static void mid_step_items_stay_valid(int release)
 {
     pid_t pid;
     int status = 0;
@@ -987,12 +988,14 @@ static void test_abort_mid_step_items_stay_valid(void)
     KVT_CHECK(pid >= 0);
     if (pid == 0) {
         sf_env e;
-        uint32_t p[40];
+        uint32_t p[40], q[40];
         kvs_step st;
+        kvs_slot_info si;
         int fd = open("/dev/null", O_WRONLY);
         if (fd >= 0) dup2(fd, 2);
         open_abort_env(&e, 0);
         sf_tokens(68, p, 40);
+        sf_tokens(69, q, 40);
         uint64_t a = sf_add(&e, p, 40, 4, 0);
         sf_plan(&e, &st);
         const kvs_sched_item *it = sf_item(&st, a, NULL);
@@ -1001,11 +1004,19 @@ static void test_abort_mid_step_items_stay_valid(void)
         const uint32_t *tokens = it->tokens;
         size_t nb = it->num_blocks, n = it->num_computed + it->num_new;
         if (kvs_sched_abort(e.s, a) != KVS_OK) _exit(3);
+        if (release && (kvs_sched_release(e.s, a) != KVS_OK || kvs_sched_get_slot(e.s, a, &si) != KVS_ENOTFOUND))
+            _exit(5);
         volatile uint64_t sink = 0;
         for (size_t k = 0; k < nb; k++) sink += blocks[k].id;
         for (size_t k = 0; k < n; k++) sink += tokens[k];
         (void)sink;
-        _exit(kvs_sched_complete(e.s, &st) == KVS_OK ? 0 : 4);
+        if (kvs_sched_complete(e.s, &st) != KVS_OK) _exit(4);
+        if (release) { /* the next request runs (reusing the released one's memory) */
+            uint64_t b = sf_add(&e, q, 40, 4, 0);
+            sf_plan(&e, &st);
+            if (!sf_item(&st, b, NULL) || kvs_sched_complete(e.s, &st) != KVS_OK) _exit(6);
+        }
+        _exit(0);
     }
     if (pid > 0) {
         KVT_EQ(waitpid(pid, &status, 0), pid);
@@ -1015,6 +1026,8 @@ static void test_abort_mid_step_items_stay_valid(void)
         KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     }
 }
+static void test_abort_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(0); }
+static void test_release_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(1); }
 
 /* kvs_sched_destroy with requests in every state aborts them all (the pools show nothing pinned). */
 static void test_destroy_aborts_everything(void)
@@ -1359,6 +1372,7 @@ int main(void)
     KVT_RUN(test_abort_swapped);
     KVT_RUN(test_abort_mid_step);
     KVT_RUN(test_abort_mid_step_items_stay_valid);
+    KVT_RUN(test_release_mid_step_items_stay_valid);
     KVT_RUN(test_destroy_aborts_everything);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);

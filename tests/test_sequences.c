@@ -1,7 +1,8 @@
 /* Sequences of kvblock.h: incremental hashing as tokens arrive, fork and copy-on-write of the shared
- * partial block (bytes included), reference counting across forks, truncation, chunked commits, reserved
- * room and a reset that keep the same memory, an append that does not fit changing nothing, and those
- * copies through the pool's copy_block hook. */
+ * partial block (bytes included), reference counting across forks, truncation (through shared blocks
+ * and inside blocks the sequence alone holds), chunked commits, reserved room and a reset that keep the
+ * same memory, an append that does not fit changing nothing, and those copies through the pool's
+ * copy_block hook. */
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"
 #include "kvtest.h"
@@ -256,6 +257,78 @@ static void test_truncate_releases_tail_and_copies_kept_partial(void)
     KVT_EQ(after[0].id, before[0].id);
     kvb_seq_destroy(s);
     FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* Truncating inside blocks only this sequence holds (not registered): no copy, the block keeps its id
+ * and bytes and becomes partial at the new length; a block the engine has scheduled (Inflight) or
+ * computed (Complete) cannot be cut: KVB_ESTATE, nothing changed. */
+static void test_truncate_inside_private_blocks(void)
+{
+    kvb_pool *pool = host_pool(8);
+    uint32_t tokens[20], more[6];
+    fx_iota(tokens, 20, 300);
+    fx_iota(more, 6, 9000);
+    kvb_seq *s = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK); /* block 0 full, block 1 holds 4 tokens */
+    kvb_block before[2], after[2];
+    KVT_EQ(fx_seq_table(s, before, 2), 2);
+    KVT_EQ(fx_info(pool, before[0].id).state, KVB_STATE_READY);
+    KVT_EQ(fx_info(pool, before[1].id).state, KVB_STATE_PARTIAL);
+    fill_block(pool, before[0], 0x31);
+    fill_block(pool, before[1], 0x32);
+    kvb_pool_stats st0 = fx_stats(pool);
+
+    KVT_EQ(kvb_seq_truncate(s, 18), KVB_OK); /* inside the partial block */
+    KVT_EQ(fx_seq_info(s).num_tokens, 18);
+    KVT_EQ(fx_seq_table(s, after, 2), 2);
+    KVT_EQ(after[0].id, before[0].id);
+    KVT_EQ(after[1].id, before[1].id);
+    kvb_block_info b1 = fx_info(pool, after[1].id);
+    KVT_EQ(b1.state, KVB_STATE_PARTIAL);
+    KVT_EQ(b1.num_tokens, 2);
+    KVT_EQ(pages_differing(pool, after[1], 0x32), 0);
+    kvb_pool_stats st1 = fx_stats(pool);
+    KVT_EQ(st1.free_blocks, st0.free_blocks); /* nothing copied, nothing freed */
+    FX_CHECK_POOL(pool);
+
+    KVT_EQ(kvb_seq_truncate(s, 10), KVB_OK); /* inside the full, unregistered block: block 1 goes */
+    kvb_seq_info info = fx_seq_info(s);
+    KVT_EQ(info.num_tokens, 10);
+    KVT_EQ(info.num_blocks, 1);
+    KVT_EQ(info.num_full, 0);
+    KVT_EQ(fx_seq_table(s, after, 2), 1);
+    KVT_EQ(after[0].id, before[0].id);
+    kvb_block_info b0 = fx_info(pool, after[0].id);
+    KVT_EQ(b0.state, KVB_STATE_PARTIAL);
+    KVT_EQ(b0.num_tokens, 10);
+    KVT_EQ(pages_differing(pool, after[0], 0x31), 0);
+    KVT_EQ(fx_stats(pool).free_blocks, st0.free_blocks + 1);
+    FX_CHECK_POOL(pool);
+
+    KVT_EQ(kvb_seq_append(s, more, 6, NULL), KVB_OK); /* full again, with the new tokens */
+    uint32_t all[16];
+    memcpy(all, tokens, 10 * sizeof all[0]);
+    memcpy(all + 10, more, sizeof more);
+    check_hashes(s, all, 16, NULL, 0, 0);
+    KVT_EQ(fx_info(pool, after[0].id).state, KVB_STATE_READY);
+
+    KVT_EQ(kvb_block_schedule(pool, after[0]), KVB_OK); /* the engine computes it: Inflight */
+    kvb_pool_stats st2 = fx_stats(pool);
+    KVT_EQ(kvb_seq_truncate(s, 12), KVB_ESTATE);
+    KVT_EQ(fx_seq_info(s).num_tokens, 16);
+    KVT_EQ(fx_info(pool, after[0].id).state, KVB_STATE_INFLIGHT);
+    KVT_EQ(fx_info(pool, after[0].id).num_tokens, 16);
+    kvb_pool_stats st3 = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&st2, &st3));
+    KVT_EQ(kvb_block_compute_done(pool, after[0]), KVB_OK);
+    KVT_EQ(kvb_seq_truncate(s, 12), KVB_ESTATE);
+    KVT_EQ(fx_info(pool, after[0].id).state, KVB_STATE_COMPLETE);
+    KVT_EQ(kvb_seq_truncate(s, 0), KVB_OK); /* whole blocks can always go */
+    KVT_EQ(fx_seq_info(s).num_blocks, 0);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(s);
+    KVT_EQ(fx_stats(pool).free_blocks, 8);
     kvb_pool_destroy(pool);
 }
 
@@ -534,6 +607,7 @@ int main(void)
     KVT_RUN(test_fork_copies_shared_partial_block_on_write);
     KVT_RUN(test_shared_blocks_freed_by_last_owner);
     KVT_RUN(test_truncate_releases_tail_and_copies_kept_partial);
+    KVT_RUN(test_truncate_inside_private_blocks);
     KVT_RUN(test_chunked_commit_registers_full_blocks_only);
     KVT_RUN(test_reset_releases_blocks_and_starts_over);
     KVT_RUN(test_append_without_space_changes_nothing);

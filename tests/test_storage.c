@@ -312,6 +312,18 @@ static void test_defaults_resolved(void)
     kvb_pool_destroy(pool);
 }
 
+/* Callbacks that are never reached: only their presence is checked. */
+static void custom_on_inactive(void *user, uint32_t block, uint32_t priority)
+{
+    (void)user, (void)block, (void)priority;
+}
+static void custom_on_removed(void *user, uint32_t block) { (void)user, (void)block; }
+static uint32_t custom_choose(void *user)
+{
+    (void)user;
+    return UINT32_MAX;
+}
+
 static void test_bad_configs_refused(void)
 {
     kvb_pool_config cfg = fx_config(0);
@@ -343,6 +355,17 @@ static void test_bad_configs_refused(void)
     cfg.layout = small_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
     cfg.layout.kind = KVB_LAYOUT__COUNT;
     KVT_EQ(create_and_destroy(&cfg), KVB_ECONFIG);
+    cfg = fx_config(4);
+    cfg.eviction = KVB_EVICT_CUSTOM; /* a custom policy needs all three callbacks */
+    KVT_EQ(create_and_destroy(&cfg), KVB_ECONFIG);
+    cfg.custom_eviction.on_inactive = custom_on_inactive;
+    cfg.custom_eviction.on_removed = custom_on_removed;
+    KVT_EQ(create_and_destroy(&cfg), KVB_ECONFIG);
+    cfg.custom_eviction.on_removed = NULL;
+    cfg.custom_eviction.choose_victim = custom_choose;
+    KVT_EQ(create_and_destroy(&cfg), KVB_ECONFIG);
+    cfg.custom_eviction.on_removed = custom_on_removed;
+    KVT_EQ(create_and_destroy(&cfg), KVB_OK);
 }
 
 static void test_overflowing_sizes_refused(void)
