@@ -1,8 +1,9 @@
 /* Onboarding with kvo_onboard: blocks found by hash in the source (host tier) are loaded into the
  * destination (device tier) with identical bytes and registered there; a hash already in the
  * destination returns the existing block without a copy; the first miss ends the request; the caller
- * takes the destination blocks once, as strong references; cancel, release without taking, a full
- * destination, the threaded mode, and two requests with a common prefix moving each block once. */
+ * takes the destination blocks once, as strong references; cancel, release without taking, destroy
+ * without releasing, a full destination, the threaded mode, and two requests with a common prefix
+ * moving each block once. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -98,6 +99,22 @@ static void test_onboard_loads_and_registers(void)
     KVT_EQ(of_active(r.g1), 4); /* taken blocks are ours, release of the handle leaves them */
     KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
     KVT_EQ(of_holds_all(r.g2, r.h, MAXN), MAXN); /* the host copy stays */
+    rig_close(&r);
+}
+
+/* kvo_pipeline_destroy with transfers never released: one complete whose blocks were never taken, one
+ * still queued. The destination blocks the first holds go back (registered, so they stay cached), the
+ * second's sources are let go, and neither pool has a block referenced afterwards (rig_close checks). */
+static void test_destroy_releases_what_transfers_hold(void)
+{
+    rig r;
+    rig_open(&r);
+    kvo_transfer done = onboard(&r, r.h, 4);
+    KVT_EQ(of_pump(r.p, &r.clock, done, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_active(r.g1), 4); /* held for kvo_transfer_take_blocks */
+    kvo_transfer queued = onboard(&r, r.h + 8, 4);
+    KVT_CHECK(!of_final(of_status(r.p, queued)));
+    KVT_CHECK(of_active(r.g2) > 0); /* its sources are taken at once */
     rig_close(&r);
 }
 
@@ -317,6 +334,7 @@ int main(void)
 {
     of_watchdog(120);
     KVT_RUN(test_onboard_loads_and_registers);
+    KVT_RUN(test_destroy_releases_what_transfers_hold);
     KVT_RUN(test_onboard_present_block_is_returned);
     KVT_RUN(test_miss_ends_the_prefix);
     KVT_RUN(test_take_cancel_and_release_rules);
