@@ -6,7 +6,8 @@
  * ids, byte-compared, by DMA, by the kernel and by the automatic choice; an offload waiting on a CUDA
  * event behind a slow kernel; cancel before the upgrade copies nothing; many small scattered copies in
  * one kernel job equal the same copies done one job each; per-copy errors; fork and copy-on-write of
- * sequences on a device pool; the tier manager taking blocks down to pinned memory and back. */
+ * sequences on a device pool; the tier manager taking blocks down to pinned memory and back; one
+ * backend shared by four submitting threads. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -797,6 +798,108 @@ static void test_manager_round_trip(void)
     kvc_context_destroy(ctx);
 }
 
+/* One backend shared by several threads, each submitting its own jobs in both directions at once: a
+ * device range goes to the thread's pinned range (kernel or DMA, by the job's size), comes back to a
+ * second device range, round after round with new random ids, every block byte-compared each time. The
+ * backend's queues, free list and per-direction workers are shared; the blocks are not. */
+enum { CS_THREADS = 4, CS_ROUNDS = 24, CS_PER = 24, CS_JOB = 12 };
+
+/* Blocks a and b of a device pool hold the same bytes (each page copied out on its own: other threads
+ * copy other blocks of the pool meanwhile). 1: equal. */
+static int device_blocks_equal(kvc_context *ctx, kvb_pool *pool, uint32_t a, uint32_t b)
+{
+    void *base = NULL;
+    kvb_layout l;
+    unsigned char pa[4096], pb[4096];
+    uint32_t n = num_blocks_of(pool);
+    if (kvb_pool_storage(pool, &base, NULL, NULL, &l) != KVB_OK || l.page_bytes > sizeof pa) return 0;
+    for (uint32_t layer = 0; layer < l.num_layers; layer++)
+        for (uint32_t q = 0; q < l.num_parts; q++) {
+            const unsigned char *d = (const unsigned char *)base;
+            if (kvc_memcpy(ctx, pa, d + kvb_layout_offset(&l, n, a, layer, q), (size_t)l.page_bytes) != KVC_OK ||
+                kvc_memcpy(ctx, pb, d + kvb_layout_offset(&l, n, b, layer, q), (size_t)l.page_bytes) != KVC_OK ||
+                memcmp(pa, pb, (size_t)l.page_bytes) != 0)
+                return 0;
+        }
+    return 1;
+}
+typedef struct cs_arg {
+    kvc_context *ctx;
+    kvo_backend *be;
+    kvb_pool *dev, *host; /* thread t owns device blocks [t * 2 * CS_PER, (t + 1) * 2 * CS_PER) and host
+                             blocks [t * CS_PER, (t + 1) * CS_PER) */
+    int t, bad, failed;
+} cs_arg;
+
+static void *cs_main(void *p)
+{
+    cs_arg *a = (cs_arg *)p;
+    uint64_t seed = 0x1234567ull * (uint64_t)(a->t + 1);
+    uint32_t di[CS_JOB], hi[CS_JOB], bi[CS_JOB];
+    int res[CS_JOB];
+    char msg[256];
+    for (int round = 0; round < CS_ROUNDS; round++) {
+        unsigned char used[2 * CS_PER], usedh[CS_PER];
+        memset(used, 0, sizeof used);
+        memset(usedh, 0, sizeof usedh);
+        for (int i = 0; i < CS_JOB; i++) { /* distinct ids: device in its first half, back to its second */
+            uint32_t x, y;
+            do x = (uint32_t)(rng_next(&seed) % CS_PER); while (used[x]);
+            used[x] = 1;
+            do y = (uint32_t)(rng_next(&seed) % CS_PER); while (usedh[y]);
+            usedh[y] = 1;
+            di[i] = (uint32_t)(a->t * 2 * CS_PER) + x;
+            hi[i] = (uint32_t)(a->t * CS_PER) + y;
+            bi[i] = (uint32_t)(a->t * 2 * CS_PER + CS_PER) + x;
+        }
+        size_t n = 1 + (size_t)(rng_next(&seed) % CS_JOB);
+        if (run_job(a->be, a->dev, a->host, di, hi, n, res, NULL, msg) != KVO_OK) a->failed++;
+        if (run_job(a->be, a->host, a->dev, hi, bi, n, res, NULL, msg) != KVO_OK) a->failed++;
+        for (size_t i = 0; i < n; i++) /* the block went out and came back: compare on the device side */
+            a->bad += !device_blocks_equal(a->ctx, a->dev, di[i], bi[i]);
+    }
+    return NULL;
+}
+
+static void test_concurrent_submitters(void)
+{
+    NEED_GPU(ctx);
+    const uint64_t page = 4096;
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, CS_THREADS * 2 * CS_PER, layout_of(KVB_LAYOUT_LAYER_SEPARATE, 2, page));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, CS_THREADS * CS_PER, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, page));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    if (!dev || !host || !be) return;
+    fill_random(ctx, dev, 77);
+    pthread_t th[CS_THREADS];
+    cs_arg args[CS_THREADS];
+    for (int t = 0; t < CS_THREADS; t++) {
+        memset(&args[t], 0, sizeof args[t]);
+        args[t].ctx = ctx;
+        args[t].be = be;
+        args[t].dev = dev;
+        args[t].host = host;
+        args[t].t = t;
+        KVT_EQ(pthread_create(&th[t], NULL, cs_main, &args[t]), 0);
+    }
+    int bad = 0, failed = 0;
+    for (int t = 0; t < CS_THREADS; t++) {
+        pthread_join(th[t], NULL);
+        bad += args[t].bad;
+        failed += args[t].failed;
+    }
+    KVT_EQ(failed, 0);
+    KVT_EQ(bad, 0);
+    kvc_backend_stats st;
+    KVT_EQ(kvc_backend_get_stats(be, &st), KVC_OK);
+    KVT_EQ(st.jobs, 2 * CS_THREADS * CS_ROUNDS);
+    KVT_EQ(st.failed_jobs, 0);
+    kvo_backend_destroy(be);
+    KVT_EQ(kvc_pool_destroy(ctx, dev), KVC_OK);
+    KVT_EQ(kvc_pool_destroy(ctx, host), KVC_OK);
+    kvc_context_destroy(ctx);
+}
+
 /* A transfer cancelled while it waits on its CUDA precondition never reaches the backend: no job, no
  * bytes in the host pool, nothing registered there. */
 static void test_cancel_before_upgrade(void)
@@ -1065,5 +1168,6 @@ int main(void)
     KVT_RUN(test_copy_errors);
     KVT_RUN(test_fork_on_device_pool);
     KVT_RUN(test_manager_round_trip);
+    KVT_RUN(test_concurrent_submitters);
     return kvt_summary();
 }
