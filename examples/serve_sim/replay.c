@@ -65,6 +65,18 @@ void replay(const workload *w, const options *o, results *res, series *sv)
         size_t n = r->num_blocks < o->device_blocks ? r->num_blocks : o->device_blocks, m = 0, k, i;
         res->prompt_blocks += r->num_blocks; /* blocks past the device size count as misses */
         if (!n) continue;
+        if (!t.mgr && !o->bytes) { /* the device alone: the prompt in one call, as an engine without tiers */
+            check_kv(kvb_request_begin(t.pool[0], r->hashes, n, blk, &m), "kvb_request_begin");
+            res->tier_hits[TIER_DEVICE] += m;
+            rel.last_block_tokens = n == r->num_blocks ? r->last_tokens : 0;
+            check_kv(kvb_release(t.pool[0], blk, n, &rel), "kvb_release");
+            if (sv && (q % every == 0 || q + 1 == w->n)) {
+                float occ[TIER_ALL];
+                tiers_occupancy(&t, occ);
+                series_add(sv, (double)(q + 1), res->tier_hits, res->prompt_blocks, occ, tiers_fol_step(&t));
+            }
+            continue;
+        }
         kvb_match(t.pool[0], r->hashes, n, blk, &m);
         res->tier_hits[TIER_DEVICE] += m;
         k = m;
