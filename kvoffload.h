@@ -47,7 +47,9 @@
  * the job, the transfer completes and cancel waits for it.
  * kvo_transfer_cancel sweeps at once and returns only when nothing of the container is in flight.
  * Defaults (zero in the config): max batch 64 blocks, min batch 8, flush 10 ms, policy timeout 100 ms,
- * sweep 10 ms, 1 concurrent transfer, on-deck 2 batches, precondition timeout 10 s.
+ * sweep 10 ms, 1 concurrent transfer, on-deck 2 batches, precondition timeout 10 s. Offloads wait for
+ * min batch blocks or the flush interval; a load (kvo_onboard) goes at once, with whatever else waits:
+ * a request is held up until it lands.
  * Two ways to run: KVO_MODE_THREADS (one coordinator thread per pipeline; backends may have workers),
  * or KVO_MODE_POLL (no threads: kvo_pipeline_poll runs each stage once; with a clock callback and an
  * inline backend the results are fully deterministic). Both run the same stage code.
@@ -335,8 +337,8 @@ typedef struct kvo_pipeline_config {
     kvo_backend *backend;         /* required */
     kvo_mode mode;
     uint32_t max_batch;           /* blocks, default 64; at most the destination's blocks / on_deck */
-    uint32_t min_batch;           /* default 8 */
-    uint32_t flush_interval_us;   /* default 10 ms */
+    uint32_t min_batch;           /* default 8 (a load does not wait for it) */
+    uint32_t flush_interval_us;   /* default 10 ms (nor for this) */
     uint32_t policy_timeout_us;   /* default 100 ms */
     uint32_t sweep_interval_us;   /* default 10 ms */
     uint32_t max_concurrent;      /* backend jobs in flight, default 1 */
@@ -2216,8 +2218,9 @@ static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
     KVO__ARR_INSERT(pl->in_queue, at, b);
 }
 
-/* Batcher: once min_batch blocks wait (or the flush interval passed, or a drain asks), group the waiting
- * containers by priority into weak batches of at most max_batch blocks. */
+/* Batcher: once min_batch blocks wait (or the flush interval passed, or a drain asks, or an onboarding
+ * transfer waits: a request is held up until its blocks arrive, so a load goes at once, with whatever
+ * else waits), group the waiting containers by priority into weak batches of at most max_batch blocks. */
 static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
 {
     kvo__container **cs;
@@ -2225,14 +2228,20 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
     void *item;
     size_t i, j;
     uint32_t waiting = 0;
+    int load = 0;
     if (!kvo_queue_len(pl->q_batch)) return;
     {   /* count the blocks waiting: the queue holds containers */
         kvo_queue *q = pl->q_batch;
         pthread_mutex_lock(&q->lock);
-        for (i = q->head; i < stbds_arrlenu(q->items); i++) waiting += kvo__offered((kvo__container *)q->items[i].item);
+        for (i = q->head; i < stbds_arrlenu(q->items); i++) {
+            const kvo__container *c = (const kvo__container *)q->items[i].item;
+            waiting += kvo__offered(c);
+            load |= c->onboard;
+        }
         pthread_mutex_unlock(&q->lock);
     }
-    if (!pl->draining && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us) return;
+    if (!pl->draining && !load && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us)
+        return;
     KVB__ARR_SHRINK(pl->batcher_cs, 0);
     while (kvo_queue_pop(pl->q_batch, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;

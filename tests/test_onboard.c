@@ -118,6 +118,27 @@ static void test_destroy_releases_what_transfers_hold(void)
     rig_close(&r);
 }
 
+/* A load smaller than min_batch (8 by default) goes at once: a request waits for it, so the batcher
+ * does not hold it for more blocks or for the flush interval (10 ms) as it does offloads. The clock
+ * stands still here: before, the transfer stayed queued until 10 ms had passed. */
+static void test_small_load_goes_at_once(void)
+{
+    rig r;
+    rig_open(&r);
+    uint64_t start = r.clock.now;
+    kvo_transfer t = onboard(&r, r.h, 2);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 0, 10), KVO_STATUS_COMPLETE);
+    KVT_EQ(r.clock.now, start);
+    KVT_EQ(of_info(r.p, t).transferred, 2);
+    kvb_block got[2];
+    size_t n = 0;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 2, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    kvo_transfer_release(r.p, t);
+    rig_close(&r);
+}
+
 /* A hash already in G1 is returned as it is (counted present, no copy); the others are loaded. */
 static void test_onboard_present_block_is_returned(void)
 {
@@ -335,6 +356,7 @@ int main(void)
     of_watchdog(120);
     KVT_RUN(test_onboard_loads_and_registers);
     KVT_RUN(test_destroy_releases_what_transfers_hold);
+    KVT_RUN(test_small_load_goes_at_once);
     KVT_RUN(test_onboard_present_block_is_returned);
     KVT_RUN(test_miss_ends_the_prefix);
     KVT_RUN(test_take_cancel_and_release_rules);
