@@ -42,6 +42,10 @@
  *   pipeline_overhead_ns_per_block   enqueue -> Complete through the whole pipeline (KVO_MODE_POLL,
  *                         default config) with a backend that copies nothing, 64 containers of 64
  *                         metadata-only blocks, per block; _threads_: the same in KVO_MODE_THREADS
+ *   load_latency_us       kvo_onboard of 2 blocks (below the min batch) in KVO_MODE_THREADS until
+ *                         kvo_transfer_wait returns (the copy free), median of 63; thread_handoff_us:
+ *                         two threads passing a turn through a condition variable and back, interleaved
+ *                         with it (the floor of any threaded load); load_vs_handoff: their ratio
  *   disk_vs_sequential_write   disk backend (inline) writing 64 blocks of 2 MiB, fsync included / write()
  *                         of the same 128 MiB in 2 MiB chunks to the same file system with the same
  *                         O_DIRECT-ness, fsync included (the two interleaved, 7 rounds, medians);
@@ -122,6 +126,7 @@
 #define GOAL_MATCH_VS_DRAM      1.5
 #define GOAL_GATHER_VS_MEMCPY   0.9
 #define GOAL_PIPELINE_NS        1000.0
+#define GOAL_LOAD_VS_HANDOFF    10.0 /* a load costs a few thread handoffs, never a flush interval (10 ms) */
 #define GOAL_DISK_VS_SEQ_WRITE  0.8
 /* cancel_latency_ms: the pipeline's sweep interval + 1 ms (read from its resolved config) */
 #define GOAL_CANCEL_SLACK_MS    1.0
@@ -166,6 +171,7 @@
 #define PIPE_CONTAINERS     64u
 #define PIPE_BLOCKS_PER     64u       /* = the default max batch: one batch per container */
 #define PIPE_BLOCKS         (PIPE_CONTAINERS * PIPE_BLOCKS_PER)
+#define LOAD_BLOCKS         2u        /* a small load: below the default min batch (8) */
 #define DISK_BLOCKS         64u       /* 128 MiB */
 #define DISK_LAYERS         32u       /* x 8 kv heads x head dim 128 x fp16 x 16 tokens: 2 MiB blocks */
 #define DISK_KV_HEADS       8u
@@ -183,6 +189,7 @@
 #define REPS_DRAM   7
 #define REPS_COPY   9
 #define REPS_PIPE   15
+#define REPS_LOAD   63 /* summarize_interleaved keeps at most 64 */
 #define REPS_DISK   7
 #define REPS_EVICT  5
 #define REPS_SCHED  31
@@ -1021,12 +1028,114 @@ static double measure_pipeline(kvo_mode mode, uint64_t *rng)
     return ns;
 }
 
+/* -- load_latency_us -- */
+
+/* A small load a request waits for: kvo_onboard of LOAD_BLOCKS blocks in KVO_MODE_THREADS (the copy
+ * itself free), until kvo_transfer_wait returns. Its floor: two threads handing a turn to each other
+ * through a condition variable and back (a threaded pipeline needs at least that: the caller wakes the
+ * coordinator, which wakes the caller). */
+typedef struct load_bench {
+    kvo_pipeline *pl;
+    kvb_pool *dst;
+    kvb_hash hashes[LOAD_BLOCKS];
+} load_bench;
+
+typedef struct handoff {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int turn, stop; /* 1: the helper's turn, 0: the caller's */
+} handoff;
+
+typedef struct load_pair { load_bench *load; handoff *wake; } load_pair; /* the interleaved runs' context */
+
+static double load_once(void *ctx)
+{
+    load_bench *b = ((load_pair *)ctx)->load;
+    kvo_transfer t;
+    kvo_status st = 0;
+    kvb_block got[LOAD_BLOCKS];
+    size_t n = 0;
+    uint64_t t0 = now_ns();
+    expect_kvo(kvo_onboard(b->pl, b->hashes, LOAD_BLOCKS, NULL, &t), "kvo_onboard");
+    expect_kvo(kvo_transfer_wait(b->pl, t, WAIT_LIMIT_US, &st), "kvo_transfer_wait");
+    uint64_t t1 = now_ns();
+    check_transfer(b->pl, t, KVO_STATUS_COMPLETE, LOAD_BLOCKS, "load latency");
+    expect_kvo(kvo_transfer_take_blocks(b->pl, t, got, LOAD_BLOCKS, &n), "kvo_transfer_take_blocks");
+    expect_ok(kvb_release(b->dst, got, n, NULL), "kvb_release");
+    expect_kvo(kvo_transfer_release(b->pl, t), "kvo_transfer_release");
+    expect_ok(kvb_pool_reset(b->dst), "kvb_pool_reset"); /* loaded again next time, not found present */
+    return (double)(t1 - t0) / 1000.0;
+}
+
+
+static void *handoff_helper(void *arg)
+{
+    handoff *h = arg;
+    pthread_mutex_lock(&h->m);
+    for (;;) {
+        while (h->turn != 1 && !h->stop) pthread_cond_wait(&h->c, &h->m);
+        if (h->stop) break;
+        h->turn = 0;
+        pthread_cond_broadcast(&h->c);
+    }
+    pthread_mutex_unlock(&h->m);
+    return NULL;
+}
+
+static double handoff_once(void *ctx)
+{
+    handoff *h = ((load_pair *)ctx)->wake;
+    uint64_t t0 = now_ns();
+    pthread_mutex_lock(&h->m);
+    h->turn = 1;
+    pthread_cond_broadcast(&h->c);
+    while (h->turn != 0) pthread_cond_wait(&h->c, &h->m);
+    pthread_mutex_unlock(&h->m);
+    return (double)(now_ns() - t0) / 1000.0;
+}
+
+static void bench_load_latency(results *rs, uint64_t *rng)
+{
+    load_bench b;
+    kvb_block strong[LOAD_BLOCKS];
+    kvb_pool *src = create_metadata_pool(64);
+    memset(&b, 0, sizeof b);
+    b.dst = create_metadata_pool(64);
+    register_random_blocks(src, LOAD_BLOCKS, strong, b.hashes, rng);
+    expect_ok(kvb_release(src, strong, LOAD_BLOCKS, NULL), "kvb_release");
+    kvo_pipeline_config pc = { .src = src, .dst = b.dst, .backend = &noop_backend, .mode = KVO_MODE_THREADS,
+                               .presence = -1 };
+    expect_kvo(kvo_pipeline_create(&pc, &b.pl), "kvo_pipeline_create");
+    handoff h = { .turn = 0 };
+    pthread_t helper;
+    pthread_mutex_init(&h.m, NULL);
+    pthread_cond_init(&h.c, NULL);
+    if (pthread_create(&helper, NULL, handoff_helper, &h) != 0) die("load latency: pthread_create");
+    double load, wake;
+    load_pair pair = { &b, &h };
+    summarize_interleaved(MEDIAN, REPS_LOAD, handoff_once, load_once, &pair, &wake, &load);
+    pthread_mutex_lock(&h.m);
+    h.stop = 1;
+    pthread_cond_broadcast(&h.c);
+    pthread_mutex_unlock(&h.m);
+    pthread_join(helper, NULL);
+    kvo_pipeline_destroy(b.pl);
+    check_pool(src, "after the load latency benchmark (source)");
+    check_pool(b.dst, "after the load latency benchmark (destination)");
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(b.dst);
+    results_add(rs, "load_latency_us", load, "us", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "thread_handoff_us", wake, "us", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "load_vs_handoff", load / wake, "ratio", GOAL_LOAD_VS_HANDOFF, GOAL_AT_MOST);
+}
+
 static void bench_pipeline(results *rs, uint64_t *rng)
 {
     double poll = measure_pipeline(KVO_MODE_POLL, rng);
     double threads = measure_pipeline(KVO_MODE_THREADS, rng);
     results_add(rs, "pipeline_overhead_ns_per_block", poll, "ns/block", GOAL_PIPELINE_NS, GOAL_AT_MOST);
     results_add(rs, "pipeline_overhead_threads_ns_per_block", threads, "ns/block", NO_GOAL, GOAL_AT_MOST);
+    bench_load_latency(rs, rng);
 }
 
 /* -- disk_vs_sequential_write -- */
