@@ -94,6 +94,8 @@
  * kvc_copy_on_host carries out the same plan on the CPU (for tests and for looking at a plan).
  * Completion: an event recorded after the copies, polled by one small worker thread per direction,
  * which calls job->done with a result per copy (config.sync = 1: submit waits and calls done itself).
+ * Between polls a worker sleeps half the time the copies should still take at the speed its recent
+ * jobs ran at, then poll_us once they are due: a long job costs a few wake-ups, not one per poll_us.
  * A copy whose block index is out of range fails alone with KVB_ERANGE; a CUDA error fails every copy
  * of the job with KVC_ECUDA and a message naming the call and the CUDA error. Nothing aborts.
  *
@@ -292,7 +294,8 @@ typedef struct kvc_backend_config {
     uint32_t kernel_blocks;      /* thread blocks of the copy kernel, default 16 */
     uint32_t kernel_threads;     /* threads per block, a multiple of 32 up to 1024, default 512 */
     int sync;                    /* 1: submit waits for the copies and calls done before it returns */
-    uint32_t poll_us;            /* how often the completion workers poll their event, default 10 us */
+    uint32_t poll_us;            /* how often the completion workers poll their event once the copies
+                                    are due (before: longer sleeps, see section 3), default 10 us */
 } kvc_backend_config;
 
 typedef struct kvc_backend_stats {
