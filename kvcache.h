@@ -4445,8 +4445,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * kvo_transfer_cancel sweeps at once and returns only when nothing of the container is in flight.
  * Defaults (zero in the config): max batch 64 blocks, min batch 8, flush 10 ms, policy timeout 100 ms,
  * sweep 10 ms, 1 concurrent transfer, on-deck 2 batches, precondition timeout 10 s. Offloads wait for
- * min batch blocks or the flush interval; a load (kvo_onboard) goes at once, with whatever else waits:
- * a request is held up until it lands.
+ * min batch blocks or the flush interval; a load (kvo_onboard) goes as soon as the backend can take it,
+ * with whatever else waits: a request is held up until it lands.
  * Two ways to run: KVO_MODE_THREADS (one coordinator thread per pipeline; backends may have workers),
  * or KVO_MODE_POLL (no threads: kvo_pipeline_poll runs each stage once; with a clock callback and an
  * inline backend the results are fully deterministic). Both run the same stage code.
@@ -6616,8 +6616,10 @@ static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
 }
 
 /* Batcher: once min_batch blocks wait (or the flush interval passed, or a drain asks, or an onboarding
- * transfer waits: a request is held up until its blocks arrive, so a load goes at once, with whatever
- * else waits), group the waiting containers by priority into weak batches of at most max_batch blocks. */
+ * transfer waits and the backend could take a batch now: a request is held up until its blocks arrive,
+ * so a load goes at once, with whatever else waits; while the backend is busy, loads that come meanwhile
+ * join one batch), group the waiting containers by priority into weak batches of at most max_batch
+ * blocks. */
 static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
 {
     kvo__container **cs;
@@ -6637,6 +6639,8 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
         }
         pthread_mutex_unlock(&q->lock);
     }
+    if (load && (pl->executing >= pl->cfg.max_concurrent || stbds_arrlen(pl->on_deck) || stbds_arrlen(pl->in_queue)))
+        load = 0; /* it could not start now anyway: what comes meanwhile joins its batch */
     if (!pl->draining && !load && waiting < pl->cfg.min_batch && now - pl->batch_since < pl->cfg.flush_interval_us)
         return;
     KVB__ARR_SHRINK(pl->batcher_cs, 0);

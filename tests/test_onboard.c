@@ -139,6 +139,55 @@ static void test_small_load_goes_at_once(void)
     rig_close(&r);
 }
 
+/* ... but while the backend is busy (its one job in flight), loads that arrive meanwhile wait and share
+ * batches of min_batch blocks instead of becoming one job each: one 1-block load goes at once, the 16
+ * after it (one every 100 us) go as two jobs once the first is done. */
+static void test_loads_share_batches_while_the_backend_is_busy(void)
+{
+    enum { LATER = 16 };
+    kvb_pool *g2 = of_mem_pool(64, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g1 = of_mem_pool(64, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    of_backend *w = of_backend_wrap(mem);
+    of_clock clock = {5000000};
+    kvb_hash h[LATER + 1];
+    kvb_weak wk[LATER + 1];
+    kvo_transfer t[LATER + 1];
+    for (int i = 0; i <= LATER; i++) { /* independent 1-block prompts */
+        of_chain(200 + (uint64_t)i, 1, &h[i]);
+        of_register(g2, &h[i], 1, NULL, &wk[i]);
+    }
+    kvo_pipeline_config pc = of_config(g2, g1, of_backend_iface(w), KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    of_backend_set_hold(w, 1);
+    for (int i = 0; i <= LATER; i++) {
+        KVT_EQ(kvo_onboard(p, &h[i], 1, NULL, &t[i]), KVO_OK);
+        KVT_EQ(kvo_pipeline_poll(p), KVO_OK);
+        clock.now += 100;
+    }
+    KVT_EQ(w->jobs, 1); /* the first load; the others wait behind it */
+    of_backend_set_hold(w, 0);
+    of_backend_release(w);
+    for (int i = 0; i <= LATER; i++) KVT_EQ(of_pump(p, &clock, t[i], 100, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(w->jobs, 3);
+    KVT_EQ(w->copies, LATER + 1);
+    for (int i = 0; i <= LATER; i++) {
+        kvb_block b;
+        size_t n = 0;
+        KVT_EQ(kvo_transfer_take_blocks(p, t[i], &b, 1, &n), KVO_OK);
+        KVT_EQ(n, 1);
+        if (n) KVT_EQ(kvb_release(g1, &b, 1, NULL), KVB_OK);
+        kvo_transfer_release(p, t[i]);
+    }
+    kvo_pipeline_destroy(p);
+    KVT_EQ(of_active(g1), 0);
+    KVT_EQ(of_active(g2), 0);
+    kvo_backend_destroy(of_backend_iface(w));
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+}
+
 /* A hash already in G1 is returned as it is (counted present, no copy); the others are loaded. */
 static void test_onboard_present_block_is_returned(void)
 {
@@ -357,6 +406,7 @@ int main(void)
     KVT_RUN(test_onboard_loads_and_registers);
     KVT_RUN(test_destroy_releases_what_transfers_hold);
     KVT_RUN(test_small_load_goes_at_once);
+    KVT_RUN(test_loads_share_batches_while_the_backend_is_busy);
     KVT_RUN(test_onboard_present_block_is_returned);
     KVT_RUN(test_miss_ends_the_prefix);
     KVT_RUN(test_take_cancel_and_release_rules);
