@@ -19,6 +19,8 @@
  *   submit_vs_floor             submit / floor (and _block_contiguous), the median of the 200 jobs' own
  *                               ratios (each job's floor measured next to it): what kvcuda adds
  *   pinned_alloc_gbps           kvc_pinned_alloc of 1 GiB (mmap, parallel first touch, cudaHostRegister)
+ *   scattered_after_small_jobs_vs_contiguous   the scattered device -> pinned job again, after 100
+ *                               one-block jobs on the same backend / the contiguous copy
  *   copy_cpu_share              CPU time of the process / wall time while the scattered jobs above ran
  *                               (the submitting thread sleeps meanwhile: the share is the completion
  *                               workers' polling), in cores
@@ -352,6 +354,21 @@ static int run(kvc_context *ctx, int json)
         add("submit_floor_us_per_block_block_contiguous", median(flo_bc, SUBMIT_JOBS) * per, "us", NAN, 1);
         add("submit_vs_floor_block_contiguous", median(rb, SUBMIT_JOBS), "ratio", 1.5, 1);
         kvo_backend_destroy(sub);
+    }
+
+    /* the big scattered job again, on the same backend, right after 100 one-block jobs: its completion
+     * worker must not have learnt from them to sleep past the big job's end */
+    {
+        uint32_t a1, b1;
+        int ok1 = 1;
+        for (int k = 0; k < 100; k++) {
+            random_ids(&seed, DEV_BLOCKS, &a1, 1);
+            random_ids(&seed, HOST_BLOCKS, &b1, 1);
+            if (run_job(be, dev_ls, host_ls, &a1, &b1, 1, NULL) != KVO_OK) ok1 = 0;
+        }
+        double after = scattered_time(be, dev_ls, host_ls, si, di, SCATTER, &ok);
+        if (!ok1) ok = 0;
+        add("scattered_after_small_jobs_vs_contiguous", t_d2h / after, "ratio", 0.8, 0);
     }
     kvc_backend_stats st;
     kvc_backend_get_stats(be, &st);
