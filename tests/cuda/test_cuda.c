@@ -823,6 +823,55 @@ static int device_blocks_equal(kvc_context *ctx, kvb_pool *pool, uint32_t a, uin
         }
     return 1;
 }
+
+/* Every page of block b of a device pool set to bytes from seed. 1: done. */
+static int device_block_fill(kvc_context *ctx, kvb_pool *pool, uint32_t b, uint64_t seed)
+{
+    void *base = NULL;
+    kvb_layout l;
+    unsigned char page[4096];
+    uint32_t n = num_blocks_of(pool);
+    if (kvb_pool_storage(pool, &base, NULL, NULL, &l) != KVB_OK || l.page_bytes > sizeof page) return 0;
+    for (uint32_t layer = 0; layer < l.num_layers; layer++)
+        for (uint32_t q = 0; q < l.num_parts; q++) {
+            for (uint64_t j = 0; j < l.page_bytes; j++) page[j] = (unsigned char)(rng_next(&seed) >> 29);
+            if (kvc_memcpy(ctx, (unsigned char *)base + kvb_layout_offset(&l, n, b, layer, q), page,
+                           (size_t)l.page_bytes) != KVC_OK)
+                return 0;
+        }
+    return 1;
+}
+
+/* A job submitted and waited for, without the test macros (the submitters are threads): its result. */
+static int cs_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n,
+                  int *results)
+{
+    waiter w;
+    kvo_copy_job job;
+    memset(&w, 0, sizeof w);
+    pthread_mutex_init(&w.m, NULL);
+    pthread_cond_init(&w.c, NULL);
+    memset(&job, 0, sizeof job);
+    job.src = src;
+    job.dst = dst;
+    job.src_idx = si;
+    job.dst_idx = di;
+    job.n = n;
+    job.results = results;
+    job.done = job_done;
+    job.user = &w;
+    int r = be->submit(be, &job);
+    if (r == KVO_OK) {
+        pthread_mutex_lock(&w.m);
+        while (!w.done) pthread_cond_wait(&w.c, &w.m);
+        pthread_mutex_unlock(&w.m);
+        r = w.calls == 1 ? w.result : -1;
+    }
+    pthread_mutex_destroy(&w.m);
+    pthread_cond_destroy(&w.c);
+    return r;
+}
+
 typedef struct cs_arg {
     kvc_context *ctx;
     kvo_backend *be;
@@ -831,18 +880,20 @@ typedef struct cs_arg {
     int t, bad, failed;
 } cs_arg;
 
+/* Each round: new bytes in the blocks going out, other new bytes where they come back, so every round's
+ * copies in both directions must have happened for the blocks to match. */
 static void *cs_main(void *p)
 {
     cs_arg *a = (cs_arg *)p;
     uint64_t seed = 0x1234567ull * (uint64_t)(a->t + 1);
     uint32_t di[CS_JOB], hi[CS_JOB], bi[CS_JOB];
     int res[CS_JOB];
-    char msg[256];
     for (int round = 0; round < CS_ROUNDS; round++) {
         unsigned char used[2 * CS_PER], usedh[CS_PER];
         memset(used, 0, sizeof used);
         memset(usedh, 0, sizeof usedh);
-        for (int i = 0; i < CS_JOB; i++) { /* distinct ids: device in its first half, back to its second */
+        size_t n = 1 + (size_t)(rng_next(&seed) % CS_JOB);
+        for (size_t i = 0; i < n; i++) { /* distinct ids: device in its first half, back to its second */
             uint32_t x, y;
             do x = (uint32_t)(rng_next(&seed) % CS_PER); while (used[x]);
             used[x] = 1;
@@ -851,10 +902,12 @@ static void *cs_main(void *p)
             di[i] = (uint32_t)(a->t * 2 * CS_PER) + x;
             hi[i] = (uint32_t)(a->t * CS_PER) + y;
             bi[i] = (uint32_t)(a->t * 2 * CS_PER + CS_PER) + x;
+            if (!device_block_fill(a->ctx, a->dev, di[i], rng_next(&seed)) ||
+                !device_block_fill(a->ctx, a->dev, bi[i], rng_next(&seed)))
+                a->failed++;
         }
-        size_t n = 1 + (size_t)(rng_next(&seed) % CS_JOB);
-        if (run_job(a->be, a->dev, a->host, di, hi, n, res, NULL, msg) != KVO_OK) a->failed++;
-        if (run_job(a->be, a->host, a->dev, hi, bi, n, res, NULL, msg) != KVO_OK) a->failed++;
+        if (cs_job(a->be, a->dev, a->host, di, hi, n, res) != KVO_OK) a->failed++;
+        if (cs_job(a->be, a->host, a->dev, hi, bi, n, res) != KVO_OK) a->failed++;
         for (size_t i = 0; i < n; i++) /* the block went out and came back: compare on the device side */
             a->bad += !device_blocks_equal(a->ctx, a->dev, di[i], bi[i]);
     }
@@ -870,9 +923,9 @@ static void test_concurrent_submitters(void)
     kvo_backend *be = NULL;
     KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
     if (!dev || !host || !be) return;
-    fill_random(ctx, dev, 77);
     pthread_t th[CS_THREADS];
     cs_arg args[CS_THREADS];
+    int started[CS_THREADS] = {0}, bad = 0, failed = 0;
     for (int t = 0; t < CS_THREADS; t++) {
         memset(&args[t], 0, sizeof args[t]);
         args[t].ctx = ctx;
@@ -880,10 +933,11 @@ static void test_concurrent_submitters(void)
         args[t].dev = dev;
         args[t].host = host;
         args[t].t = t;
-        KVT_EQ(pthread_create(&th[t], NULL, cs_main, &args[t]), 0);
+        started[t] = pthread_create(&th[t], NULL, cs_main, &args[t]) == 0;
+        KVT_CHECK(started[t]);
     }
-    int bad = 0, failed = 0;
     for (int t = 0; t < CS_THREADS; t++) {
+        if (!started[t]) continue;
         pthread_join(th[t], NULL);
         bad += args[t].bad;
         failed += args[t].failed;
