@@ -527,25 +527,33 @@ static kvc_memory kvc__classify(const void *p, void **dev, int *device)
     }
 }
 
+/* The context's allocation holding p, copied to *out. 0: none. */
+static int kvc__alloc_of(kvc_context *ctx, const void *p, kvc__alloc *out)
+{
+    const unsigned char *q = (const unsigned char *)p;
+    size_t i;
+    int found = 0;
+    pthread_mutex_lock(&ctx->lock);
+    for (i = 0; i < ctx->n_allocs && !found; i++) {
+        const unsigned char *b = (const unsigned char *)ctx->allocs[i].ptr;
+        if (q >= b && q < b + ctx->allocs[i].bytes) {
+            *out = ctx->allocs[i];
+            found = 1;
+        }
+    }
+    pthread_mutex_unlock(&ctx->lock);
+    return found;
+}
+
 extern "C" kvc_result kvc_memory_kind(kvc_context *ctx, const void *ptr, kvc_memory *out)
 {
     kvc_result r;
-    size_t i;
+    kvc__alloc a;
     void *dev;
     int device;
     if (!ptr || !out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_memory_kind: NULL argument") : KVC_EINVAL;
     if ((r = kvc__enter(ctx)) != KVC_OK) return r;
-    *out = KVC_MEMORY_UNKNOWN;
-    pthread_mutex_lock(&ctx->lock);
-    for (i = 0; i < ctx->n_allocs; i++) {
-        const unsigned char *b = (const unsigned char *)ctx->allocs[i].ptr;
-        if ((const unsigned char *)ptr >= b && (const unsigned char *)ptr < b + ctx->allocs[i].bytes) {
-            *out = ctx->allocs[i].kind;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&ctx->lock);
-    if (*out == KVC_MEMORY_UNKNOWN) *out = kvc__classify(ptr, &dev, &device);
+    *out = kvc__alloc_of(ctx, ptr, &a) ? a.kind : kvc__classify(ptr, &dev, &device);
     return KVC_OK;
 }
 
@@ -855,22 +863,11 @@ static int kvc__grow(void **p, size_t *cap, size_t need, size_t size)
  * else from the driver. */
 static kvc_memory kvc__classify_in(kvc_context *ctx, const void *p, void **dev, int *device)
 {
-    const unsigned char *q = (const unsigned char *)p;
-    kvc_memory kind = KVC_MEMORY_UNKNOWN;
-    size_t i;
-    pthread_mutex_lock(&ctx->lock);
-    for (i = 0; i < ctx->n_allocs; i++) {
-        const kvc__alloc *a = &ctx->allocs[i];
-        const unsigned char *b = (const unsigned char *)a->ptr;
-        if (q >= b && q < b + a->bytes) {
-            kind = a->seen;
-            *dev = a->dev ? (unsigned char *)a->dev + (q - b) : NULL;
-            *device = a->device;
-            break;
-        }
-    }
-    pthread_mutex_unlock(&ctx->lock);
-    return kind != KVC_MEMORY_UNKNOWN ? kind : kvc__classify(p, dev, device);
+    kvc__alloc a;
+    if (!kvc__alloc_of(ctx, p, &a)) return kvc__classify(p, dev, device);
+    *dev = a.dev ? (unsigned char *)a.dev + ((const unsigned char *)p - (const unsigned char *)a.ptr) : NULL;
+    *device = a.device;
+    return a.seen;
 }
 
 /* Storage, geometry and (ctx given) memory kind of a pool; without ctx, host memory. 0: no storage. */

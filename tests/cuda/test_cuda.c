@@ -111,9 +111,11 @@ static void job_done(kvo_copy_job *job, int result, const char *message)
     pthread_mutex_unlock(&w->m);
 }
 
-/* Submit a job src -> dst and wait for its done; returns the job's overall result. */
-static int run_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n,
-                   int *results, uint64_t *bytes, char *message)
+/* Submit a job src -> dst and wait for its done, without the test macros (submitting threads call it):
+ * *submitted gets the submit's result, *calls the done calls seen; returns the job's overall result (the
+ * submit's error when it failed). bytes and message may be NULL. */
+static int submit_wait(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di,
+                       size_t n, int *results, int *submitted, int *calls, uint64_t *bytes, char *message)
 {
     waiter w;
     kvo_copy_job job;
@@ -129,20 +131,30 @@ static int run_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t
     job.results = results;
     job.done = job_done;
     job.user = &w;
-    for (size_t i = 0; i < n; i++) results[i] = KVO_EBACKEND;
-    int r = be->submit(be, &job);
-    KVT_EQ(r, KVO_OK);
+    int r = *submitted = be->submit(be, &job);
     if (r == KVO_OK) {
         pthread_mutex_lock(&w.m);
         while (!w.done) pthread_cond_wait(&w.c, &w.m);
         pthread_mutex_unlock(&w.m);
-        KVT_EQ(w.calls, 1);
         r = w.result;
     }
+    *calls = w.calls;
     if (bytes) *bytes = job.bytes;
     if (message) snprintf(message, 256, "%s", w.message);
     pthread_mutex_destroy(&w.m);
     pthread_cond_destroy(&w.c);
+    return r;
+}
+
+/* Submit a job src -> dst and wait for its done; returns the job's overall result. */
+static int run_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n,
+                   int *results, uint64_t *bytes, char *message)
+{
+    int submitted = 0, calls = 0, r;
+    for (size_t i = 0; i < n; i++) results[i] = KVO_EBACKEND;
+    r = submit_wait(be, src, dst, si, di, n, results, &submitted, &calls, bytes, message);
+    KVT_EQ(submitted, KVO_OK);
+    if (submitted == KVO_OK) KVT_EQ(calls, 1);
     return r;
 }
 
@@ -842,34 +854,13 @@ static int device_block_fill(kvc_context *ctx, kvb_pool *pool, uint32_t b, uint6
     return 1;
 }
 
-/* A job submitted and waited for, without the test macros (the submitters are threads): its result. */
+/* A job submitted and waited for from a submitting thread: its result, -1 when done was not called once. */
 static int cs_job(kvo_backend *be, kvb_pool *src, kvb_pool *dst, const uint32_t *si, const uint32_t *di, size_t n,
                   int *results)
 {
-    waiter w;
-    kvo_copy_job job;
-    memset(&w, 0, sizeof w);
-    pthread_mutex_init(&w.m, NULL);
-    pthread_cond_init(&w.c, NULL);
-    memset(&job, 0, sizeof job);
-    job.src = src;
-    job.dst = dst;
-    job.src_idx = si;
-    job.dst_idx = di;
-    job.n = n;
-    job.results = results;
-    job.done = job_done;
-    job.user = &w;
-    int r = be->submit(be, &job);
-    if (r == KVO_OK) {
-        pthread_mutex_lock(&w.m);
-        while (!w.done) pthread_cond_wait(&w.c, &w.m);
-        pthread_mutex_unlock(&w.m);
-        r = w.calls == 1 ? w.result : -1;
-    }
-    pthread_mutex_destroy(&w.m);
-    pthread_cond_destroy(&w.c);
-    return r;
+    int submitted = 0, calls = 0;
+    int r = submit_wait(be, src, dst, si, di, n, results, &submitted, &calls, NULL, NULL);
+    return submitted == KVO_OK && calls != 1 ? -1 : r;
 }
 
 typedef struct cs_arg {
