@@ -120,13 +120,34 @@ static kvc_result kvc__cuda_fail(kvc_context *ctx, cudaError_t e, const char *wh
     return kvc__fail(ctx, code, "%s failed: %s", what, kvc__cuda_text(e, t, sizeof t));
 }
 
-/* KVC_OK when ctx may be used; selects its device on this thread. */
-static kvc_result kvc__enter(kvc_context *ctx)
+/* A call selects its context's device on the calling thread and gives the caller's back when it
+ * returns: an engine that drives several GPUs from one thread keeps the device it chose. */
+struct kvc__device_scope {
+    int prev; /* the caller's device, where the call changed it; -1 = unchanged */
+    kvc__device_scope() : prev(-1) {}
+    ~kvc__device_scope()
+    {
+        if (prev >= 0) cudaSetDevice(prev);
+    }
+    kvc__device_scope(const kvc__device_scope &) = delete;
+    kvc__device_scope &operator=(const kvc__device_scope &) = delete;
+};
+
+static cudaError_t kvc__select(kvc__device_scope *scope, int device)
+{
+    int cur = -1;
+    if (cudaGetDevice(&cur) == cudaSuccess && cur == device) return cudaSuccess;
+    if (scope->prev < 0 && cur >= 0) scope->prev = cur;
+    return cudaSetDevice(device);
+}
+
+/* KVC_OK when ctx may be used; selects its device on this thread until `scope` ends. */
+static kvc_result kvc__enter(kvc_context *ctx, kvc__device_scope *scope)
 {
     cudaError_t e;
     if (!ctx) return KVC_EINVAL;
     if (ctx->status != KVC_OK) return ctx->status;
-    e = cudaSetDevice(ctx->device);
+    e = kvc__select(scope, ctx->device);
     if (e != cudaSuccess) return kvc__cuda_fail(ctx, e, "cudaSetDevice");
     return KVC_OK;
 }
@@ -167,6 +188,7 @@ extern "C" kvc_result kvc_probe(kvc_probe_info *out)
 
 extern "C" kvc_result kvc_context_create(int device, kvc_context **out)
 {
+    kvc__device_scope ds;
     kvc_context *ctx;
     kvc_probe_info p;
     kvc_result r;
@@ -189,7 +211,7 @@ extern "C" kvc_result kvc_context_create(int device, kvc_context **out)
     if (device < 0 || device >= p.device_count)
         return ctx->status = kvc__fail(ctx, KVC_ENODEVICE, "no CUDA device %d: %d device(s) present", device,
                                        p.device_count);
-    e = cudaSetDevice(device);
+    e = kvc__select(&ds, device);
     if (e == cudaSuccess) e = cudaGetDeviceProperties(&prop, device);
     if (e != cudaSuccess) {
         r = kvc__cuda_fail(ctx, e, "initializing the CUDA device");
@@ -237,10 +259,11 @@ static void kvc__free_alloc(const kvc__alloc *a)
 
 extern "C" void kvc_context_destroy(kvc_context *ctx)
 {
+    kvc__device_scope ds;
     size_t i;
     if (!ctx) return;
     if (ctx->status == KVC_OK) {
-        cudaSetDevice(ctx->device);
+        kvc__select(&ds, ctx->device);
         for (i = 0; i < 2; i++) cudaStreamSynchronize(ctx->stream[i]);
     }
     for (i = 0; i < ctx->n_allocs; i++) kvc__free_alloc(&ctx->allocs[i]);
@@ -279,10 +302,11 @@ extern "C" kvc_result kvc_context_status(const kvc_context *ctx)
 
 extern "C" kvc_result kvc_get_device_info(kvc_context *ctx, kvc_device_info *out)
 {
+    kvc__device_scope ds;
     kvc_result r;
     size_t fr = 0, tot = 0;
     if (!out) return KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     *out = ctx->info;
     out->batch_copy = __atomic_load_n(&ctx->batch_ok, __ATOMIC_RELAXED);
     if (cudaMemGetInfo(&fr, &tot) == cudaSuccess) out->free_bytes = fr;
@@ -298,9 +322,10 @@ extern "C" void *kvc_stream(kvc_context *ctx, kvc_direction direction)
 
 extern "C" kvc_result kvc_synchronize(kvc_context *ctx)
 {
+    kvc__device_scope ds;
     kvc_result r;
     int i;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     for (i = 0; i < 2; i++) {
         cudaError_t e = cudaStreamSynchronize(ctx->stream[i]);
         if (e != cudaSuccess) return kvc__cuda_fail(ctx, e, "cudaStreamSynchronize");
@@ -356,13 +381,14 @@ static int kvc__forget(kvc_context *ctx, void *ptr, kvc_memory kind, kvc__alloc 
 
 extern "C" kvc_result kvc_device_alloc(kvc_context *ctx, size_t bytes, void **out)
 {
+    kvc__device_scope ds;
     kvc_result r;
     kvc__alloc a;
     cudaError_t e;
     void *p = NULL;
     char t[160];
     if (!out || !bytes) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_device_alloc: NULL out or 0 bytes") : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     e = cudaMalloc(&p, bytes);
     if (e != cudaSuccess) {
         size_t fr = 0, tot = 0;
@@ -391,11 +417,12 @@ extern "C" kvc_result kvc_device_alloc(kvc_context *ctx, size_t bytes, void **ou
 
 extern "C" kvc_result kvc_device_free(kvc_context *ctx, void *ptr)
 {
+    kvc__device_scope ds;
     kvc__alloc a;
     if (!ctx || !ptr) return KVC_EINVAL;
     if (!kvc__forget(ctx, ptr, KVC_MEMORY_DEVICE, &a))
         return kvc__fail(ctx, KVC_ENOTFOUND, "kvc_device_free: %p is not device memory of this context", ptr);
-    if (ctx->status == KVC_OK) cudaSetDevice(ctx->device);
+    if (ctx->status == KVC_OK) kvc__select(&ds, ctx->device);
     kvc__free_alloc(&a);
     return KVC_OK;
 }
@@ -442,6 +469,7 @@ static void kvc__first_touch(unsigned char *p, size_t len, size_t page)
 
 extern "C" kvc_result kvc_pinned_alloc(kvc_context *ctx, size_t bytes, void **out)
 {
+    kvc__device_scope ds;
     kvc_result r;
     kvc__alloc a;
     cudaError_t e;
@@ -449,7 +477,7 @@ extern "C" kvc_result kvc_pinned_alloc(kvc_context *ctx, size_t bytes, void **ou
     void *p;
     char reg[224] = "", t[160];
     if (!out || !bytes) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_pinned_alloc: NULL out or 0 bytes") : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     if (page < 4096) page = 4096;
     len = (bytes + page - 1) / page * page;
     memset(&a, 0, sizeof a);
@@ -491,11 +519,12 @@ extern "C" kvc_result kvc_pinned_alloc(kvc_context *ctx, size_t bytes, void **ou
 
 extern "C" kvc_result kvc_pinned_free(kvc_context *ctx, void *ptr)
 {
+    kvc__device_scope ds;
     kvc__alloc a;
     if (!ctx || !ptr) return KVC_EINVAL;
     if (!kvc__forget(ctx, ptr, KVC_MEMORY_PINNED, &a))
         return kvc__fail(ctx, KVC_ENOTFOUND, "kvc_pinned_free: %p is not pinned memory of this context", ptr);
-    if (ctx->status == KVC_OK) cudaSetDevice(ctx->device);
+    if (ctx->status == KVC_OK) kvc__select(&ds, ctx->device);
     kvc__free_alloc(&a);
     return KVC_OK;
 }
@@ -547,22 +576,24 @@ static int kvc__alloc_of(kvc_context *ctx, const void *p, kvc__alloc *out)
 
 extern "C" kvc_result kvc_memory_kind(kvc_context *ctx, const void *ptr, kvc_memory *out)
 {
+    kvc__device_scope ds;
     kvc_result r;
     kvc__alloc a;
     void *dev;
     int device;
     if (!ptr || !out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_memory_kind: NULL argument") : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     *out = kvc__alloc_of(ctx, ptr, &a) ? a.kind : kvc__classify(ptr, &dev, &device);
     return KVC_OK;
 }
 
 extern "C" kvc_result kvc_memcpy(kvc_context *ctx, void *dst, const void *src, size_t bytes)
 {
+    kvc__device_scope ds;
     kvc_result r;
     cudaError_t e;
     if (!dst || !src) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_memcpy: NULL pointer") : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     if (!bytes) return KVC_OK;
     e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
     if (e != cudaSuccess) return kvc__cuda_fail(ctx, e, "cudaMemcpy");
@@ -573,6 +604,7 @@ extern "C" kvc_result kvc_memcpy(kvc_context *ctx, void *dst, const void *src, s
 
 extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where, kvb_pool_config *config)
 {
+    kvc__device_scope ds;
     kvc_result r;
     kvb_layout l;
     uint64_t per_block, total;
@@ -580,7 +612,7 @@ extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where,
     if (!config || (where != KVC_MEMORY_DEVICE && where != KVC_MEMORY_PINNED))
         return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_pool_storage_alloc: NULL config or memory kind not device/pinned")
                    : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     l = config->layout;
     if (!l.num_layers) l.num_layers = 1;
     if (!l.num_parts) l.num_parts = 2;
@@ -605,10 +637,11 @@ extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where,
  * stream only, so offloads in flight on the copy streams do not hold the pool's lock. */
 extern "C" int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
 {
+    kvc__device_scope ds;
     kvc_context *ctx = (kvc_context *)user;
     cudaError_t e = cudaSuccess;
     size_t i;
-    if (kvc__enter(ctx) != KVC_OK) return -1;
+    if (kvc__enter(ctx, &ds) != KVC_OK) return -1;
     for (i = 0; i < n && e == cudaSuccess; i++)
         e = cudaMemcpyAsync(dst[i], src[i], (size_t)bytes, cudaMemcpyDeviceToDevice, ctx->cow_stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(ctx->cow_stream);
@@ -672,11 +705,12 @@ static int kvc__event_query_cb(void *user) { return kvc_event_query((kvc_event *
 
 extern "C" kvc_result kvc_event_create(kvc_context *ctx, kvc_event **out)
 {
+    kvc__device_scope ds;
     kvc_result r;
     kvc_event *ev;
     cudaError_t e;
     if (!out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_event_create: NULL out") : KVC_EINVAL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     ev = (kvc_event *)calloc(1, sizeof *ev);
     if (!ev) return kvc__fail(ctx, KVC_ENOMEM, "kvc_event_create: out of host memory");
     ev->ctx = ctx;
@@ -696,10 +730,11 @@ extern "C" kvc_result kvc_event_create(kvc_context *ctx, kvc_event **out)
 
 extern "C" kvc_result kvc_event_record(kvc_event *event, void *stream)
 {
+    kvc__device_scope ds;
     kvc_result r;
     cudaError_t e;
     if (!event) return KVC_EINVAL;
-    if ((r = kvc__enter(event->ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(event->ctx, &ds)) != KVC_OK) return r;
     e = cudaEventRecord(event->ev, (cudaStream_t)stream);
     if (e != cudaSuccess) return kvc__cuda_fail(event->ctx, e, "cudaEventRecord");
     return KVC_OK;
@@ -708,8 +743,11 @@ extern "C" kvc_result kvc_event_record(kvc_event *event, void *stream)
 extern "C" int kvc_event_query(kvc_event *event)
 {
     cudaError_t e;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
     if (!event) return KVC_EINVAL;
+    cudaThreadExchangeStreamCaptureMode(&mode); /* see kvc__submit */
     e = cudaEventQuery(event->ev);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     if (e == cudaSuccess) return 1;
     if (e == cudaErrorNotReady) return 0;
     return kvc__cuda_fail(event->ctx, e, "cudaEventQuery (precondition event)");
@@ -892,10 +930,12 @@ static int kvc__side_of(kvc_context *ctx, kvb_pool *pool, kvc__side *s)
     return 1;
 }
 
+/* The same pages on both sides, and few enough (layers x parts) per block for a plan's 32-bit count. */
 static int kvc__same_pages(const kvc__side *s, const kvc__side *d)
 {
     return s->layout.num_layers == d->layout.num_layers && s->layout.num_parts == d->layout.num_parts &&
-           s->layout.page_bytes == d->layout.page_bytes;
+           s->layout.page_bytes == d->layout.page_bytes &&
+           (uint64_t)s->layout.num_layers * s->layout.num_parts <= UINT32_MAX;
 }
 
 /* Offset of block b's first page (layer 0, part 0). */
@@ -1143,11 +1183,13 @@ static void kvc__enqueue_dma(kvc__backend *b, kvc__op *op, const kvc__side *s, c
     }
 }
 
-/* The launch's error, if any, becomes the op's. */
-static void kvc__launched(kvc__backend *b, kvc__op *op, unsigned grid, unsigned long long items)
+/* The launch's error, if any, becomes the op's. cudaLaunchKernel returns the launch's own error: a
+ * cudaGetLastError after <<<>>> would also return an earlier failure left on the calling thread. */
+static void kvc__launch(kvc__backend *b, kvc__op *op, const void *kernel, void **args, unsigned grid,
+                        unsigned long long items, cudaStream_t st)
 {
     char t[160];
-    cudaError_t e = cudaGetLastError();
+    cudaError_t e = cudaLaunchKernel(kernel, dim3(grid), dim3(b->cfg.kernel_threads), args, 0, st);
     if (e != cudaSuccess)
         kvc__op_set_error(op, KVC_ECUDA, "kvcuda: copy kernel launch (%u x %u threads, %llu items) failed: %s", grid,
                           b->cfg.kernel_threads, items, kvc__cuda_text(e, t, sizeof t));
@@ -1156,7 +1198,8 @@ static void kvc__launched(kvc__backend *b, kvc__op *op, unsigned grid, unsigned 
 static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s, const kvc__side *d, cudaStream_t st)
 {
     size_t n, need = kvc__descs_needed(op);
-    unsigned long long items;
+    unsigned long long items, sstride = op->sstride, dstride = op->dstride;
+    unsigned count = op->count;
     unsigned grid;
     cudaError_t e;
     char t[160];
@@ -1165,8 +1208,8 @@ static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s
         n = kvc__build_descs(op, inl.d, s->dev, d->dev);
         items = (unsigned long long)n * op->count;
         grid = items < b->cfg.kernel_blocks ? (unsigned)items : b->cfg.kernel_blocks;
-        kvc__copy_kernel_inline<<<grid, b->cfg.kernel_threads, 0, st>>>(inl, items, op->count, op->sstride, op->dstride);
-        kvc__launched(b, op, grid, items);
+        void *args[] = {&inl, &items, &count, &sstride, &dstride};
+        kvc__launch(b, op, (const void *)kvc__copy_kernel_inline, args, grid, items, st);
         return;
     }
     if (need > op->cap_desc) {
@@ -1194,8 +1237,11 @@ static void kvc__enqueue_kernel(kvc__backend *b, kvc__op *op, const kvc__side *s
     }
     items = (unsigned long long)n * op->count;
     grid = items < b->cfg.kernel_blocks ? (unsigned)items : b->cfg.kernel_blocks;
-    kvc__copy_kernel<<<grid, b->cfg.kernel_threads, 0, st>>>(op->ddesc, items, op->count, op->sstride, op->dstride);
-    kvc__launched(b, op, grid, items);
+    {
+        const kvc__desc *descs = op->ddesc;
+        void *args[] = {&descs, &items, &count, &sstride, &dstride};
+        kvc__launch(b, op, (const void *)kvc__copy_kernel, args, grid, items, st);
+    }
 }
 
 static uint64_t kvc__now_ns(void)
@@ -1294,7 +1340,11 @@ static void *kvc__worker_main(void *arg)
 {
     kvc__worker_arg a = *(kvc__worker_arg *)arg;
     kvc__backend *b = a.b;
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
     free(arg);
+    /* Another thread capturing a graph in global mode (PyTorch's default) makes cudaEventQuery here fail
+     * (and invalidates that capture); relaxed mode allows it: this thread touches only its own events. */
+    cudaThreadExchangeStreamCaptureMode(&relaxed);
 #ifdef PR_SET_TIMERSLACK
     prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL); /* short polls: 1 us timer slack */
 #endif
@@ -1327,8 +1377,24 @@ static void kvc__count_job(kvc__backend *b, size_t copies)
     pthread_mutex_unlock(&b->lock);
 }
 
+static int kvc__submit_relaxed(kvo_backend *self, kvo_copy_job *job);
+
+/* The submit in relaxed capture mode: its calls (event query and record, cudaMalloc of descriptors,
+ * copies and launches on the context's own streams) must not fail, nor break a capture, because
+ * another thread is capturing a graph in global mode (see kvc__worker_main). */
 static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
 {
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    int r;
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    r = kvc__submit_relaxed(self, job);
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    return r;
+}
+
+static int kvc__submit_relaxed(kvo_backend *self, kvo_copy_job *job)
+{
+    kvc__device_scope ds;
     kvc__backend *b = (kvc__backend *)self->impl;
     kvc_context *ctx = b->ctx;
     kvc__side s, d;
@@ -1339,7 +1405,7 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
     char t[160];
     if (!job || !job->src || !job->dst || !job->done || (job->n && (!job->src_idx || !job->dst_idx || !job->results)))
         return KVO_EINVAL;
-    e = cudaSetDevice(ctx->device); /* before kvc__op_get: a new slot's event belongs to this device */
+    e = kvc__select(&ds, ctx->device); /* before kvc__op_get: a new slot's event belongs to this device */
     op = kvc__op_get(b);
     if (!op) return KVO_ENOMEM;
     op->job = job;
@@ -1355,7 +1421,8 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
         kvc__op_set_error(op, KVC_ESTORAGE, "kvcuda: a pool of the job has no storage (metadata only)");
     else if (!kvc__same_pages(&s, &d))
         kvc__op_set_error(op, KVC_ELAYOUT,
-                          "kvcuda: pools differ: %u x %u pages of %llu bytes vs %u x %u pages of %llu bytes",
+                          "kvcuda: pools differ (or a block has 2^32 pages or more): %u x %u pages of %llu bytes"
+                          " vs %u x %u pages of %llu bytes",
                           s.layout.num_layers, s.layout.num_parts, (unsigned long long)s.layout.page_bytes,
                           d.layout.num_layers, d.layout.num_parts, (unsigned long long)d.layout.page_bytes);
     else if (s.mem != KVC_MEMORY_DEVICE && d.mem != KVC_MEMORY_DEVICE)
@@ -1419,6 +1486,7 @@ static int kvc__submit(kvo_backend *self, kvo_copy_job *job)
 
 static void kvc__destroy(kvo_backend *self)
 {
+    kvc__device_scope ds;
     kvc__backend *b = (kvc__backend *)self->impl;
     kvc__op *op;
     int i;
@@ -1428,7 +1496,7 @@ static void kvc__destroy(kvo_backend *self)
     pthread_mutex_unlock(&b->lock);
     for (i = 0; i < 2; i++)
         if (b->started[i]) pthread_join(b->worker[i], NULL);
-    if (b->ctx->status == KVC_OK) cudaSetDevice(b->ctx->device);
+    if (b->ctx->status == KVC_OK) kvc__select(&ds, b->ctx->device);
     while ((op = b->free_ops) != NULL) {
         b->free_ops = op->next;
         kvc__op_free(op);
@@ -1441,13 +1509,14 @@ static void kvc__destroy(kvo_backend *self)
 
 extern "C" kvc_result kvc_backend_create(kvc_context *ctx, const kvc_backend_config *config, kvo_backend **out)
 {
+    kvc__device_scope ds;
     kvc__backend *b;
     kvc_backend_config c;
     kvc_result r;
     int i;
     if (!out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_backend_create: NULL out") : KVC_EINVAL;
     *out = NULL;
-    if ((r = kvc__enter(ctx)) != KVC_OK) return r;
+    if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     memset(&c, 0, sizeof c);
     if (config) c = *config;
     kvc__config_defaults(&c);

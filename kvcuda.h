@@ -97,12 +97,17 @@
  * Between polls a worker sleeps half the time the copies should still take at the speed its recent
  * jobs ran at, then poll_us once they are due: a long job costs a few wake-ups, not one per poll_us.
  * A copy whose block index is out of range fails alone with KVB_ERANGE; a CUDA error fails every copy
- * of the job with KVC_ECUDA and a message naming the call and the CUDA error. Nothing aborts.
+ * of the job with KVC_ECUDA and a message naming the call and the CUDA error (its own: an error an
+ * earlier call left on the submitting thread is not taken for the launch's). Nothing aborts.
+ * CUDA graphs: the workers' polls and a submit run in relaxed stream-capture mode, so an engine thread
+ * capturing a graph in global mode (PyTorch's default) neither fails their event queries (a job
+ * reported failed while its copies still ran) nor has its capture invalidated by them.
  *
  * 4. THREAD SAFETY — contexts, allocations, events and backends are safe to use from any thread. A
  * context must outlive its pools, events and backends. kvc_last_error_message returns a pointer into
  * the context that a later failure on another thread may overwrite; kvc_copy_error_message copies it
- * under the context's lock.
+ * under the context's lock. A call selects its context's device on the calling thread while it runs
+ * and leaves the thread's current device as it found it (a thread driving several GPUs keeps its own).
  *
  * 5. ERRORS — kvc_result: KVC_OK (0) or a negative code in -301..-309; calls that reach kvblock or
  * kvoffload may also return their codes. kvc_result_string names all of them. Every failure also
@@ -165,7 +170,7 @@ KVC_API kvc_result kvc_probe(kvc_probe_info *out);
 
 typedef struct kvc_context kvc_context;
 
-/* A context on device `device` (0-based): selects and initializes it, creates the two copy streams.
+/* A context on device `device` (0-based): initializes it, creates the two copy streams.
  * KVC_EINVAL for a NULL out; KVC_ENODEVICE when cudaGetDeviceCount reports 0 or an error, or the index
  * is out of range; KVC_ECUDA when the device cannot be initialized; KVC_ENOMEM. On every failure but
  * KVC_EINVAL and a failed malloc, *out is a context in a failed state that holds the message
@@ -272,8 +277,8 @@ KVC_API kvc_result kvc_event_create(kvc_context *ctx, kvc_event **out);
 KVC_API kvc_result kvc_event_record(kvc_event *event, void *stream);
 /* 1 done, 0 not yet, negative (KVC_ECUDA) when the work failed. */
 KVC_API int kvc_event_query(kvc_event *event);
-/* The kvoffload event for kvo_enqueue_opts.precondition (owned by the kvc_event; kvo_event_retain it to
- * keep it longer). */
+/* The kvoffload event for kvo_enqueue_opts.precondition (owned by the kvc_event; its query reads the
+ * kvc_event, so a transfer waiting on it needs the kvc_event too: see Events, section 2). */
 KVC_API kvo_event *kvc_event_precondition(kvc_event *event);
 /* See section 2 for when. NULL is a no-op. */
 KVC_API void kvc_event_destroy(kvc_event *event);

@@ -23,6 +23,10 @@
 unsigned char kvct_byte(unsigned seed, unsigned long long i);
 int kvct_slow_fill(void *dst, unsigned long long bytes, unsigned seed, long long spin_cycles, void *stream);
 int kvct_clock_khz(void);
+int kvct_leave_error(void);
+int kvct_take_error(void);
+void *kvct_capture_begin(void);
+int kvct_capture_end(void *stream);
 
 static void watchdog_fired(int sig)
 {
@@ -475,6 +479,25 @@ static void test_plan_on_host(void)
     KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_ESTORAGE);
     KVT_EQ(res[0], KVC_ESTORAGE);
     KVT_EQ(kvc_copy_on_host(NULL, NULL, NULL), KVC_EINVAL);
+    { /* 2^32 one-byte pages a block: more than a plan's 32-bit page count (the storage is never read) */
+        kvb_pool_config big_cfg;
+        kvb_pool *big[2] = {NULL, NULL};
+        uint32_t zero = 0;
+        memset(&big_cfg, 0, sizeof big_cfg);
+        big_cfg.num_blocks = 1;
+        big_cfg.storage = KVB_STORAGE_EXTERNAL;
+        big_cfg.layout = layout_of(KVB_LAYOUT_LAYER_SEPARATE, 1, 1);
+        big_cfg.layout.num_layers = big_cfg.layout.num_parts = 65536;
+        big_cfg.external_base = (void *)(uintptr_t)4096;
+        big_cfg.external_bytes = (uint64_t)1 << 32;
+        KVT_EQ(kvb_pool_create(&big_cfg, &big[0]), KVB_OK);
+        KVT_EQ(kvb_pool_create(&big_cfg, &big[1]), KVB_OK);
+        job = job_of(big[0], big[1], &zero, &zero, 1, res);
+        KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_ELAYOUT);
+        KVT_EQ(res[0], KVC_ELAYOUT);
+        kvb_pool_destroy(big[0]);
+        kvb_pool_destroy(big[1]);
+    }
     job = job_of(a, b, NULL, di, 1, res);
     KVT_EQ(kvc_copy_on_host(NULL, &job, NULL), KVC_EINVAL);
     kvb_pool_destroy(a);
@@ -1195,6 +1218,123 @@ static void test_fork_on_device_pool(void)
     kvc_context_destroy(ctx);
 }
 
+/* A CUDA error left on the submitting thread by earlier, unrelated code (the engine's own failed
+ * cudaMalloc, say) is not the copy kernel's: the job succeeds, every block lands. */
+static void test_stale_thread_error(void)
+{
+    NEED_GPU(ctx);
+    enum { NB = 16, N = 6 };
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, 2, 1024));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, NB, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvo_backend *sync_be = NULL, *async_be = NULL;
+    kvc_backend_config bc;
+    memset(&bc, 0, sizeof bc);
+    bc.method = KVC_COPY_KERNEL;
+    KVT_EQ(kvc_backend_create(ctx, &bc, &async_be), KVC_OK);
+    bc.sync = 1;
+    KVT_EQ(kvc_backend_create(ctx, &bc, &sync_be), KVC_OK);
+    if (!dev || !host || !sync_be || !async_be) return;
+    fill_random(ctx, dev, 61);
+    uint32_t si[N] = {1, 3, 5, 8, 9, 14}, di[N] = {0, 2, 4, 6, 7, 15};
+    int res[N];
+    char msg[256];
+    kvo_backend *bes[2] = {sync_be, async_be};
+    for (int k = 0; k < 2; k++) {
+        KVT_CHECK(kvct_leave_error() != 0);
+        KVT_EQ(run_job(bes[k], dev, host, si, di, N, res, NULL, msg), KVO_OK);
+        if (msg[0]) fprintf(stderr, "  %s\n", msg);
+        (void)kvct_take_error();
+    }
+    uint64_t a, b;
+    unsigned char *sd = snapshot(ctx, dev, &a), *sh = snapshot(ctx, host, &b);
+    size_t bad = 0;
+    for (size_t i = 0; i < N; i++) bad += !same_block(sd, dev, si[i], sh, host, di[i]);
+    KVT_EQ(bad, 0);
+    free(sd);
+    free(sh);
+    kvo_backend_destroy(sync_be);
+    kvo_backend_destroy(async_be);
+    kvc_pool_destroy(ctx, dev);
+    kvc_pool_destroy(ctx, host);
+    kvc_context_destroy(ctx);
+}
+
+typedef struct capture_arg {
+    pthread_mutex_t m;
+    pthread_cond_t c;
+    int state; /* 0 starting, 1 capturing, -1 could not begin, 2 asked to end */
+    int end_error;
+} capture_arg;
+
+static void *capture_main(void *p)
+{
+    capture_arg *a = (capture_arg *)p;
+    void *s = kvct_capture_begin();
+    pthread_mutex_lock(&a->m);
+    a->state = s ? 1 : -1;
+    pthread_cond_broadcast(&a->c);
+    while (s && a->state != 2) pthread_cond_wait(&a->c, &a->m);
+    pthread_mutex_unlock(&a->m);
+    if (s) a->end_error = kvct_capture_end(s);
+    return NULL;
+}
+
+/* Another thread captures a CUDA graph in global mode (PyTorch's default) while a job's copies run: the
+ * completion worker's polls must neither fail the job early (done called while the copies still run)
+ * nor invalidate that capture. */
+static void test_capture_on_another_thread(void)
+{
+    NEED_GPU(ctx);
+    enum { NB = 16, N = 6 };
+    kvb_pool *dev = make_pool(ctx, KVC_MEMORY_DEVICE, NB, layout_of(KVB_LAYOUT_LAYER_SEPARATE, 2, 1024));
+    kvb_pool *host = make_pool(ctx, KVC_MEMORY_PINNED, NB, layout_of(KVB_LAYOUT_BLOCK_CONTIGUOUS, 2, 1024));
+    kvo_backend *be = NULL;
+    KVT_EQ(kvc_backend_create(ctx, NULL, &be), KVC_OK);
+    void *scratch = NULL;
+    KVT_EQ(kvc_device_alloc(ctx, 4096, &scratch), KVC_OK);
+    if (!dev || !host || !be || !scratch) return;
+    fill_random(ctx, dev, 62);
+    capture_arg ca;
+    memset(&ca, 0, sizeof ca);
+    pthread_mutex_init(&ca.m, NULL);
+    pthread_cond_init(&ca.c, NULL);
+    pthread_t th;
+    KVT_EQ(pthread_create(&th, NULL, capture_main, &ca), 0);
+    pthread_mutex_lock(&ca.m);
+    while (ca.state == 0) pthread_cond_wait(&ca.c, &ca.m);
+    pthread_mutex_unlock(&ca.m);
+    KVT_EQ(ca.state, 1);
+    /* about 100 ms of work ahead of the copies on their stream: the worker polls during the capture */
+    KVT_EQ(kvct_slow_fill(scratch, 4096, 1, (long long)kvct_clock_khz() * 100, kvc_stream(ctx, KVC_D2H)), 0);
+    uint32_t si[N] = {1, 3, 5, 8, 9, 14}, di[N] = {0, 2, 4, 6, 7, 15};
+    int res[N];
+    char msg[256];
+    int r = run_job(be, dev, host, si, di, N, res, NULL, msg);
+    pthread_mutex_lock(&ca.m);
+    ca.state = 2;
+    pthread_cond_broadcast(&ca.c);
+    pthread_mutex_unlock(&ca.m);
+    pthread_join(th, NULL);
+    KVT_EQ(r, KVO_OK);
+    if (r != KVO_OK) fprintf(stderr, "  %s\n", msg);
+    KVT_EQ(ca.end_error, 0); /* the capture was not invalidated */
+    uint64_t a, b;
+    unsigned char *sd = snapshot(ctx, dev, &a), *sh = snapshot(ctx, host, &b); /* at done: no sync first */
+    size_t bad = 0;
+    for (size_t i = 0; i < N; i++) bad += !same_block(sd, dev, si[i], sh, host, di[i]);
+    KVT_EQ(bad, 0);
+    free(sd);
+    free(sh);
+    KVT_EQ(kvc_synchronize(ctx), KVC_OK);
+    kvo_backend_destroy(be);
+    kvc_device_free(ctx, scratch);
+    kvc_pool_destroy(ctx, dev);
+    kvc_pool_destroy(ctx, host);
+    pthread_mutex_destroy(&ca.m);
+    pthread_cond_destroy(&ca.c);
+    kvc_context_destroy(ctx);
+}
+
 int main(void)
 {
     signal(SIGALRM, watchdog_fired);
@@ -1214,5 +1354,7 @@ int main(void)
     KVT_RUN(test_fork_on_device_pool);
     KVT_RUN(test_manager_round_trip);
     KVT_RUN(test_concurrent_submitters);
+    KVT_RUN(test_stale_thread_error);
+    KVT_RUN(test_capture_on_another_thread);
     return kvt_summary();
 }

@@ -38,3 +38,38 @@ extern "C" int kvct_clock_khz(void)
         return 1500000;
     return khz;
 }
+
+/* Leave a failed call's error on this thread (a cudaMalloc far too large), as an engine's own code may;
+ * returns it (non-zero). kvct_take_error reads and clears the thread's last error. */
+extern "C" int kvct_leave_error(void)
+{
+    void *p = NULL;
+    cudaMalloc(&p, (size_t)1 << 50);
+    return (int)cudaPeekAtLastError();
+}
+
+extern "C" int kvct_take_error(void) { return (int)cudaGetLastError(); }
+
+/* A graph capture in global mode (PyTorch's default) on a new stream of the current device: begin it
+ * (NULL on failure), and end it from the same thread (0, or the cudaError_t: 901 when invalidated). */
+extern "C" void *kvct_capture_begin(void)
+{
+    cudaStream_t s = NULL;
+    if (cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking) != cudaSuccess) return NULL;
+    if (cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal) != cudaSuccess) {
+        cudaStreamDestroy(s);
+        return NULL;
+    }
+    kvct__slow_fill<<<1, 1, 0, s>>>(NULL, 0, 0, 0); /* captured, never run */
+    return s;
+}
+
+extern "C" int kvct_capture_end(void *stream)
+{
+    cudaGraph_t g = NULL;
+    cudaError_t e = cudaStreamEndCapture((cudaStream_t)stream, &g);
+    if (g) cudaGraphDestroy(g);
+    cudaStreamDestroy((cudaStream_t)stream);
+    (void)cudaGetLastError();
+    return (int)e;
+}
