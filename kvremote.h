@@ -70,8 +70,9 @@
  * node owning its hash slot (CRC16/XMODEM of the key, or of its {hash tag}, mod 16384; see
  * kvo_redis_key_slot), a batch is split per node (one pipeline each, all nodes written before any is
  * read), MOVED updates the slot and refreshes the whole map (CLUSTER SLOTS), ASK sends ASKING then the
- * command to the node named, without changing the map. A key redirected more than max_redirects times
- * fails with KVO_EREMOTE.
+ * command to the node named, without changing the map. A key whose slot the map gives no node asks for
+ * the map again (once a batch) and fails with KVO_EREMOTE only if no node serves it still. A key
+ * redirected more than max_redirects times fails with KVO_EREMOTE.
  *
  * 5. SECURITY
  * AUTH with `password` (and `username` for an ACL user), or with the value of the environment variable
@@ -485,6 +486,7 @@ typedef struct kvo__rop {
     kvo__rgeom mem;
     uint64_t bytes;
     int need_refresh, tryagain;
+    int asked_unserved;    /* the map was asked again for a slot it gave no node */
     char msg[KVO__R_MSG];  /* the first failure */
     kvo_redis_stats delta; /* counted under stats_lock at the end */
 } kvo__rop;
@@ -1448,7 +1450,21 @@ static void kvo__rop_run(kvo__rop *op)
         op->tryagain = 0;
         op->need_refresh = 0;
         /* route; a node gets at most `window` items a round, the others wait for the next */
-        if (r->cluster && !cl->have_map) kvo__rrefresh(r, cl, &op->delta);
+        if (r->cluster && !cl->have_map) {
+            kvo__rrefresh(r, cl, &op->delta);
+        } else if (r->cluster && !op->asked_unserved) {
+            /* a slot the map gives no node may have been assigned since it was read (a cluster still
+             * being set up, a slot moved by hand): ask again, once a batch, before failing its keys;
+             * nothing else would ever refresh it */
+            for (i = 0; i < op->n; i++)
+                if (op->items[i].result == KVO__R_PENDING && op->items[i].ask < 0 &&
+                    cl->slot_node[op->items[i].slot] == KVO__R_NO_NODE)
+                    break;
+            if (i < op->n) {
+                op->asked_unserved = 1;
+                kvo__rrefresh(r, cl, &op->delta);
+            }
+        }
         KVO__RFREE(sent);
         KVO__RFREE(taken);
         sent = (unsigned char *)KVO__RALLOC(cl->n_nodes ? cl->n_nodes : 1);

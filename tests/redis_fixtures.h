@@ -347,18 +347,14 @@ static inline void rf_stop(rf_server *s)
     s->dir[0] = 0;
 }
 
-/* Three cluster nodes joined into one cluster covering every slot (redis-cli --cluster create).
- * 1 when every node says cluster_state:ok. */
-static inline int rf_cluster_start(rf_server nodes[3])
+/* Three started cluster nodes (rf_start_on with cluster = 1) joined into one cluster covering every
+ * slot (redis-cli --cluster create). 1 when every node says cluster_state:ok. */
+static inline int rf_cluster_create(rf_server nodes[3])
 {
     char a[3][32];
     const char *argv[12];
     int argc = 0, ok = 0;
-    for (int i = 0; i < 3; i++) {
-        memset(&nodes[i], 0, sizeof nodes[i]);
-        if (!rf_start_on(&nodes[i], 0, 1, NULL)) return 0;
-        snprintf(a[i], sizeof a[i], "127.0.0.1:%d", nodes[i].port);
-    }
+    for (int i = 0; i < 3; i++) snprintf(a[i], sizeof a[i], "127.0.0.1:%d", nodes[i].port);
     argv[argc++] = "redis-cli";
     argv[argc++] = "--cluster";
     argv[argc++] = "create";
@@ -378,6 +374,16 @@ static inline int rf_cluster_start(rf_server nodes[3])
         if (!ok) rf_sleep_ms(50);
     }
     return ok;
+}
+
+/* Three cluster nodes started and joined (rf_cluster_create). 1 when the cluster is up. */
+static inline int rf_cluster_start(rf_server nodes[3])
+{
+    for (int i = 0; i < 3; i++) {
+        memset(&nodes[i], 0, sizeof nodes[i]);
+        if (!rf_start_on(&nodes[i], 0, 1, NULL)) return 0;
+    }
+    return rf_cluster_create(nodes);
 }
 
 #endif

@@ -4,6 +4,7 @@
  *   prefix in Redis (kvo_redis_manager_lookup), onboards it, and its bytes equal A's;
  * - a 3-node Redis Cluster: blocks spread over the nodes (routing checked against CLUSTER KEYSLOT), all
  *   read back; a slot resharded by hand is followed through ASK (while migrating) and MOVED (after);
+ *   slots assigned after the backend read the map are found (their keys failed for good before);
  * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
@@ -575,6 +576,55 @@ static void test_cluster(void)
 out:
     kvo_backend_destroy(b);
     KVT_EQ(of_active(g4), 0);
+    OF_CHECK_POOL(g4);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+}
+
+/* A cluster whose slots are assigned after the backend first read the map (engines started while the
+ * cluster is still being set up): keys of a slot the map gave no node fail while no node serves it, then
+ * work once the cluster serves it, for the worker's connections (jobs) and the control ones (lookups).
+ * The map used to be asked again only after a MOVED or a lost connection, neither of which an unserved
+ * slot ever gives: its keys failed for good. */
+static void test_cluster_slots_assigned_later(void)
+{
+    rf_server n[3];
+    char seeds[64];
+    kvb_hash h[8];
+    memset(n, 0, sizeof n);
+    for (int i = 0; i < 3; i++)
+        if (!rf_start_on(&n[i], 0, 1, NULL)) {
+            KVT_CHECK(!"a cluster node did not start");
+            for (int j = 0; j < 3; j++) rf_stop(&n[j]);
+            return;
+        }
+    snprintf(seeds, sizeof seeds, "127.0.0.1:%d", n[0].port);
+    kvb_pool *g1 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16);
+    kvo_backend *b = redis_open(seeds, g4, 1); /* cluster support on, no slot assigned yet */
+    if (!b) goto out;
+    KVT_EQ(rstats(b).cluster, 1);
+    of_chain(31, 8, h);
+    of_register(g1, h, 8, NULL, NULL);
+    kvo_transfer_info info = offload(g1, g4, b, h, 8);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.error, KVO_EREMOTE);
+    KVT_CHECK(strstr(info.message, "no cluster node serves slot") != NULL);
+    size_t prefix = 99;
+    KVT_EQ(kvo_redis_lookup(b, h, 8, &prefix), KVO_EREMOTE);
+    KVT_EQ(prefix, 0);
+
+    KVT_CHECK(rf_cluster_create(n));
+    info = offload(g1, g4, b, h, 8);
+    if (info.status != KVO_STATUS_COMPLETE) fprintf(stderr, "  offload: %s\n", info.message);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(info.transferred, 8);
+    KVT_EQ(kvo_redis_lookup(b, h, 8, &prefix), KVO_OK);
+    KVT_EQ(prefix, 8);
+    KVT_EQ(read_back(g4, b, h, 8, &info), 8);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+out:
+    kvo_backend_destroy(b);
     OF_CHECK_POOL(g4);
     kvb_pool_destroy(g1);
     kvb_pool_destroy(g4);
@@ -1341,6 +1391,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_two_processes);
     KVT_RUN(test_connector_g4);
     KVT_RUN(test_cluster);
+    KVT_RUN(test_cluster_slots_assigned_later);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
