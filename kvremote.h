@@ -1814,7 +1814,9 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
     return (kvo_result)KVO_ECONNECT;
 }
 
-#define KVO__R_MAX_BLOCK ((uint64_t)512 << 20) /* bytes of a block: a Redis string holds at most 512 MiB */
+/* bytes of a block: a value (the header, then the block) may be at most 512 MiB, Redis's default
+ * proto-max-bulk-len; a longer one is refused and the connection closed */
+#define KVO__R_MAX_BLOCK (((uint64_t)512 << 20) - KVO_REDIS_HEADER_BYTES)
 
 KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_backend **out)
 {
@@ -1829,8 +1831,8 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
         config->layout.page_bytes > KVO__R_MAX_BLOCK / (config->layout.num_layers ? config->layout.num_layers : 1) /
                                         (config->layout.num_parts ? config->layout.num_parts : 2)) {
         kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; a block of at "
-                                "most 512 MiB, a Redis value's limit; threads <= 64; namespace_prefix <= 128 "
-                                "characters)");
+                                "most 512 MiB less the 64-byte header, a Redis value's limit; threads <= 64; "
+                                "namespace_prefix <= 128 characters)");
         return KVO_EINVAL;
     }
     password = config->password;

@@ -236,6 +236,16 @@ static void test_no_server(void)
     rc.layout.num_layers = 2;
     KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
     KVT_CHECK(strstr(g_err, "512 MiB") != NULL);
+    /* a value is the 64-byte header and the block, and Redis refuses one over 512 MiB
+     * (proto-max-bulk-len): a block of 512 MiB could never be stored (every SET reset the connection) */
+    rc = rconfig(addr, g4, 0);
+    rc.layout.num_layers = 1;
+    rc.layout.num_parts = 2;
+    rc.layout.page_bytes = (uint64_t)256 << 20;
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(strstr(g_err, "512 MiB") != NULL);
+    rc.layout.page_bytes = ((uint64_t)512 << 20) / 2 - KVO_REDIS_HEADER_BYTES / 2; /* value of 512 MiB */
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_ECONNECT);                    /* accepted: no server */
     rc = rconfig(addr, g4, 0);
     rc.password_env = "KVTEST_REDIS_PASSWORD_NOT_SET";
     unsetenv(rc.password_env);
