@@ -7674,7 +7674,9 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *
  * 8. THREAD SAFETY — submit, lookup, import and stats are safe from any thread. With threads = 0 jobs
  * run inline in submit (for poll mode); otherwise each worker has its own connections. Lookups and
- * imports use one more set of connections, shared under a lock with inline jobs.
+ * imports use one more set of connections, shared under a lock with inline jobs. The log callback runs
+ * with a set of connections locked: it may call kvo_redis_backend_stats (which takes no such lock), not
+ * lookup, import or (threads = 0) submit.
  *
  * 9. ERRORS — kvo_result codes, plus the remote ones below (kvo_redis_result_string names them all):
  * KVO_EAUTH, KVO_ECONNECT (no server reachable at create), KVO_ENOTFOUND (entry not in Redis: a miss),
@@ -7754,7 +7756,7 @@ typedef struct kvo_redis_stats {
     uint64_t imported;                   /* blocks registered in the G4 pool by import */
     uint64_t moved, ask, slot_refreshes; /* cluster redirects followed, CLUSTER SLOTS asked */
     uint64_t connects, connect_failures, disconnects;
-    uint32_t nodes;                      /* servers known (control connections) */
+    uint32_t nodes;                      /* servers known (control connections, as of their last use) */
     int cluster;                         /* 1 when talking to a cluster */
 } kvo_redis_stats;
 
@@ -9162,6 +9164,7 @@ static void kvo__rstats_add(kvo__redis *r, const kvo_redis_stats *d)
     s->connects += d->connects;
     s->connect_failures += d->connect_failures;
     s->disconnects += d->disconnects;
+    if (d->nodes) s->nodes = d->nodes; /* the control connections' count, taken under their lock */
     pthread_mutex_unlock(&r->stats_lock);
 }
 
@@ -9249,6 +9252,7 @@ static void kvo__rjob(kvo__redis *r, kvo__rclient *cl, kvo_copy_job *job)
     kvo__rgeom_of(writing ? job->src : job->dst, &op.mem);
     kvo__rop_run(&op);
     if (!writing) kvo__rdelete_bad(r, cl, &op, &op.delta);
+    if (cl == &r->clients[r->n_threads]) op.delta.nodes = (uint32_t)cl->n_nodes;
     pthread_mutex_unlock(&cl->lock);
     if (writing) op.delta.bytes_put = op.bytes;
     else op.delta.bytes_got = op.bytes;
@@ -9385,6 +9389,7 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
             kvo__rmsg(r->single_host, sizeof r->single_host, "%s", keep.host);
             r->single_port = keep.port;
         }
+        delta.nodes = (uint32_t)cl->n_nodes;
         kvo__rstats_add(r, &delta);
         return KVO_OK;
     }
@@ -9509,15 +9514,11 @@ static kvo__redis *kvo__redis_of(kvo_backend *b)
 KVO_API kvo_result kvo_redis_backend_stats(kvo_backend *redis, kvo_redis_stats *out)
 {
     kvo__redis *r = kvo__redis_of(redis);
-    kvo__rclient *cl;
     if (!r || !out) return KVO_EINVAL;
-    cl = &r->clients[r->n_threads];
+    /* not the control connections' lock: the log callback, called with it held, may ask for stats */
     pthread_mutex_lock(&r->stats_lock);
     *out = r->stats;
     pthread_mutex_unlock(&r->stats_lock);
-    pthread_mutex_lock(&cl->lock);
-    out->nodes = (uint32_t)cl->n_nodes;
-    pthread_mutex_unlock(&cl->lock);
     out->cluster = r->cluster;
     return KVO_OK;
 }
@@ -9538,6 +9539,7 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
     pthread_mutex_lock(&cl->lock);
     kvo__rop_init(&op, r, cl, KVO__OP_HEAD, hashes, items, n);
     kvo__rop_run(&op);
+    op.delta.nodes = (uint32_t)cl->n_nodes;
     pthread_mutex_unlock(&cl->lock);
     for (i = 0; i < n && items[i].result == KVO_OK; i++) {
     }

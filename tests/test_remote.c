@@ -1120,6 +1120,86 @@ static void test_stray_reply(void)
     stray_stop(&sv);
 }
 
+/* A log callback that reads the backend's statistics, as a reporter might: the loss of a connection is
+ * logged while a lookup or an inline job holds its connections, and stats used to wait on the same lock
+ * (a deadlock). Run on a thread, so that a hang fails the test instead of stopping the program. */
+typedef struct log_stats_ctx {
+    kvo_backend *b;
+    kvb_pool *mem, *g4;
+    int lookup_result, job_result, logged, done;
+} log_stats_ctx;
+
+static log_stats_ctx *g_log_stats; /* keeps a hung test's state reachable (no leak report on top) */
+
+static void log_reading_stats(void *user, const char *message)
+{
+    log_stats_ctx *x = (log_stats_ctx *)user;
+    kvo_redis_stats st;
+    (void)message;
+    if (x->b && kvo_redis_backend_stats(x->b, &st) == KVO_OK) x->logged++;
+}
+
+static void *log_stats_calls(void *arg)
+{
+    log_stats_ctx *x = (log_stats_ctx *)arg;
+    kvb_hash h[1] = {{21, 3}};
+    uint32_t idx[1] = {0};
+    int results[1] = {0};
+    size_t n = 0;
+    x->lookup_result = kvo_redis_lookup(x->b, h, 1, &n); /* the loss is seen here */
+    x->job_result = run_job(x->b, x->mem, x->g4, idx, idx, h, 1, results); /* and here: down */
+    __atomic_store_n(&x->done, 1, __ATOMIC_RELEASE);
+    return NULL;
+}
+
+static void test_log_reads_stats(void)
+{
+    rf_server s;
+    char addr[64];
+    pthread_t t;
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    log_stats_ctx *x = (log_stats_ctx *)calloc(1, sizeof *x); /* left behind if the calls hang */
+    x->mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    x->g4 = of_meta_pool(4);
+    g_log_stats = x;
+    kvo_redis_config rc = rconfig(addr, x->g4, 0);
+    rc.log = log_reading_stats;
+    rc.log_user = x;
+    KVT_EQ(kvo_redis_backend_create(&rc, &x->b), KVO_OK);
+    if (!x->b) goto out;
+    kvb_block bl[1];
+    KVT_EQ(kvb_alloc(x->mem, 1, bl), KVB_OK);
+    size_t n = 0;
+    kvb_hash h[1] = {{21, 3}};
+    KVT_EQ(kvo_redis_lookup(x->b, h, 1, &n), KVO_OK); /* connected */
+    rf_kill(&s);
+    KVT_EQ(pthread_create(&t, NULL, log_stats_calls, x), 0);
+    int done = 0;
+    for (uint64_t end = of_now_us() + 5000000; !done && of_now_us() < end;)
+        if (!(done = __atomic_load_n(&x->done, __ATOMIC_ACQUIRE))) of_sleep_us(1000);
+    KVT_CHECK(done);
+    if (!done) { /* deadlocked: the thread, its backend and pools stay as they are */
+        pthread_detach(t);
+        rf_stop(&s);
+        return;
+    }
+    pthread_join(t, NULL);
+    KVT_EQ(x->lookup_result, KVO_EIO);
+    KVT_EQ(x->job_result, KVO_EIO);
+    KVT_CHECK(x->logged >= 1);
+    KVT_EQ(rstats(x->b).disconnects, 1);
+    kvo_backend_destroy(x->b);
+out:
+    kvb_pool_destroy(x->mem);
+    kvb_pool_destroy(x->g4);
+    free(x);
+    rf_stop(&s);
+}
+
 /* What the calls refuse: a lookup of more hashes than memory has room for, an import into a pool with
  * storage (it copies no bytes), a job naming a block past the memory pool; and an import into a full
  * pool reports the prefix the pool holds after it (its new blocks took the place of one it held, and it
@@ -1408,6 +1488,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_server_eviction);
     KVT_RUN(test_remote_bounds);
     KVT_RUN(test_stray_reply);
+    KVT_RUN(test_log_reads_stats);
     KVT_RUN(test_auth);
     rf_kill_all();
     return kvt_summary();
