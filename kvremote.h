@@ -56,8 +56,9 @@
  *        Layers, parts and page bytes are the layout code: a reader with another layout sees a miss.
  * Every read checks the whole header and the data checksum: a mismatch fails that copy with
  * KVO_ECHECKSUM (a miss), counts a checksum error, and never lets wrong bytes through (a destination
- * block that received them is never registered). A damaged entry is deleted; an intact one written
- * with another layout or format version is left alone.
+ * block that received them is never registered). A damaged entry (a key holding another type than a
+ * string included) is deleted; an intact one written with another layout or format version is left
+ * alone.
  * Version 1 was kvcache 0.1, whose block hashes (kvblock.h section 3) differ from 0.2's: a 0.2 engine
  * never asks for 0.1's keys (its hashes of the same prompt are other values), and a value of the other
  * version reads as a miss even under the same key; entries 0.1 left age out under Redis's maxmemory
@@ -1201,6 +1202,22 @@ static void kvo__rreply(kvo__rop *op, size_t k, size_t i, redisReply *reply)
         if (reply->len >= 8 && !memcmp(reply->str, "TRYAGAIN", 8) && it->redirects < r->cfg.max_redirects) {
             it->redirects++;
             op->tryagain = 1;
+            return;
+        }
+        if (reply->len >= 9 && !memcmp(reply->str, "WRONGTYPE", 9) &&
+            (op->kind == KVO__OP_GET || op->kind == KVO__OP_HEAD)) {
+            /* only strings are written under our keys: another type there is a damaged entry (a miss,
+             * deleted by a read), not a server error */
+            op->delta.checksum_errors++;
+            if (op->kind == KVO__OP_HEAD) {
+                it->result = KVO_ECHECKSUM;
+                return;
+            }
+            it->corrupt = 1;
+            kvo__rmsg(msg, sizeof msg, "redis: %s holds another type than a string (a miss; entry deleted)",
+                      it->key);
+            kvo__rlog(r, msg);
+            kvo__rfail(op, it, KVO_ECHECKSUM, msg);
             return;
         }
         kvo__rmsg(msg, sizeof msg, "redis %s:%d: %s: %.*s", op->cl->nodes[k].host, op->cl->nodes[k].port, it->key,

@@ -9,7 +9,8 @@
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
  *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses; a whole value
- *   of the other format version (kvcache 0.1) is a miss left in place;
+ *   of the other format version (kvcache 0.1) is a miss left in place; a key of ours holding a list is
+ *   a damaged entry (a miss, deleted);
  * - tenants with different salts do not see each other's blocks;
  * - AUTH: no password and a wrong one fail create with KVO_EAUTH and a clear message that never holds
  *   the password; the right one from an environment variable works.
@@ -902,6 +903,58 @@ out:
     rf_stop(&s);
 }
 
+/* A key of ours holding another type than a string (written by something else under the namespace):
+ * damaged like a bad value, so a miss counted as a checksum error in lookups and reads, and deleted by
+ * the read. It used to be an error reply: lookups failed with KVO_EREMOTE instead of ending the
+ * prefix there, and reads failed with KVO_EREMOTE on every try, the key left in place. */
+static void test_wrong_type_value(void)
+{
+    rf_server s;
+    char addr[64], k1[KVO_REDIS_KEY_MAX];
+    kvb_hash h[3];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(8), *dst = NULL;
+    kvo_backend *b = redis_open(addr, g4, 0);
+    if (!b) goto out;
+    of_chain(13, 3, h);
+    of_register(g1, h, 3, NULL, NULL);
+    KVT_EQ(offload(g1, g4, b, h, 3).transferred, 3);
+    kvo_redis_key(b, &h[1], k1, sizeof k1);
+    KVT_EQ(cli(s.port, "DEL", k1, NULL, NULL), 0);
+    KVT_EQ(cli(s.port, "RPUSH", k1, "not-a-block", NULL), 0);
+    size_t prefix = 99;
+    KVT_EQ(kvo_redis_lookup(b, h, 3, &prefix), KVO_OK);
+    KVT_EQ(prefix, 1);
+    kvo_redis_stats rs = rstats(b);
+    KVT_EQ(rs.checksum_errors, 1);
+    KVT_EQ(rs.lookup_errors, 0);
+    dst = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvb_block got[MAXN];
+    size_t ngot = 0;
+    kvo_transfer_info info = load(g4, dst, b, h, 3, got, &ngot);
+    KVT_EQ(info.transferred, 2);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(info.error, KVO_ECHECKSUM);
+    KVT_EQ(of_holds(dst, h[0]), 1);
+    KVT_EQ(of_has(dst, h[1]), 0);
+    KVT_EQ(of_holds(dst, h[2]), 1);
+    rs = rstats(b);
+    KVT_EQ(rs.checksum_errors, 2);
+    KVT_EQ(rs.remote_errors, 0);
+    KVT_EQ(exists(s.port, k1), 0); /* deleted: no reader meets it again */
+    OF_CHECK_POOL(dst);
+out:
+    kvo_backend_destroy(b);
+    kvb_pool_destroy(dst);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
 /* A value written by kvcache 0.1 (format version 1, whose hashes differ) under a key a 0.2 engine asks
  * for: a miss, never its bytes, and left in place (it is whole: an older engine may still read it). */
 static void test_other_format_version(void)
@@ -1485,6 +1538,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
+    KVT_RUN(test_wrong_type_value);
     KVT_RUN(test_server_eviction);
     KVT_RUN(test_remote_bounds);
     KVT_RUN(test_stray_reply);
