@@ -7666,10 +7666,11 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * Connect and command timeouts bound every call (a job never hangs). A connection lost or timed out
  * mid-batch fails the copies of that node with KVO_EIO and a message saying which server and why
  * ("connection lost mid-batch: ..."), so the pipeline marks those transfers Failed; the other tiers are
- * untouched. The next job reconnects; after a failed connect, that node is not tried again before a
- * backoff (reconnect_min_ms, doubling up to reconnect_max_ms), and jobs meanwhile fail at once
- * ("down ...; next reconnect attempt in N ms"). Commands are written with send(MSG_NOSIGNAL): a
- * closed connection never raises SIGPIPE.
+ * untouched. Copies whose cluster slot has no known node fail the same way (KVO_EIO, the last node's
+ * reason) while no node can be asked for the map. The next job reconnects; after a failed connect, that
+ * node is not tried again before a backoff (reconnect_min_ms, doubling up to reconnect_max_ms), and jobs
+ * meanwhile fail at once ("down ...; next reconnect attempt in N ms"). Commands are written with
+ * send(MSG_NOSIGNAL): a closed connection never raises SIGPIPE.
  *
  * 7. CONFIGURATION — see kvo_redis_config below; zero fields take the defaults given there.
  *
@@ -8567,13 +8568,14 @@ static int kvo__rmap_from(kvo__rclient *cl, const redisReply *reply, size_t from
     return 1;
 }
 
-/* Ask CLUSTER SLOTS of the first node that answers (connected ones first). 1 when the map was filled. */
-static int kvo__rrefresh(kvo__redis *r, kvo__rclient *cl, kvo_redis_stats *delta)
+/* Ask CLUSTER SLOTS of the first node that answers (connected ones first). 1 when the map was filled, 0
+ * when a node answered without one, -1 when none could be asked (why: the last node's reason). */
+static int kvo__rrefresh(kvo__redis *r, kvo__rclient *cl, kvo_redis_stats *delta, char *why, size_t why_size)
 {
-    int pass;
+    int pass, answered = 0;
     size_t i;
     const char *argv[2] = {"CLUSTER", "SLOTS"};
-    char msg[KVO__R_MSG];
+    char msg[KVO__R_MSG] = "no node known";
     for (pass = 0; pass < 2; pass++)
         for (i = 0; i < cl->n_nodes; i++) {
             redisReply *reply = NULL;
@@ -8582,11 +8584,14 @@ static int kvo__rrefresh(kvo__redis *r, kvo__rclient *cl, kvo_redis_stats *delta
             if (kvo__rconnect(r, cl, i, msg, sizeof msg, delta) != KVO_OK) continue;
             if (kvo__rcall(r, cl, &cl->nodes[i], 2, argv, &reply, msg, sizeof msg, delta) != KVO_OK) continue;
             delta->slot_refreshes++;
+            answered = 1;
             ok = kvo__rmap_from(cl, reply, i);
             freeReplyObject(reply);
             if (ok) return 1;
         }
-    return 0;
+    if (answered) return 0;
+    kvo__rmsg(why, why_size, "%s", msg);
+    return -1;
 }
 
 /* ---- batches ------------------------------------------------------------------------------------ */
@@ -9023,6 +9028,7 @@ static void kvo__rop_run(kvo__rop *op)
     kvo__redis *r = op->r;
     kvo__rclient *cl = op->cl;
     uint32_t round, tryagains = 0;
+    int unreached;
     size_t i, k, nn, window = op->n ? op->n : 1, cap;
     char msg[KVO__R_MSG + 64], why[160];
     unsigned char *sent = NULL;
@@ -9047,8 +9053,9 @@ static void kvo__rop_run(kvo__rop *op)
         op->tryagain = 0;
         op->need_refresh = 0;
         /* route; a node gets at most `window` items a round, the others wait for the next */
+        unreached = 0;
         if (r->cluster && !cl->have_map) {
-            kvo__rrefresh(r, cl, &op->delta);
+            unreached = kvo__rrefresh(r, cl, &op->delta, why, sizeof why) < 0;
         } else if (r->cluster && !op->asked_unserved) {
             /* a slot the map gives no node may have been assigned since it was read (a cluster still
              * being set up, a slot moved by hand): ask again, once a batch, before failing its keys;
@@ -9059,7 +9066,7 @@ static void kvo__rop_run(kvo__rop *op)
                     break;
             if (i < op->n) {
                 op->asked_unserved = 1;
-                kvo__rrefresh(r, cl, &op->delta);
+                unreached = kvo__rrefresh(r, cl, &op->delta, why, sizeof why) < 0;
             }
         }
         KVO__RFREE(sent);
@@ -9073,7 +9080,11 @@ static void kvo__rop_run(kvo__rop *op)
             if (it->ask >= 0) it->node = it->ask;
             else if (!r->cluster) it->node = 0;
             else if (cl->slot_node[it->slot] != KVO__R_NO_NODE) it->node = cl->slot_node[it->slot];
-            else {
+            else if (unreached) { /* not known to be unserved: no node could be asked */
+                kvo__rmsg(msg, sizeof msg, "redis: no cluster node reachable for slot %u (%s)", it->slot, why);
+                kvo__rfail(op, it, KVO_EIO, msg);
+                continue;
+            } else {
                 kvo__rmsg(msg, sizeof msg, "redis: no cluster node serves slot %u (of %s)", it->slot, it->key);
                 kvo__rfail(op, it, KVO_EREMOTE, msg);
                 continue;
@@ -9151,7 +9162,7 @@ static void kvo__rop_run(kvo__rop *op)
                 kvo__rdrop(r, &cl->nodes[k], "unexpected bytes after the replies", &op->delta);
             cl->rpos = cl->rlen = 0;
         }
-        if (op->need_refresh && kvo__rrefresh(r, cl, &op->delta)) {
+        if (op->need_refresh && kvo__rrefresh(r, cl, &op->delta, why, sizeof why) > 0) {
             /* the map is fresh; items redirected by MOVED follow it next round */
         }
     }

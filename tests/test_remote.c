@@ -642,6 +642,45 @@ out:
     for (int i = 0; i < 3; i++) rf_stop(&n[i]);
 }
 
+/* A worker's connections learn the cluster's map on their first job: when no node can be asked then
+ * (the whole cluster down), that job's copies fail with KVO_EIO and a reason naming a server, as lost
+ * connections do (they used to fail with KVO_EREMOTE "no cluster node serves slot", counted as remote
+ * errors, though nothing had said so). */
+static void test_cluster_unreachable_worker(void)
+{
+    rf_server n[3];
+    char seeds[64];
+    kvb_hash h[4];
+    memset(n, 0, sizeof n);
+    if (!rf_cluster_start(n)) {
+        KVT_CHECK(!"the 3-node cluster did not come up");
+        for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+        return;
+    }
+    snprintf(seeds, sizeof seeds, "127.0.0.1:%d,127.0.0.1:%d", n[0].port, n[1].port);
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(8);
+    kvo_backend *b = redis_open(seeds, g4, 1);
+    if (!b) goto out;
+    of_chain(41, 4, h);
+    of_register(g1, h, 4, NULL, NULL);
+    for (int i = 0; i < 3; i++) rf_kill(&n[i]);
+    kvo_transfer_info info = offload(g1, g4, b, h, 4);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.failed, 4);
+    KVT_EQ(info.error, KVO_EIO);
+    KVT_CHECK(strstr(info.message, "no cluster node reachable") != NULL);
+    if (!strstr(info.message, "cannot connect")) fprintf(stderr, "  message: %s\n", info.message);
+    KVT_CHECK(strstr(info.message, "cannot connect") != NULL);
+    kvo_redis_stats rs = rstats(b);
+    KVT_EQ(rs.io_errors, 4);
+    KVT_EQ(rs.remote_errors, 0);
+out:
+    kvo_backend_destroy(b);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+}
+
 /* ---- faults ------------------------------------------------------------------------------------- */
 
 static kvo_status wait_final(kvo_pipeline *p, kvo_transfer t, uint64_t timeout_us)
@@ -1535,6 +1574,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_connector_g4);
     KVT_RUN(test_cluster);
     KVT_RUN(test_cluster_slots_assigned_later);
+    KVT_RUN(test_cluster_unreachable_worker);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
