@@ -204,7 +204,7 @@ clean:
 # ---- single file, compile matrix, fuzzing, install (issue 10) ----------------------------------------
 # `make test` also runs every test against kvcache.h, the compile matrix and the fuzz corpus, all counted
 # in its one summary line.
-.PHONY: amalgamate check-amalgamation test-single matrix fuzz fuzz-diff install uninstall
+.PHONY: amalgamate check-amalgamation test-single matrix fuzz fuzz-diff fuzz-sched install uninstall
 AMALG_PARTS   := $(wildcard kvblock.h kvoffload.h kvremote.h kvsched.h kvroute.h kvcuda.h)
 OTHER_HEADERS := $(filter-out $(AMALG_PARTS) kvcache.h,$(wildcard kv*.h))
 DEB_PACKAGES  += clang libclang-rt-dev g++ pkg-config
@@ -301,10 +301,25 @@ $(BUILD)/fuzz/replay_diff: tests/fuzz/fuzz_diff.c tests/fuzz/fuzz_replay.h kvblo
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
 
+# The scheduler target: kvsched.h driven like an engine, checked against the harness's own model.
+$(BUILD)/fuzz/fuzz_sched: tests/fuzz/fuzz_sched.c $(AMALG_PARTS) | deps
+	@mkdir -p $(@D)
+	$(FUZZ_CC) $(WARN) -D_GNU_SOURCE -I. -I$(STB_INC) -pthread -g -O1 -fsanitize=fuzzer,address,undefined \
+	    -fno-sanitize-recover=all -o $@ $< -lm
+
+$(BUILD)/fuzz/replay_sched: tests/fuzz/fuzz_sched.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
+
 fuzz: deps $(BUILD)/fuzz/fuzz_ops
 	@mkdir -p $(BUILD)/fuzz/found
 	./$(BUILD)/fuzz/fuzz_ops -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
 	    -artifact_prefix=$(BUILD)/fuzz/ $(BUILD)/fuzz/found tests/fuzz/corpus
+
+fuzz-sched: deps $(BUILD)/fuzz/fuzz_sched
+	@mkdir -p $(BUILD)/fuzz/found_sched
+	./$(BUILD)/fuzz/fuzz_sched -max_total_time=$(FUZZ_SECONDS) -timeout=10 -print_final_stats=1 \
+	    -artifact_prefix=$(BUILD)/fuzz/sched- $(BUILD)/fuzz/found_sched tests/fuzz/corpus_sched
 
 fuzz-diff: deps $(BUILD)/fuzz/fuzz_diff
 	@mkdir -p $(BUILD)/fuzz/found_diff
@@ -312,8 +327,8 @@ fuzz-diff: deps $(BUILD)/fuzz/fuzz_diff
 	    -artifact_prefix=$(BUILD)/fuzz/diff- $(BUILD)/fuzz/found_diff tests/fuzz/corpus_diff
 
 # What `make test` runs after the split suite (tests/run.sh takes commands).
-test: $(SINGLE_TESTS) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff
-TEST_MORE := $(SINGLE_TESTS) $(MATRIX_RUN) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff
+test: $(SINGLE_TESTS) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff $(BUILD)/fuzz/replay_sched
+TEST_MORE := $(SINGLE_TESTS) $(MATRIX_RUN) $(BUILD)/fuzz/replay $(BUILD)/fuzz/replay_diff $(BUILD)/fuzz/replay_sched
 
 # Install every header, kvcache.h and kvcache.pc (header-only, so share/pkgconfig), and build/libkvcuda.a
 # into LIBDIR when `make cuda` built it (link it as kvcuda.h says); DESTDIR is honoured.
