@@ -2661,6 +2661,26 @@ static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
     return KVS_OK;
 }
 
+/* Drop the finished loads of every request but `except` (their blocks stay cached, now evictable). 1 when
+ * there were some. */
+static int kvs__conn_unpin_loads(kvs_connector *c, uint64_t except)
+{
+    size_t i = 0;
+    int any = 0;
+    pthread_mutex_lock(&c->lock);
+    while (i < stbds_arrlenu(c->plans)) {
+        kvs__plan *p = &c->plans[i];
+        if (p->request != except && stbds_arrlen(p->loaded) && !p->loads_active && !p->accepted) {
+            kvs__plan_drop(c, p); /* the last plan moves to i */
+            any = 1;
+        } else {
+            i++;
+        }
+    }
+    pthread_mutex_unlock(&c->lock);
+    return any;
+}
+
 static kvs_result kvs__conn_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
 {
     size_t i, w;
@@ -3589,6 +3609,7 @@ static int kvs__fits(kvs_sched *s, const kvs__req *r)
 static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
 {
     size_t i = 0;
+    int unpinned = 0;
     while (i < stbds_arrlenu(*q) && s->tokens_left && s->seqs_left) {
         kvs__req *r = (*q)[i];
         if (r->preempted_in == s->step_id + 1) { /* preempted while planning this step: not back yet */
@@ -3596,6 +3617,12 @@ static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
             continue;
         }
         if (!kvs__fits(s, r)) { /* loads would find no room: wait (a swapped request) or try preempting */
+            /* Loads finished for requests behind r pin their blocks until those are admitted, which
+             * waits for r: with nothing running to give blocks back, they give theirs. */
+            if (!unpinned && s->conn && !stbds_arrlen(s->running)) {
+                unpinned = 1;
+                if (kvs__conn_unpin_loads(s->conn, r->id)) continue;
+            }
             if (r->swapped) break;
         } else if (r->state != KVS_SLOT_ONBOARDING && kvs__stage_onboard(s, r)) {
             kvs__queue_remove(*q, r);

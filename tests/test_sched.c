@@ -1053,6 +1053,40 @@ static void test_destroy_aborts_everything(void)
 
 /* ---- bad input -------------------------------------------------------------------------------------- */
 
+/* ---- found by tests/fuzz/fuzz_sched.c ------------------------------------------------------------------ */
+
+/* Loads kept for a waiting request pin their device blocks until it is admitted. When the request ahead
+ * of it in the queue needs those blocks and nothing runs that could give any back, the pinned loads must
+ * give way: else neither request ever runs. B (priority -1) loads 5 blocks from the host, then H
+ * (priority 0, 11 of the device's 12 blocks) arrives and queues ahead of B. */
+static void test_pinned_loads_do_not_block_the_queue(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t a[81], h[160];
+    kvs_step st;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 12;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    sf_open(&e, &o);
+    sf_tokens(41, a, 81);
+    sf_tokens(42, h, 160);
+    uint64_t ra = sf_add(&e, a, 80, 1, 0); /* A's 5 full blocks go to the host */
+    sf_run(&e, 20);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(sf_release(&e, ra), KVS_OK);
+    KVT_EQ(kvb_pool_reset(e.dev), KVB_OK);
+    uint64_t rb = sf_add(&e, a, 81, 1, -1);
+    sf_turn(&e, &st);                      /* B's loads start */
+    KVT_EQ(st.meta.num_loads, 1);
+    uint64_t rh = sf_add(&e, h, 160, 2, 0);
+    sf_run(&e, 40);                        /* H first (B's blocks evicted as needed), then B */
+    KVT_EQ(sf_state(&e, rh), KVS_SLOT_FINISHED);
+    KVT_EQ(sf_state(&e, rb), KVS_SLOT_FINISHED);
+    sf_close(&e);
+}
+
 static void test_bad_input(void)
 {
     kvb_pool_config pc;
@@ -1374,6 +1408,7 @@ int main(void)
     KVT_RUN(test_abort_mid_step_items_stay_valid);
     KVT_RUN(test_release_mid_step_items_stay_valid);
     KVT_RUN(test_destroy_aborts_everything);
+    KVT_RUN(test_pinned_loads_do_not_block_the_queue);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
