@@ -12349,16 +12349,16 @@ static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
     return KVS_OK;
 }
 
-/* Drop the finished loads of every request but `except` (their blocks stay cached, now evictable). 1 when
- * there were some. */
-static int kvs__conn_unpin_loads(kvs_connector *c, uint64_t except)
+/* Drop every plan whose loads all finished, with the device references it kept (the blocks stay cached,
+ * now evictable). 1 when there was one. */
+static int kvs__conn_unpin_loads(kvs_connector *c)
 {
     size_t i = 0;
     int any = 0;
     pthread_mutex_lock(&c->lock);
     while (i < stbds_arrlenu(c->plans)) {
         kvs__plan *p = &c->plans[i];
-        if (p->request != except && stbds_arrlen(p->loaded) && !p->loads_active && !p->accepted) {
+        if (stbds_arrlen(p->loaded) && !p->loads_active && !p->accepted) {
             kvs__plan_drop(c, p); /* the last plan moves to i */
             any = 1;
         } else {
@@ -13293,6 +13293,17 @@ static int kvs__fits(kvs_sched *s, const kvs__req *r)
     return need <= (size_t)st.free_blocks + st.inactive_blocks;
 }
 
+/* Loads that landed for queued requests pin their device blocks until those are admitted. When a request
+ * cannot get in and nothing runs that would give blocks back, they give theirs back (still cached, now
+ * evictable; its own too, which it then matches): else it would wait for ever for blocks that wait for
+ * it, its own or those of requests queued behind it. 1 when it should be tried again (once a pass). */
+static int kvs__unpin_loads(kvs_sched *s, int *tried)
+{
+    if (*tried || !s->conn || stbds_arrlen(s->running)) return 0;
+    *tried = 1;
+    return kvs__conn_unpin_loads(s->conn);
+}
+
 /* Waiting (or swapped) requests in order, while the budgets last. */
 static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
 {
@@ -13305,12 +13316,7 @@ static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
             continue;
         }
         if (!kvs__fits(s, r)) { /* loads would find no room: wait (a swapped request) or try preempting */
-            /* Loads finished for requests behind r pin their blocks until those are admitted, which
-             * waits for r: with nothing running to give blocks back, they give theirs. */
-            if (!unpinned && s->conn && !stbds_arrlen(s->running)) {
-                unpinned = 1;
-                if (kvs__conn_unpin_loads(s->conn, r->id)) continue;
-            }
+            if (kvs__unpin_loads(s, &unpinned)) continue;
             if (r->swapped) break;
         } else if (r->state != KVS_SLOT_ONBOARDING && kvs__stage_onboard(s, r)) {
             kvs__queue_remove(*q, r);
@@ -13320,6 +13326,7 @@ static void kvs__admit_queue(kvs_sched *s, kvs__req ***q)
         kvs__queue_remove(*q, r);
         if (!kvs__admit(s, r)) { /* does not fit: it keeps its place */
             kvs__queue_insert(q, r);
+            if (kvs__unpin_loads(s, &unpinned)) continue;
             break;
         }
     }

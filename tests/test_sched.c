@@ -1087,6 +1087,33 @@ static void test_pinned_loads_do_not_block_the_queue(void)
     sf_close(&e);
 }
 
+/* A swapped request whose loads landed holds their blocks; with nothing running, those must not keep it
+ * out. R (7 of the device's 8 blocks) is swapped out by X's growth; when X is done, R loads back the
+ * blocks X evicted and must then be admitted, though the free and evictable blocks alone are fewer than
+ * its 7. */
+static void test_swapped_request_own_loads_do_not_block_it(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t x[15], r[97];
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 8;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    o.preempt = KVS_PREEMPT_SWAP;
+    sf_open(&e, &o);
+    sf_tokens(51, x, 15);
+    sf_tokens(52, r, 97);
+    uint64_t rx = sf_add(&e, x, 15, 40, 0);
+    uint64_t rr = sf_add(&e, r, 97, 7, 0);
+    sf_run(&e, 200);
+    KVT_EQ(sf_slot(&e, rr).preemptions, 1);
+    KVT_CHECK(sf_loads_of(&e, rr) >= 1);
+    KVT_EQ(sf_state(&e, rx), KVS_SLOT_FINISHED);
+    KVT_EQ(sf_state(&e, rr), KVS_SLOT_FINISHED);
+    sf_close(&e);
+}
+
 static void test_bad_input(void)
 {
     kvb_pool_config pc;
@@ -1409,6 +1436,7 @@ int main(void)
     KVT_RUN(test_release_mid_step_items_stay_valid);
     KVT_RUN(test_destroy_aborts_everything);
     KVT_RUN(test_pinned_loads_do_not_block_the_queue);
+    KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
