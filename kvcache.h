@@ -10093,7 +10093,8 @@ KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
 /* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
  * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
  * finishes; KVS_EINVAL for more tokens than it has left, KVS_ETOOBIG when the request would outgrow the
- * device pool (or 2^32 - 1 tokens). */
+ * device pool (or 2^32 - 1 tokens), or when n exceeds the step's token budget (max_tokens: the next step
+ * computes all n at once) and the request goes on. */
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n);
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
@@ -13628,6 +13629,8 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
     if (n >= UINT32_MAX - r->len || (r->len + n + sched->block_tokens - 1) / sched->block_tokens > sched->device_blocks)
         return KVS_ETOOBIG; /* it could never be scheduled again */
     if (r->end != UINT32_MAX && n > r->end - r->len) return KVS_EINVAL; /* past max_new_tokens */
+    if (n > sched->cfg.max_tokens && r->len + n < r->end)
+        return KVS_ETOOBIG; /* a decode computes all of its tokens in one step: no step has room for these */
     if (!kvs__reserve(r, r->len + n)) return KVS_ENOMEM;
     if (n == 1) r->tokens[r->len] = *tokens;
     else memcpy(r->tokens + r->len, tokens, n * sizeof *tokens);

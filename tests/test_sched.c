@@ -1114,6 +1114,46 @@ static void test_swapped_request_own_loads_do_not_block_it(void)
     sf_close(&e);
 }
 
+/* A decode computes all of its new tokens in one step, so an append of more tokens than the step's token
+ * budget could never be scheduled: it is refused (KVS_ETOOBIG, nothing changed), unless it ends the
+ * request. Budget 8: 9 tokens refused, 8 taken and computed in one step; 10 that reach max_new_tokens
+ * end the request. */
+static void test_append_beyond_step_budget(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t p[6], t[10];
+    kvs_step st;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.max_tokens = 8;
+    sf_open(&e, &o);
+    sf_tokens(61, p, 6);
+    sf_tokens(62, t, 10);
+    uint64_t a = sf_add(&e, p, 5, 0, 0);
+    uint64_t b = sf_add(&e, p, 6, 10, 0);
+    KVT_EQ(kvs_sched_step(e.s, &st), KVS_OK); /* a's 5 tokens, b's first 3 */
+    KVT_EQ(kvs_sched_complete(e.s, &st), KVS_OK);
+    KVT_EQ(sf_state(&e, a), KVS_SLOT_DECODING);
+    KVT_EQ(kvs_sched_append(e.s, a, t, 9), KVS_ETOOBIG);
+    KVT_EQ(sf_slot(&e, a).num_tokens, 5);
+    KVT_EQ(kvs_sched_append(e.s, a, t, 8), KVS_OK);
+    KVT_EQ(kvs_sched_step(e.s, &st), KVS_OK);
+    const kvs_sched_item *it = sf_item(&st, a, NULL);
+    KVT_CHECK(it != NULL);
+    if (it) KVT_EQ(it->num_new, 8);
+    KVT_EQ(kvs_sched_complete(e.s, &st), KVS_OK);
+    for (int i = 0; i < 3 && sf_state(&e, b) != KVS_SLOT_DECODING; i++) {
+        KVT_EQ(kvs_sched_step(e.s, &st), KVS_OK);
+        KVT_EQ(kvs_sched_complete(e.s, &st), KVS_OK);
+    }
+    KVT_EQ(sf_slot(&e, b).num_computed, 6);
+    KVT_EQ(kvs_sched_append(e.s, b, t, 10), KVS_OK);
+    KVT_EQ(sf_state(&e, b), KVS_SLOT_FINISHED);
+    KVT_EQ(kvs_sched_finish(e.s, a), KVS_OK);
+    sf_close(&e);
+}
+
 static void test_bad_input(void)
 {
     kvb_pool_config pc;
@@ -1437,6 +1477,7 @@ int main(void)
     KVT_RUN(test_destroy_aborts_everything);
     KVT_RUN(test_pinned_loads_do_not_block_the_queue);
     KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
+    KVT_RUN(test_append_beyond_step_budget);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);

@@ -655,6 +655,7 @@ static kvs_result fz_append_expect(fz *f, fz_req *q, size_t n, int *ends, int *e
         if (big) return KVS_ETOOBIG;
         if (past) return KVS_EINVAL;
         *ends = q->max_new && q->len + n == q->num_prompt + q->max_new;
+        if (n > f->max_tokens && !*ends) return KVS_ETOOBIG; /* more than a step computes: never scheduled */
     }
     return KVS_OK;
 }
