@@ -76,6 +76,15 @@ typedef struct fz {
     uint64_t steps, prompt_tokens, finished, aborted, computed_tokens, released_preemptions;
     kvs_sched_stats last;
     uint64_t seed;       /* for tokens */
+    /* an event bus: its decisions are replayed into a fresh scheduler at the end (without tiers, whose
+     * timing replay does not reproduce, and without pool resets, which are not scheduler inputs) */
+    kvs_bus *bus;
+    kvs_event *events;
+    size_t nevents, capevents;
+    int events_lost, resets, dry;
+    kvb_pool_config dev_cfg;
+    kvs_sched_config sched_cfg;
+    int hook_stack[8], hook_depth, hook_bad; /* will-call / finished-call pairs */
 } fz;
 
 /* ---- reading the input ------------------------------------------------------------------------ */
@@ -266,6 +275,7 @@ static void fz_check(fz *f, int call, uint64_t target)
     uint64_t preemptions = f->released_preemptions;
     uint32_t live = 0, running = 0;
     fz_check_pools(f);
+    if (f->hook_bad || f->hook_depth) fz_fail(f, "hook calls not in will / finished pairs", 0);
     for (size_t i = 0; i < f->nreq; i++) {
         fz_req *q = &f->req[i];
         kvs_slot_info info;
@@ -365,7 +375,40 @@ static void fz_write_bytes(fz *f, const kvs_sched_item *it)
 
 static uint64_t fz_clock(void *user) { return ((fz *)user)->now; }
 
-static kvb_pool *fz_pool(fz *f, uint32_t blocks, int memory, kvb_layout_kind kind, uint32_t tier, uint8_t bits)
+/* Runs under the bus's lock: only copies. */
+static void fz_record(void *user, const kvs_event *e)
+{
+    fz *f = (fz *)user;
+    if (f->nevents == f->capevents) {
+        size_t cap = f->capevents ? f->capevents * 2 : 1024;
+        kvs_event *more = (kvs_event *)realloc(f->events, cap * sizeof *more);
+        if (!more) {
+            f->events_lost = 1;
+            return;
+        }
+        f->events = more;
+        f->capevents = cap;
+    }
+    f->events[f->nevents++] = *e;
+}
+
+/* Every call the hook sees before it runs, it sees again when it is done (connector calls nest). */
+static void fz_hook(void *user, kvs_call call, int finished, uint64_t request, int result)
+{
+    fz *f = (fz *)user;
+    (void)request;
+    (void)result;
+    if (!finished) {
+        if (f->hook_depth < 8) f->hook_stack[f->hook_depth] = (int)call;
+        f->hook_depth++;
+    } else if (!f->hook_depth || (f->hook_depth <= 8 && f->hook_stack[f->hook_depth - 1] != (int)call)) {
+        f->hook_bad = 1;
+    } else {
+        f->hook_depth--;
+    }
+}
+
+static kvb_pool *fz_pool(fz *f, uint32_t blocks, int memory, kvb_layout_kind kind, uint32_t tier, uint8_t bits, int events)
 {
     static const kvb_evict_policy pols[8] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU, KVB_EVICT_FOL, KVB_EVICT_ARC,
                                              KVB_EVICT_S3FIFO,  KVB_EVICT_LINEAGE, KVB_EVICT_FOL, KVB_EVICT_LRU};
@@ -382,28 +425,42 @@ static kvb_pool *fz_pool(fz *f, uint32_t blocks, int memory, kvb_layout_kind kin
         cfg.storage = KVB_STORAGE_HOST;
         if (kvb_layout_for_model(kind, f->bt, FZ_LAYERS, 1, 2, 2, &cfg.layout) != KVB_OK) fz_fail(f, "layout", 0);
     }
+    if (!tier) f->dev_cfg = cfg;
+    if (f->bus && events) {
+        cfg.on_events = kvs_bus_pool_events;
+        cfg.event_user = f->bus;
+    }
     if (kvb_pool_create(&cfg, &pool) != KVB_OK) fz_fail(f, "pool_create", 0);
     return pool;
 }
 
 /* Config: block tokens 2..16, device blocks 8..64, tiers (host 4..64 blocks, eager or lazy), preemption
- * mode, budgets (the defaults or small ones), pool policies, the host pipelines' batching. */
+ * mode, budgets (the defaults or small ones), pool policies, the host pipelines' batching; an event bus
+ * (recording, hooks, the pools' and pipelines' events too), and whether the run ends dry or is
+ * destroyed as it stands. */
 static void fz_open(fz *f)
 {
     uint8_t c0 = fz_u8(f), c1 = fz_u8(f), c2 = fz_u8(f), c3 = fz_u8(f), c4 = fz_u8(f), c5 = fz_u8(f), c6 = fz_u8(f);
+    uint8_t c7 = fz_u8(f);
     int tiers = c2 & 1, lazy = tiers && (c2 & 4);
     kvs_sched_config sc;
     kvs_result r;
+    f->dry = !(c7 & 2); /* else the scheduler is destroyed as it is: mid-step, requests live */
+    if (c7 & 1) {
+        if (kvs_bus_create(NULL, &f->bus) != KVS_OK) fz_fail(f, "bus_create", 0);
+        if (kvs_bus_subscribe(f->bus, 0, fz_record, f, NULL) != KVS_OK) fz_fail(f, "bus_subscribe", 0);
+        if (c7 & 4 && kvs_bus_set_hook(f->bus, fz_hook, f) != KVS_OK) fz_fail(f, "bus_set_hook", 0);
+    }
     f->bt = 2u + c0 % 15u;
     f->device_blocks = 8u + c1 % 57u;
     f->memory = tiers || (c2 & 8);
     f->preempt = tiers && (c2 & 2) ? KVS_PREEMPT_SWAP : KVS_PREEMPT_RECOMPUTE;
     f->now = 1000000;
-    f->dev = fz_pool(f, f->device_blocks, f->memory, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0, (uint8_t)(c2 >> 3));
+    f->dev = fz_pool(f, f->device_blocks, f->memory, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0, (uint8_t)(c2 >> 3), c7 & 16);
     if (tiers) {
         kvo_manager_config mc;
         kvo_result mr;
-        f->host = fz_pool(f, 4u + c3 % 61u, 1, KVB_LAYOUT_LAYER_SEPARATE, 1, c6);
+        f->host = fz_pool(f, 4u + c3 % 61u, 1, KVB_LAYOUT_LAYER_SEPARATE, 1, c6, c7 & 32);
         if (kvo_memcpy_backend_create(0, &f->mem) != KVO_OK) fz_fail(f, "memcpy backend", 0);
         memset(&mc, 0, sizeof mc);
         mc.num_tiers = 2;
@@ -418,6 +475,10 @@ static void fz_open(fz *f)
         mc.pipeline.max_batch = (c5 & 0x10) ? 2u : 0u;
         mc.pipeline.clock = fz_clock;
         mc.pipeline.clock_user = f;
+        if (f->bus && (c7 & 8)) {
+            mc.pipeline.on_stage = kvs_bus_transfer_stage;
+            mc.pipeline.stage_user = f->bus;
+        }
         if ((mr = kvo_manager_create(&mc, &f->m)) != KVO_OK) fz_fail(f, "manager_create", mr);
     }
     memset(&sc, 0, sizeof sc);
@@ -427,6 +488,8 @@ static void fz_open(fz *f)
     sc.max_seqs = c5 & 0x0f;
     sc.preempt = f->preempt;
     sc.offload = lazy ? KVS_OFFLOAD_LAZY : KVS_OFFLOAD_EAGER;
+    sc.bus = f->bus;
+    f->sched_cfg = sc;
     { /* swap without tiers, a mode out of range: refused */
         kvs_sched_config bad = sc;
         kvs_sched *none = NULL;
@@ -884,6 +947,7 @@ static void op_time(fz *f)
         kvb_pool_stats ps = fz_pool_stats(f, pool);
         kvb_result r = kvb_pool_reset(pool);
         if ((r == KVB_OK) != (ps.active_blocks == 0)) fz_fail(f, "pool reset", r);
+        f->resets += pool == f->dev && r == KVB_OK;
     }
     FZ_TRACE(f, "time +%u ms, %d", b >> 2, b & 3);
     fz_check(f, FZ_CALL_OTHER, 0);
@@ -993,8 +1057,44 @@ static void fz_dry_run(fz *f)
         if (!f->req[i].released) fz_release(f, f->req[i].id);
 }
 
+/* The recorded run fed into a fresh scheduler (metadata-only pool, same configuration) makes the same
+ * decisions. */
+static void fz_replay_check(fz *f)
+{
+    kvs_bus *bus = NULL;
+    kvb_pool *pool = NULL;
+    kvs_sched *fresh = NULL;
+    kvb_pool_config pc = f->dev_cfg;
+    kvs_sched_config sc = f->sched_cfg;
+    kvs_replay_report rep;
+    kvs_result r;
+    if (!f->bus || f->m || f->resets || f->events_lost) return;
+    pc.storage = KVB_STORAGE_NONE;
+    memset(&pc.layout, 0, sizeof pc.layout);
+    if (kvs_bus_create(NULL, &bus) != KVS_OK || kvb_pool_create(&pc, &pool) != KVB_OK) fz_fail(f, "replay setup", 0);
+    sc.device = pool;
+    sc.bus = bus;
+    if ((r = kvs_sched_create(&sc, &fresh)) != KVS_OK) fz_fail(f, "replay setup", r);
+    memset(&rep, 0, sizeof rep);
+    r = kvs_replay(fresh, bus, f->events, f->nevents, 0, &rep);
+    FZ_TRACE(f, "replay of %zu events: %s (%llu inputs, %llu decisions)", f->nevents, kvs_result_string(r),
+             (unsigned long long)rep.inputs, (unsigned long long)rep.compared);
+    if (r != KVS_OK) {
+        char want[512] = "", got[512] = "";
+        kvs_event_to_json(&rep.expected, want, sizeof want, NULL);
+        kvs_event_to_json(&rep.got, got, sizeof got, NULL);
+        fprintf(stderr, "fuzz_sched: replay differs at seq %llu:\n  recorded %s\n  replayed %s\n",
+                (unsigned long long)rep.mismatch_seq, want, got);
+        fz_fail(f, "a replay of the recorded run decides otherwise", r);
+    }
+    kvs_sched_destroy(fresh);
+    kvb_pool_destroy(pool);
+    kvs_bus_destroy(bus);
+}
+
 static void fz_close(fz *f)
 {
+    fz_replay_check(f);
     kvs_sched_destroy(f->s);
     f->s = NULL;
     if (f->m) {
@@ -1007,6 +1107,8 @@ static void fz_close(fz *f)
     kvo_backend_destroy(f->mem);
     kvb_pool_destroy(f->host);
     kvb_pool_destroy(f->dev);
+    kvs_bus_destroy(f->bus);
+    free(f->events);
     for (size_t i = 0; i < f->nreq; i++) free(f->req[i].tokens);
 }
 
@@ -1029,7 +1131,7 @@ static void fz_run(fz *f)
         default: f->opname = "turn"; op_turn(f); break;
         }
     }
-    if (f->s && getenv("KVFUZZ_NO_DRY") == NULL) fz_dry_run(f);
+    if (f->dry) fz_dry_run(f);
     fz_close(f);
 }
 
