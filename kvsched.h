@@ -3585,6 +3585,8 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
     r->computed = (uint32_t)cached;
     r->cached = cached;
+    if (r->lower_hit > cached) r->lower_hit = cached; /* loaded blocks the match does not reach: the last
+                                                        * token's (always computed), any after a gap */
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;

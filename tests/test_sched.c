@@ -1154,6 +1154,38 @@ static void test_append_beyond_step_budget(void)
     sf_close(&e);
 }
 
+/* A slot's lower-tier hits are part of its cached tokens ("cached: device + lower tiers"), and so in the
+ * counters: a prompt of exactly 4 blocks found in the host caches 48 tokens (the last token, in the 4th
+ * block, is always computed), so at most 48 of them came from the host, though 4 blocks were loaded. */
+static void test_lower_hits_within_cached(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t b[64];
+    kvb_hash h[4];
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    sf_open(&e, &o);
+    sf_tokens(71, b, 64);
+    hashes_of(b, 64, h, 4, 4);
+    uint64_t a = sf_add(&e, b, 64, 1, 0);
+    sf_run(&e, 10);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(lookup(e.host, h, 4), 4);
+    KVT_EQ(sf_release(&e, a), KVS_OK);
+    KVT_EQ(kvb_pool_reset(e.dev), KVB_OK);
+    uint64_t q = sf_add(&e, b, 64, 1, 0);
+    sf_run(&e, 10);
+    KVT_EQ(sf_loads_of(&e, q), 1);
+    kvs_slot_info iq = sf_slot(&e, q);
+    KVT_EQ(iq.num_cached, 48);
+    KVT_EQ(iq.num_lower_hit_tokens, 48);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, 48);
+    sf_close(&e);
+}
+
 static void test_bad_input(void)
 {
     kvb_pool_config pc;
@@ -1478,6 +1510,7 @@ int main(void)
     KVT_RUN(test_pinned_loads_do_not_block_the_queue);
     KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
     KVT_RUN(test_append_beyond_step_budget);
+    KVT_RUN(test_lower_hits_within_cached);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);

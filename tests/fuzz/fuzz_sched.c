@@ -305,6 +305,8 @@ static void fz_check(fz *f, int call, uint64_t target)
             fz_fail(f, "cached tokens not whole blocks below the last token", 0);
         if (info.preemptions < q->preemptions) fz_fail(f, "preemptions went down", 0);
         if (info.state == KVS_SLOT_FINISHING) fz_fail(f, "a slot seen in Finishing", 0);
+        if (fz_running((int)info.state) && info.num_lower_hit_tokens > info.num_cached)
+            fz_fail(f, "lower-tier hits are not part of the cached tokens", 0); /* "cached: device + lower tiers" */
         q->preemptions = info.preemptions;
         preemptions += info.preemptions;
         if (info.state != KVS_SLOT_FINISHED) live++;
