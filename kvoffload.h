@@ -411,12 +411,14 @@ KVO_API kvo_result kvo_pipeline_get_config(const kvo_pipeline *pipeline, kvo_pip
 /* Status and counts. KVO_ESTALE for a released handle. */
 KVO_API kvo_result kvo_transfer_get_info(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_transfer_info *out);
 /* Wait for a final state up to timeout_us (negative = forever; poll mode pumps the pipeline meanwhile):
- * KVO_OK, KVO_ETIMEDOUT, KVO_ESTALE. *out_status may be NULL. */
+ * KVO_OK, KVO_ETIMEDOUT, KVO_ESTALE (also when the handle is released while this waits, e.g. by an
+ * on_done callback, as the tier manager's are). *out_status may be NULL. */
 KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transfer, int64_t timeout_us,
                                      kvo_status *out_status);
 /* Cancel: sweeps the queues at once; returns when nothing of the container is in flight. The final
  * status goes to *out_status (may be NULL): Cancelled, or Complete / Failed when it was already past the
- * upgrade or finished. Cancelling twice is fine. KVO_ESTALE for a released handle. */
+ * upgrade or finished. Cancelling twice is fine. KVO_ESTALE for a released handle (also one released
+ * while this waits). */
 KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status);
 /* Onboarding result: the destination blocks (strong references, now the caller's), in hash order; at
  * most max, count in *out_n. Only once, after Complete: KVO_ESTATE otherwise. */
@@ -2545,10 +2547,13 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
     return 1;
 }
 
-static int kvo__is_final(kvo_pipeline *pl, void *c)
+/* The transfer (arg: its handle) is final, or gone: released meanwhile, by on_done (the tier manager
+ * releases its offloads there) or another thread, its container then reused or freed. So a wait looks
+ * the container up by its handle each time and never holds it across the unlocked parts. */
+static int kvo__is_final(kvo_pipeline *pl, void *arg)
 {
-    (void)pl;
-    return ((kvo__container *)c)->final;
+    kvo__container *c = kvo__resolve(pl, *(const kvo_transfer *)arg);
+    return !c || c->final;
 }
 
 static int kvo__is_idle(kvo_pipeline *pl, void *unused)
@@ -2849,20 +2854,27 @@ KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transf
     if (!pipeline) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     c = kvo__resolve(pipeline, transfer);
+    if (c) {
+        int ok = kvo__wait_until(pipeline, kvo__is_final, &transfer, timeout_us);
+        c = kvo__resolve(pipeline, transfer); /* released meanwhile: KVO_ESTALE */
+        if (c && !ok) r = KVO_ETIMEDOUT;
+    }
     if (!c) r = KVO_ESTALE;
-    else if (!kvo__wait_until(pipeline, kvo__is_final, c, timeout_us)) r = KVO_ETIMEDOUT;
-    if (c && out_status) *out_status = c->info.status;
+    else if (out_status) *out_status = c->info.status;
     kvo__unlock(pipeline);
     return r;
 }
 
-/* Cancel with the lock held: sweep now, then wait out a transfer already past its upgrade. */
-static void kvo__cancel_locked(kvo_pipeline *pl, kvo__container *c)
+/* Cancel with the lock held: sweep now, then wait out a transfer already past its upgrade. Returns its
+ * container, final, or NULL when the handle is stale (also when it was released during the wait). */
+static kvo__container *kvo__cancel_locked(kvo_pipeline *pl, kvo_transfer t)
 {
-    if (c->final) return;
+    kvo__container *c = kvo__resolve(pl, t);
+    if (!c || c->final) return c;
     kvo_token_cancel(c->token);
     kvo__sweep_all(pl);
-    kvo__wait_until(pl, kvo__is_final, c, -1);
+    kvo__wait_until(pl, kvo__is_final, &t, -1);
+    return kvo__resolve(pl, t);
 }
 
 KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status)
@@ -2870,11 +2882,8 @@ KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer tran
     kvo__container *c;
     if (!pipeline) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
-    c = kvo__resolve(pipeline, transfer);
-    if (c) {
-        kvo__cancel_locked(pipeline, c);
-        if (out_status) *out_status = c->info.status;
-    }
+    c = kvo__cancel_locked(pipeline, transfer);
+    if (c && out_status) *out_status = c->info.status;
     kvo__unlock(pipeline);
     return c ? KVO_OK : KVO_ESTALE;
 }
@@ -2906,13 +2915,10 @@ KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer
 KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer transfer)
 {
     kvo__container *c;
-    int found;
     if (!pipeline) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
-    c = kvo__resolve(pipeline, transfer);
-    found = c != NULL;
+    c = kvo__cancel_locked(pipeline, transfer); /* NULL also when released by another meanwhile */
     if (c) {
-        kvo__cancel_locked(pipeline, c);
         kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
         pipeline->slots[c->slot].c = NULL;
         pipeline->slots[c->slot].gen = (pipeline->slots[c->slot].gen + 1) & 0x7fffffffu;
@@ -2920,7 +2926,7 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
         kvo__container_recycle(pipeline, c);
     }
     kvo__unlock(pipeline);
-    return found ? KVO_OK : KVO_ESTALE;
+    return c ? KVO_OK : KVO_ESTALE;
 }
 
 /* ---- tier manager ------------------------------------------------------------------------------- */

@@ -1130,6 +1130,69 @@ static void test_on_done_once_with_destination_handles(void)
     rig_close(&r);
 }
 
+/* on_done may release its own transfer (the tier manager does, for every offload it starts) while a
+ * caller waits on or cancels that transfer: the waiter then gets KVO_ESTALE and reads nothing of the
+ * released container. They held the container across the wait; with 16 spare containers kept the
+ * released one is freed, and the waiter read freed memory (ASan: heap-use-after-free). 17 one-block
+ * transfers, so that the one waited on is released last, when the spares are full. */
+typedef struct self_release {
+    kvo_pipeline *p;
+    atomic_int calls;
+} self_release;
+
+static void release_in_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    self_release *sr = (self_release *)user;
+    (void)info;
+    (void)dst;
+    (void)n;
+    atomic_fetch_add(&sr->calls, 1);
+    KVT_EQ(kvo_transfer_release(sr->p, t), KVO_OK);
+}
+
+static void *release_held_later(void *arg)
+{
+    of_backend *w = (of_backend *)arg;
+    of_sleep_us(100000); /* the canceller is waiting by then */
+    of_backend_release(w);
+    return NULL;
+}
+
+static void test_wait_and_cancel_while_on_done_releases(void)
+{
+    enum { N = 17 };
+    for (int cancel = 0; cancel < 2; cancel++) {
+        rig r;
+        self_release sr;
+        kvo_transfer t[N];
+        kvo_status st = KVO_STATUS_EVALUATING;
+        pthread_t helper;
+        rig_pools(&r, SRC_BLOCKS, N);
+        atomic_init(&sr.calls, 0);
+        kvo_pipeline_config pc = rig_config(&r);
+        pc.on_done = release_in_done;
+        pc.done_user = &sr;
+        pc.max_concurrent = 2;
+        rig_start(&r, &pc);
+        sr.p = r.p;
+        if (cancel) of_backend_set_hold(r.w, 1);
+        for (int i = 0; i < N; i++) t[i] = of_enqueue(r.p, &r.weak[i], 1, NULL);
+        if (!cancel) {
+            KVT_EQ(kvo_transfer_wait(r.p, t[N - 1], 5000000, &st), KVO_ESTALE);
+        } else {
+            of_polls(r.p, &r.clock, 1000, 3);
+            KVT_EQ(of_backend_held(r.w), 2); /* 16 + 1 blocks: both jobs in the backend */
+            KVT_EQ(pthread_create(&helper, NULL, release_held_later, r.w), 0);
+            KVT_EQ(kvo_transfer_cancel(r.p, t[N - 1], &st), KVO_ESTALE);
+            pthread_join(helper, NULL);
+        }
+        KVT_EQ(atomic_load(&sr.calls), N);
+        KVT_EQ(of_holds_all(r.dst, r.h, N), N);
+        for (int i = 0; i < N; i++) KVT_EQ(kvo_transfer_release(r.p, t[i]), KVO_ESTALE);
+        rig_close(&r);
+    }
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1161,5 +1224,6 @@ int main(void)
     KVT_RUN(test_backend_refuses_job);
     KVT_RUN(test_priority_order);
     KVT_RUN(test_on_done_once_with_destination_handles);
+    KVT_RUN(test_wait_and_cancel_while_on_done_releases);
     return kvt_summary();
 }
