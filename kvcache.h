@@ -4460,7 +4460,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *           kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
- *           log callback). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
+ *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
+ *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
  *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
  *           never wrong data. Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote
  *           holds only misses. A job of several blocks is written by two threads: one prepares the
@@ -5548,8 +5549,11 @@ KVO_API kvo_result kvo_memcpy_backend_create(uint32_t threads, kvo_backend **out
 typedef struct kvo__disk {
     kvo_backend base;
     kvo__workers workers;
-    pthread_mutex_t lock; /* stats, the fd swap of the O_DIRECT fallback */
+    pthread_mutex_t lock; /* stats, the O_DIRECT fallback */
     int fd, direct;
+    int bfd;              /* the same file without O_DIRECT (fd itself when that is buffered): opened with fd,
+                             closed with it, so no fd in use is ever closed and the path is never reopened */
+    int direct_ok;        /* an O_DIRECT transfer succeeded: the file system takes it */
     kvb_pool *pool;
     uint32_t num_slots;
     uint64_t block_bytes, data_bytes, slot_bytes;
@@ -5609,25 +5613,22 @@ static int kvo__disk_open(kvo__disk *d, int direct)
     return open(d->path, flags, 0600);
 }
 
-/* The file system refused O_DIRECT: go on buffered, and say so once. */
-static int kvo__disk_fallback(kvo__disk *d, int failed_fd)
+/* An O_DIRECT transfer answered EINVAL; returns the buffered fd to go on with. Before any direct transfer
+ * succeeded, the file system refuses O_DIRECT: buffered from now on, said once. After one did, it was
+ * this request's (a length the kernel cut at the file size limit, the unaligned rest of a short
+ * transfer): only this one goes on buffered. */
+static int kvo__disk_fallback(kvo__disk *d)
 {
     char msg[512];
     pthread_mutex_lock(&d->lock);
-    if (d->direct && d->fd == failed_fd) {
-        int fd = kvo__disk_open(d, 0);
-        if (fd >= 0) {
-            close(d->fd);
-            d->fd = fd;
-            d->direct = 0;
-            d->stats.direct_io = 0;
-            snprintf(msg, sizeof msg, "%s: O_DIRECT refused by the file system, using buffered I/O", d->path);
-            kvo__disk_say(d, msg);
-        }
+    if (d->direct && !d->direct_ok) {
+        d->direct = 0;
+        d->stats.direct_io = 0;
+        snprintf(msg, sizeof msg, "%s: O_DIRECT refused by the file system, using buffered I/O", d->path);
+        kvo__disk_say(d, msg);
     }
-    failed_fd = d->fd;
     pthread_mutex_unlock(&d->lock);
-    return failed_fd;
+    return d->bfd;
 }
 
 /* Whole-slot I/O of the header and the data (two buffers: the data may be a pool block itself), retrying
@@ -5635,9 +5636,10 @@ static int kvo__disk_fallback(kvo__disk *d, int failed_fd)
 static int kvo__disk_io(kvo__disk *d, int write, unsigned char *hdr, unsigned char *data, uint64_t off)
 {
     size_t done = 0, len = (size_t)d->slot_bytes;
-    int fd, fell_back = 0;
+    int fd, direct;
     pthread_mutex_lock(&d->lock);
-    fd = d->fd;
+    direct = d->direct;
+    fd = direct ? d->fd : d->bfd;
     pthread_mutex_unlock(&d->lock);
     while (done < len) {
         struct iovec iov[2];
@@ -5653,15 +5655,16 @@ static int kvo__disk_io(kvo__disk *d, int write, unsigned char *hdr, unsigned ch
         r = write ? pwritev(fd, iov, cnt, (off_t)(off + done)) : preadv(fd, iov, cnt, (off_t)(off + done));
         if (r > 0) {
             done += (size_t)r;
+            if (direct && !KVO__LOAD(&d->direct_ok)) KVO__STORE(&d->direct_ok, 1);
         } else if (r == 0) {
             if (write) return EIO;
             memset(done < KVO__HEADER_BYTES ? hdr + done : data + (done - KVO__HEADER_BYTES), 0,
                    done < KVO__HEADER_BYTES ? KVO__HEADER_BYTES - done : len - done); /* past the end: empty */
             if (done < KVO__HEADER_BYTES) memset(data, 0, (size_t)d->data_bytes);
             return 0;
-        } else if (errno == EINVAL && !fell_back) {
-            fd = kvo__disk_fallback(d, fd);
-            fell_back = 1;
+        } else if (errno == EINVAL && direct) {
+            fd = kvo__disk_fallback(d);
+            direct = 0;
         } else if (errno != EINTR) {
             return errno;
         }
@@ -5869,6 +5872,7 @@ static void kvo__disk_destroy(kvo_backend *self)
 {
     kvo__disk *d = (kvo__disk *)self->impl;
     kvo__workers_stop(&d->workers);
+    if (d->bfd >= 0 && d->bfd != d->fd) close(d->bfd);
     if (d->fd >= 0) close(d->fd);
     pthread_mutex_destroy(&d->lock);
     KVB_FREE(d->path);
@@ -5890,6 +5894,8 @@ static kvo_result kvo__disk_prepare_file(kvo__disk *d, int direct)
         }
     }
     if (d->fd < 0) return (kvo_result)kvo__errno_result(errno);
+    d->bfd = direct ? kvo__disk_open(d, 0) : d->fd;
+    if (d->bfd < 0) return (kvo_result)kvo__errno_result(errno);
     d->direct = direct;
     d->stats.direct_io = direct;
     e = posix_fallocate(d->fd, 0, (off_t)total);
@@ -5908,7 +5914,7 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
     d = (kvo__disk *)KVB_MALLOC(sizeof *d);
     if (!d) return KVO_ENOMEM;
     memset(d, 0, sizeof *d);
-    d->fd = -1;
+    d->fd = d->bfd = -1;
     d->path = (char *)KVB_MALLOC(strlen(config->path) + 1);
     if (!d->path || pthread_mutex_init(&d->lock, NULL) != 0) {
         KVB_FREE(d->path);

@@ -528,6 +528,84 @@ static void test_write_failure_loses_nothing(void)
     disk_close(&d);
 }
 
+/* Holds every free block of the disk pool but the one at `index`, so that the next offload lands in that
+ * slot; returns how many are held (release them later). */
+static size_t hold_all_but(kvb_pool *pool, uint32_t index, kvb_block *held)
+{
+    size_t n = of_stats(pool).free_blocks, k = 0;
+    kvb_block all[NB];
+    KVT_CHECK(n <= NB);
+    if (n > NB) return 0;
+    KVT_EQ(kvb_alloc(pool, n, all), KVB_OK);
+    for (size_t i = 0; i < n; i++) {
+        if (kvb_block_index(all[i].id) == index) KVT_EQ(kvb_release(pool, &all[i], 1, NULL), KVB_OK);
+        else held[k++] = all[i];
+    }
+    return k;
+}
+
+/* A write the kernel cuts short inside a slot (here at the file size limit; under O_DIRECT the cut length
+ * is refused with EINVAL) fails that copy and nothing more: it is not an O_DIRECT refusal by the file
+ * system, so the backend keeps direct I/O and says nothing, and it goes on with the file it has open,
+ * even when that file's path was removed meanwhile. Before, the EINVAL switched the backend to buffered
+ * I/O for good with "O_DIRECT refused by the file system" in the log, and reopened the file by its path:
+ * a new empty file there, so every block stored before read back as a miss (the fd it closed could be in
+ * use by another thread as well). */
+static void test_cut_write_is_not_a_direct_io_refusal(void)
+{
+    disk d;
+    kvb_hash h[3];
+    kvb_block held[NB], got[MAXN];
+    size_t nheld, ngot = 0;
+    fsize_guard g;
+    if (!disk_open(&d, 0)) return;
+    if (!disk_stats(&d).direct_io) {
+        disk_close(&d);
+        KVT_SKIP("no O_DIRECT on /tmp");
+    }
+    of_chain(42, 3, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    of_register(g2, h, 3, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 2).transferred, 2);
+    KVT_EQ(unlink(d.path), 0); /* someone removes the file: the backend keeps the one it has open */
+
+    nheld = hold_all_but(d.pool, NB - 1, held);
+    uint64_t cut = kvo_disk_slot_offset(d.backend, NB - 1) + 4096 + 100; /* inside the slot's data */
+    if (!fsize_limit(&g, (rlim_t)cut)) {
+        release_all(d.pool, held, nheld);
+        kvb_pool_destroy(g2);
+        disk_close(&d);
+        KVT_SKIP("cannot lower RLIMIT_FSIZE");
+    }
+    kvo_transfer_info info = offload(g2, d.pool, d.backend, &h[2], 1);
+    fsize_restore(&g);
+    release_all(d.pool, held, nheld);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.failed, 1);
+    KVT_CHECK(!of_has(d.pool, h[2]));
+    kvo_disk_stats st = disk_stats(&d);
+    KVT_EQ(st.direct_io, 1);
+    KVT_EQ(atomic_load(&d.log.calls), 0);
+
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    info = load(d.pool, g1, d.backend, h, 2, got, &ngot); /* stored before: still there */
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(ngot, 2);
+    for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(g1, got[i], h[i]));
+    release_all(g1, got, ngot);
+    KVT_EQ(offload(g2, d.pool, d.backend, &h[2], 1).transferred, 1); /* and a retry works */
+    info = load(d.pool, g1, d.backend, &h[2], 1, got, &ngot);
+    KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(ngot, 1);
+    if (ngot == 1) KVT_CHECK(of_bytes_ok(g1, got[0], h[2]));
+    release_all(g1, got, ngot);
+    KVT_EQ(disk_stats(&d).checksum_errors, 0);
+    OF_CHECK_POOL(g1);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
 /* ---- O_DIRECT ---- */
 
 static int direct_supported(const char *dir)
@@ -603,6 +681,7 @@ int main(void)
     KVT_RUN(test_preallocation_no_space);
     KVT_RUN(test_preallocation_refused);
     KVT_RUN(test_write_failure_loses_nothing);
+    KVT_RUN(test_cut_write_is_not_a_direct_io_refusal);
     KVT_RUN(test_direct_io_or_fallback_tmp);
     KVT_RUN(test_direct_io_or_fallback_shm);
     return kvt_summary();
