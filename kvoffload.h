@@ -2468,7 +2468,11 @@ static void kvo__stage_execute(kvo_pipeline *pl)
         pthread_mutex_unlock(&pl->lock);
         r = pl->cfg.backend->submit(pl->cfg.backend, &b->job);
         pthread_mutex_lock(&pl->lock);
-        if (r != KVO_OK) kvo__batch_finish(pl, b, r, "backend refused the job");
+        if (r != KVO_OK) {
+            size_t k;
+            for (k = 0; k < b->job.n; k++) b->results[k] = r; /* its reason, not the placeholder */
+            kvo__batch_finish(pl, b, r, "backend refused the job");
+        }
     }
 }
 

@@ -984,6 +984,31 @@ static void test_backend_refuses_job(void)
     rig_close(&r);
 }
 
+/* A refused job reports the backend's reason, not a generic backend error: the disk backend refuses a
+ * memory pool of other block bytes with KVO_ELAYOUT, the Redis one a pool without storage with
+ * KVB_ENODATA. Before, every copy kept the placeholder result KVO_EBACKEND the upgrade puts there. */
+static void test_backend_refusal_reason_reported(void)
+{
+    static const int reasons[] = {KVO_ELAYOUT, KVB_ENODATA, KVO_EINVAL};
+    rig r;
+    rig_open(&r, 6);
+    for (size_t i = 0; i < 3; i++) {
+        of_backend_set_submit_error(r.w, reasons[i]);
+        kvo_transfer t = of_enqueue(r.p, &r.weak[2 * i], 2, NULL);
+        KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_FAILED);
+        kvo_transfer_info info = of_info(r.p, t);
+        KVT_EQ(info.error, reasons[i]);
+        KVT_EQ(info.failed, 2);
+        KVT_EQ(info.transferred, 0);
+        KVT_CHECK(strcmp(info.message, "backend refused the job") == 0);
+        KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    }
+    KVT_EQ(of_present(r.dst, r.h, 6), 0);
+    KVT_EQ(of_active(r.src), 0);
+    KVT_EQ(of_active(r.dst), 0);
+    rig_close(&r);
+}
+
 /* ---- priorities ---- */
 
 /* While the executor is busy, a low-priority and then a high-priority container are batched; the high
@@ -1222,6 +1247,7 @@ int main(void)
     KVT_RUN(test_wait_on_custom_events);
     KVT_RUN(test_backend_failure_mid_batch);
     KVT_RUN(test_backend_refuses_job);
+    KVT_RUN(test_backend_refusal_reason_reported);
     KVT_RUN(test_priority_order);
     KVT_RUN(test_on_done_once_with_destination_handles);
     KVT_RUN(test_wait_and_cancel_while_on_done_releases);
