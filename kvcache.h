@@ -6928,7 +6928,8 @@ static void *kvo__coordinator(void *arg)
 }
 
 /* Let the pipeline move on while the caller waits for `done(pl, arg)`: poll mode pumps the stages,
- * thread mode sleeps on the condition. Locked on entry and exit. 0 on timeout. */
+ * thread mode sleeps on the condition, except on the coordinator thread itself (an on_done it delivers
+ * waiting on another transfer), which pumps as poll mode does. Locked on entry and exit. 0 on timeout. */
 static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg, int64_t timeout_us)
 {
     uint64_t start = kvo__mono_us();
@@ -6936,7 +6937,7 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
         int64_t left = timeout_us < 0 ? 1000 : timeout_us - (int64_t)(kvo__mono_us() - start);
         struct timespec dl;
         if (left <= 0) return 0;
-        if (pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread) {
+        if (pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread || pthread_equal(pthread_self(), pl->thread)) {
             int moved = kvo__step(pl);
             if (done(pl, arg)) break;
             if (moved) continue; /* keep pumping while something moves */

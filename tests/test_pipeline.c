@@ -1218,6 +1218,65 @@ static void test_wait_and_cancel_while_on_done_releases(void)
     }
 }
 
+/* on_done may call back into the pipeline (section 6), also to wait for another transfer. In threads
+ * mode with an inline backend on_done runs on the coordinator thread, and a wait there slept until the
+ * coordinator moved the other transfer on: itself, so it timed out (forever without a timeout). */
+typedef struct wait_in_done_ctx {
+    kvo_pipeline *p;
+    kvo_transfer other;
+    kvo_event *go;
+    atomic_int armed, done;
+    int result;
+    kvo_status status;
+    uint64_t waited_us;
+} wait_in_done_ctx;
+
+static void wait_in_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    wait_in_done_ctx *w = (wait_in_done_ctx *)user;
+    uint64_t t0 = of_now_us();
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (t.id == w->other.id || !atomic_exchange(&w->armed, 0)) return;
+    KVT_EQ(kvo_event_signal(w->go), KVO_OK);
+    w->result = kvo_transfer_wait(w->p, w->other, 2000000, &w->status);
+    w->waited_us = of_now_us() - t0;
+    atomic_store(&w->done, 1);
+}
+
+static void test_wait_from_on_done_in_threads_mode(void)
+{
+    rig r;
+    wait_in_done_ctx w;
+    kvo_enqueue_opts o;
+    memset(&w, 0, sizeof w);
+    memset(&o, 0, sizeof o);
+    rig_pools(&r, SRC_BLOCKS, 2);
+    kvo_pipeline_config pc = of_config(r.src, r.dst, of_backend_iface(r.w), KVO_MODE_THREADS, NULL);
+    pc.on_done = wait_in_done;
+    pc.done_user = &w;
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    w.p = r.p;
+    KVT_EQ(kvo_event_create(&w.go), KVO_OK);
+    o.precondition = w.go;
+    w.other = of_enqueue(r.p, &r.weak[1], 1, &o); /* waits for the event on_done signals */
+    atomic_store(&w.armed, 1);
+    kvo_transfer first = of_enqueue(r.p, &r.weak[0], 1, NULL);
+    uint64_t end = of_now_us() + 10000000;
+    while (!atomic_load(&w.done) && of_now_us() < end) of_sleep_us(1000); /* the test thread stays out */
+    KVT_EQ(atomic_load(&w.done), 1);
+    KVT_EQ(w.result, KVO_OK);
+    KVT_EQ(w.status, KVO_STATUS_COMPLETE);
+    KVT_CHECK(w.waited_us < 1000000);
+    KVT_EQ(of_holds_all(r.dst, r.h, 2), 2);
+    KVT_EQ(kvo_transfer_release(r.p, first), KVO_OK);
+    KVT_EQ(kvo_transfer_release(r.p, w.other), KVO_OK);
+    kvo_event_release(w.go);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1251,5 +1310,6 @@ int main(void)
     KVT_RUN(test_priority_order);
     KVT_RUN(test_on_done_once_with_destination_handles);
     KVT_RUN(test_wait_and_cancel_while_on_done_releases);
+    KVT_RUN(test_wait_from_on_done_in_threads_mode);
     return kvt_summary();
 }
