@@ -4461,12 +4461,12 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
- *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic, version, block bytes, hash,
- *           checksum), verified on every read: a mismatch fails that copy with KVO_ECHECKSUM (a miss),
- *           never wrong data. Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote
- *           holds only misses. A job of several blocks is written by two threads: one prepares the
- *           next slot (gathers it when needed, computes its checksum) while the other writes the last,
- *           so the checksum stays off the disk's critical path.
+ *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic,
+ *           version, block bytes, hash, checksum), verified on every read: a mismatch fails that copy
+ *           with KVO_ECHECKSUM (a miss), never wrong data. Version 2 since 0.2 (kvblock.h's hashes
+ *           changed): a file 0.1 wrote holds only misses. A job of several blocks is written by two
+ *           threads: one prepares the next slot (gathers it when needed, computes its checksum) while
+ *           the other writes the last, so the checksum stays off the disk's critical path.
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
