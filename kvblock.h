@@ -462,6 +462,7 @@ typedef struct kvb_pool_stats {
     uint32_t list_blocks[2]; /* ARC: registered blocks in T1, T2; S3-FIFO: in the small, main queue */
     uint32_t ghost_blocks[2]; /* evicted hashes remembered: FOL: ghosts, 0; ARC: B1, B2; S3-FIFO: G, 0 */
     uint32_t arc_target;     /* ARC: p, the target size of T1 (ARC's adaptation) */
+    uint64_t invalidated;    /* blocks dropped by kvb_invalidate */
 } kvb_pool_stats;
 
 typedef struct kvb_block_info {
@@ -622,6 +623,14 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
  * goes to *out_count (may be NULL). No references, no lookup counted. Thread safety: any thread. */
 KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n, uint8_t *present,
                                 size_t *out_count);
+
+/* Drop the cached blocks of `hashes` that nobody holds, as an eviction would (out of the index, back
+ * to the free set, every handle to them stale) but remembering nothing of them (no ghost): for entries
+ * whose bytes are known bad (a lower tier's copy that failed its checksum) or stale. A block in use
+ * stays cached until it is released; a hash not cached is skipped; duplicates of a hash go too. Cached
+ * children of a dropped block stay, as they would after their parent's eviction. *out_dropped (may be
+ * NULL): the blocks dropped. KVB_EINVAL for NULL hashes with n > 0. Thread safety: any thread. */
+KVB_API kvb_result kvb_invalidate(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_dropped);
 
 /* Weak handles to the next (up to) max inactive blocks in eviction order, soonest first: what a lazy
  * offloader should copy down before they go. For KVB_EVICT_CUSTOM: KVB_EINVAL.
@@ -3036,6 +3045,33 @@ KVB_API kvb_result kvb_pool_get_config(const kvb_pool *pool, kvb_pool_config *ou
 {
     if (!pool || !out) return KVB_EINVAL;
     *out = pool->cfg;
+    return KVB_OK;
+}
+
+/* An inactive block with hash h (the indexed one or a duplicate), or KVB__NIL. */
+static uint32_t kvb__inactive_of(const kvb_pool *p, const kvb_hash *h)
+{
+    uint32_t x;
+    for (x = kvb__find(p, h); x != KVB__NIL; x = p->meta[x].dup_next)
+        if (!p->meta[x].refs) return x;
+    return KVB__NIL;
+}
+
+KVB_API kvb_result kvb_invalidate(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_dropped)
+{
+    size_t i, dropped = 0;
+    uint32_t idx;
+    if (!pool || (n && !hashes)) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    for (i = 0; i < n; i++)
+        while ((idx = kvb__inactive_of(pool, &hashes[i])) != KVB__NIL) {
+            kvb__list_remove(pool, idx);
+            kvb__make_free(pool, idx);
+            dropped++;
+        }
+    pool->stats.invalidated += dropped;
+    kvb__unlock(pool);
+    if (out_dropped) *out_dropped = dropped;
     return KVB_OK;
 }
 

@@ -498,6 +498,7 @@ typedef struct kvb_pool_stats {
     uint32_t list_blocks[2]; /* ARC: registered blocks in T1, T2; S3-FIFO: in the small, main queue */
     uint32_t ghost_blocks[2]; /* evicted hashes remembered: FOL: ghosts, 0; ARC: B1, B2; S3-FIFO: G, 0 */
     uint32_t arc_target;     /* ARC: p, the target size of T1 (ARC's adaptation) */
+    uint64_t invalidated;    /* blocks dropped by kvb_invalidate */
 } kvb_pool_stats;
 
 typedef struct kvb_block_info {
@@ -658,6 +659,14 @@ KVB_API kvb_result kvb_lookup(kvb_pool *pool, const kvb_hash *hashes, size_t n, 
  * goes to *out_count (may be NULL). No references, no lookup counted. Thread safety: any thread. */
 KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n, uint8_t *present,
                                 size_t *out_count);
+
+/* Drop the cached blocks of `hashes` that nobody holds, as an eviction would (out of the index, back
+ * to the free set, every handle to them stale) but remembering nothing of them (no ghost): for entries
+ * whose bytes are known bad (a lower tier's copy that failed its checksum) or stale. A block in use
+ * stays cached until it is released; a hash not cached is skipped; duplicates of a hash go too. Cached
+ * children of a dropped block stay, as they would after their parent's eviction. *out_dropped (may be
+ * NULL): the blocks dropped. KVB_EINVAL for NULL hashes with n > 0. Thread safety: any thread. */
+KVB_API kvb_result kvb_invalidate(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_dropped);
 
 /* Weak handles to the next (up to) max inactive blocks in eviction order, soonest first: what a lazy
  * offloader should copy down before they go. For KVB_EVICT_CUSTOM: KVB_EINVAL.
@@ -3075,6 +3084,33 @@ KVB_API kvb_result kvb_pool_get_config(const kvb_pool *pool, kvb_pool_config *ou
     return KVB_OK;
 }
 
+/* An inactive block with hash h (the indexed one or a duplicate), or KVB__NIL. */
+static uint32_t kvb__inactive_of(const kvb_pool *p, const kvb_hash *h)
+{
+    uint32_t x;
+    for (x = kvb__find(p, h); x != KVB__NIL; x = p->meta[x].dup_next)
+        if (!p->meta[x].refs) return x;
+    return KVB__NIL;
+}
+
+KVB_API kvb_result kvb_invalidate(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_dropped)
+{
+    size_t i, dropped = 0;
+    uint32_t idx;
+    if (!pool || (n && !hashes)) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    for (i = 0; i < n; i++)
+        while ((idx = kvb__inactive_of(pool, &hashes[i])) != KVB__NIL) {
+            kvb__list_remove(pool, idx);
+            kvb__make_free(pool, idx);
+            dropped++;
+        }
+    pool->stats.invalidated += dropped;
+    kvb__unlock(pool);
+    if (out_dropped) *out_dropped = dropped;
+    return KVB_OK;
+}
+
 KVB_API kvb_result kvb_pool_get_stats(kvb_pool *pool, kvb_pool_stats *out)
 {
     if (!pool || !out) return KVB_EINVAL;
@@ -4463,7 +4499,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
  *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic,
  *           version, block bytes, hash, checksum), verified on every read: a mismatch fails that copy
- *           with KVO_ECHECKSUM (a miss), never wrong data. Version 2 since 0.2 (kvblock.h's hashes
+ *           with KVO_ECHECKSUM (a miss), never wrong data, and the pipeline then drops the tier's block
+ *           (kvb_invalidate), so the next offer stores it again. Version 2 since 0.2 (kvblock.h's hashes
  *           changed): a file 0.1 wrote holds only misses. A job of several blocks is written by two
  *           threads: one prepares the next slot (gathers it when needed, computes its checksum) while
  *           the other writes the last, so the checksum stays off the disk's critical path.
@@ -6048,6 +6085,7 @@ struct kvo_pipeline {
     kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
     uint8_t *present;         /* scratch of kvo__evaluate */
+    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose stored bytes failed their check */
     kvo__note *spare_notes;
     kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
@@ -6380,6 +6418,7 @@ static void kvo__free_spares(kvo_pipeline *pl)
     stbds_arrfree(pl->batcher_cs);
     stbds_arrfree(pl->stage_cs);
     stbds_arrfree(pl->present);
+    stbds_arrfree(pl->bad);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -6812,6 +6851,7 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
+            if (b->results[k] == KVO_ECHECKSUM) stbds_arrput(pl->bad, b->hashes[k]);
             kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
                                 message);
         }
@@ -6835,6 +6875,12 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
     kvo__release_held(pl->cfg.dst, keep, ok, pl->cfg.dst_priority);
     for (i = 0; i < stbds_arrlenu(b->cs); i++)
         kvo__finalize(pl, b->cs[i], b->cs[i]->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+    if (stbds_arrlen(pl->bad)) { /* their sources are released now: drop them, or every load of the hash
+                                    would fail the same way while the entry stays (a later offer stores it
+                                    again) */
+        kvb_invalidate(pl->cfg.src, pl->bad, stbds_arrlenu(pl->bad), NULL);
+        KVB__ARR_SHRINK(pl->bad, 0);
+    }
     pl->stats.batches++;
     pl->stats.bytes += b->job.bytes;
     pl->executing--;
@@ -13941,7 +13987,9 @@ static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
         {"evictions_total", "counter", "Cached blocks evicted for reuse.", offsetof(kvb_pool_stats, evictions)},
         {"registrations_total", "counter", "Blocks registered.", offsetof(kvb_pool_stats, registrations)},
         {"dedups_total", "counter", "Registrations that found the block already cached.",
-         offsetof(kvb_pool_stats, dedups)}};
+         offsetof(kvb_pool_stats, dedups)},
+        {"invalidated_total", "counter", "Cached blocks dropped as bad (a lower tier's copy failed its check).",
+         offsetof(kvb_pool_stats, invalidated)}};
     kvb_pool_stats st[KVO_MAX_TIERS];
     uint32_t i, tier[KVO_MAX_TIERS];
     size_t r;

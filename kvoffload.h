@@ -66,7 +66,8 @@
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
  *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic,
  *           version, block bytes, hash, checksum), verified on every read: a mismatch fails that copy
- *           with KVO_ECHECKSUM (a miss), never wrong data. Version 2 since 0.2 (kvblock.h's hashes
+ *           with KVO_ECHECKSUM (a miss), never wrong data, and the pipeline then drops the tier's block
+ *           (kvb_invalidate), so the next offer stores it again. Version 2 since 0.2 (kvblock.h's hashes
  *           changed): a file 0.1 wrote holds only misses. A job of several blocks is written by two
  *           threads: one prepares the next slot (gathers it when needed, computes its checksum) while
  *           the other writes the last, so the checksum stays off the disk's critical path.
@@ -1651,6 +1652,7 @@ struct kvo_pipeline {
     kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
     uint8_t *present;         /* scratch of kvo__evaluate */
+    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose stored bytes failed their check */
     kvo__note *spare_notes;
     kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
@@ -1983,6 +1985,7 @@ static void kvo__free_spares(kvo_pipeline *pl)
     stbds_arrfree(pl->batcher_cs);
     stbds_arrfree(pl->stage_cs);
     stbds_arrfree(pl->present);
+    stbds_arrfree(pl->bad);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -2415,6 +2418,7 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
+            if (b->results[k] == KVO_ECHECKSUM) stbds_arrput(pl->bad, b->hashes[k]);
             kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
                                 message);
         }
@@ -2438,6 +2442,12 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
     kvo__release_held(pl->cfg.dst, keep, ok, pl->cfg.dst_priority);
     for (i = 0; i < stbds_arrlenu(b->cs); i++)
         kvo__finalize(pl, b->cs[i], b->cs[i]->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+    if (stbds_arrlen(pl->bad)) { /* their sources are released now: drop them, or every load of the hash
+                                    would fail the same way while the entry stays (a later offer stores it
+                                    again) */
+        kvb_invalidate(pl->cfg.src, pl->bad, stbds_arrlenu(pl->bad), NULL);
+        KVB__ARR_SHRINK(pl->bad, 0);
+    }
     pl->stats.batches++;
     pl->stats.bytes += b->job.bytes;
     pl->executing--;

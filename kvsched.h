@@ -4236,7 +4236,9 @@ static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
         {"evictions_total", "counter", "Cached blocks evicted for reuse.", offsetof(kvb_pool_stats, evictions)},
         {"registrations_total", "counter", "Blocks registered.", offsetof(kvb_pool_stats, registrations)},
         {"dedups_total", "counter", "Registrations that found the block already cached.",
-         offsetof(kvb_pool_stats, dedups)}};
+         offsetof(kvb_pool_stats, dedups)},
+        {"invalidated_total", "counter", "Cached blocks dropped as bad (a lower tier's copy failed its check).",
+         offsetof(kvb_pool_stats, invalidated)}};
     kvb_pool_stats st[KVO_MAX_TIERS];
     uint32_t i, tier[KVO_MAX_TIERS];
     size_t r;

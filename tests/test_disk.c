@@ -294,6 +294,23 @@ static void test_corrupted_slot_is_a_miss(void)
     KVT_EQ(disk_stats(&d).checksum_errors, 2);
     KVT_EQ(of_holds_all(g2, h, 4), 4);
 
+    /* the bad entries left the disk tier's pool (else every load of them would fail the same way and an
+     * offer would skip them as present): the next offer stores them again, and they load */
+    KVT_CHECK(!of_has(d.pool, h[1]));
+    KVT_CHECK(!of_has(d.pool, h[2]));
+    KVT_CHECK(of_has(d.pool, h[0]) && of_has(d.pool, h[3]));
+    KVT_EQ(of_stats(d.pool).invalidated, 2);
+    OF_CHECK_POOL(d.pool);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 4).transferred, 2);
+    for (int k = 1; k <= 2; k++) {
+        info = load(d.pool, g1, d.backend, &h[k], 1, got, &ngot);
+        KVT_EQ(info.status, KVO_STATUS_COMPLETE);
+        KVT_EQ(ngot, 1);
+        if (ngot == 1) KVT_CHECK(of_bytes_ok(g1, got[0], h[k]));
+        release_all(g1, got, ngot);
+    }
+    KVT_EQ(disk_stats(&d).checksum_errors, 2);
+
     OF_CHECK_POOL(g1);
     kvb_pool_destroy(g1);
     kvb_pool_destroy(g2);

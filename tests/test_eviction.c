@@ -505,6 +505,82 @@ static void test_reset_refused_while_active(void)
     kvb_pool_destroy(pool);
 }
 
+/* A chain of n blocks (hashes 1..n, each the parent of the next) registered and released. */
+static void cached_chain(kvb_pool *pool, kvb_hash *h, size_t n, uint64_t first)
+{
+    kvb_block b[8], r[8];
+    kvb_hash parents[8];
+    for (size_t i = 0; i < n; i++) {
+        h[i] = fx_hash(first + i, 77);
+        parents[i] = i ? h[i - 1] : fx_hash(0, 0);
+    }
+    KVT_EQ(kvb_alloc(pool, n, b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, b, n, h, parents, r), KVB_OK);
+    KVT_EQ(kvb_release(pool, r, n, NULL), KVB_OK);
+}
+
+/* kvb_invalidate drops what nobody holds, under every policy: a middle block of a chain (its
+ * children stay, matchable once their parent is back), a block in use only once released, every
+ * duplicate of a hash; it leaves no ghost, and refuses NULL hashes. */
+static void test_invalidate(void)
+{
+    static const kvb_evict_policy pol[] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU, KVB_EVICT_FOL, KVB_EVICT_ARC,
+                                           KVB_EVICT_S3FIFO};
+    for (size_t p = 0; p < sizeof pol / sizeof pol[0]; p++) {
+        fx_events rec;
+        kvb_pool *pool = pool_with_events(8, pol[p], &rec);
+        kvb_hash h[4], other = fx_hash(999, 1);
+        kvb_block held[4], dup[1], dup_r[1];
+        size_t n = 0, dropped = 9;
+        cached_chain(pool, h, 4, 1);
+        kvb_pool_stats before = fx_stats(pool);
+        KVT_EQ(kvb_invalidate(pool, &h[1], 1, &dropped), KVB_OK);
+        KVT_EQ(dropped, 1);
+        kvb_pool_stats st = fx_stats(pool);
+        KVT_EQ(st.free_blocks, before.free_blocks + 1);
+        KVT_EQ(st.inactive_blocks, before.inactive_blocks - 1);
+        KVT_EQ(st.cached_hashes, 3);
+        KVT_EQ(st.invalidated, 1);
+        KVT_EQ(st.evictions, before.evictions);
+        KVT_EQ(st.ghost_blocks[0], before.ghost_blocks[0]); /* no ghost: FOL, ARC, S3-FIFO remember nothing */
+        KVT_EQ(st.ghost_blocks[1], before.ghost_blocks[1]);
+        KVT_EQ(fx_events_count(&rec, KVB_EVENT_REMOVED), 1);
+        KVT_EQ(fx_lookup(pool, h, 4), 1); /* the prefix stops where the dropped block was */
+        KVT_EQ(kvb_pool_check(pool, NULL, 0), KVB_OK);
+        /* in use: it stays until released */
+        KVT_EQ(kvb_match(pool, h, 1, held, &n), KVB_OK);
+        KVT_EQ(n, 1);
+        KVT_EQ(kvb_invalidate(pool, h, 1, &dropped), KVB_OK);
+        KVT_EQ(dropped, 0);
+        KVT_EQ(fx_lookup(pool, h, 1), 1);
+        KVT_EQ(kvb_release(pool, held, 1, NULL), KVB_OK);
+        KVT_EQ(kvb_invalidate(pool, h, 1, NULL), KVB_OK);
+        KVT_EQ(fx_lookup(pool, h, 1), 0);
+        kvb_block_info info;
+        KVT_EQ(kvb_block_get_info(pool, held[0].id, &info), KVB_ESTALE); /* its handles are stale */
+        /* a hash registered twice: both blocks go */
+        KVT_EQ(kvb_alloc(pool, 1, dup), KVB_OK);
+        KVT_EQ(kvb_register_hashed(pool, dup, 1, &h[2], &h[1], dup_r), KVB_OK);
+        KVT_EQ(kvb_release(pool, dup_r, 1, NULL), KVB_OK);
+        KVT_EQ(kvb_invalidate(pool, &h[2], 1, &dropped), KVB_OK);
+        KVT_EQ(dropped, 2);
+        KVT_EQ(kvb_invalidate(pool, &other, 1, &dropped), KVB_OK); /* not cached: nothing */
+        KVT_EQ(dropped, 0);
+        KVT_EQ(kvb_invalidate(pool, NULL, 1, NULL), KVB_EINVAL);
+        KVT_EQ(kvb_invalidate(pool, NULL, 0, NULL), KVB_OK);
+        KVT_EQ(kvb_invalidate(NULL, h, 1, NULL), KVB_EINVAL);
+        KVT_EQ(kvb_pool_check(pool, NULL, 0), KVB_OK);
+        st = fx_stats(pool);
+        KVT_EQ(st.invalidated, 4);
+        KVT_EQ(st.cached_hashes, 1); /* h[3] */
+        /* the dropped hashes come back as new blocks: FOL remembers no count for them */
+        cached_chain(pool, h, 3, 1);
+        KVT_EQ(fx_lookup(pool, h, 4), 4);
+        KVT_EQ(kvb_pool_check(pool, NULL, 0), KVB_OK);
+        kvb_pool_destroy(pool);
+    }
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -519,6 +595,7 @@ int main(void)
     KVT_RUN(test_priority_outlives_lower_level_lru);
     KVT_RUN(test_custom_policy_is_obeyed);
     KVT_RUN(test_reset_refused_while_active);
+    KVT_RUN(test_invalidate);
     KVT_RUN(test_custom_policy_may_refuse); /* last: a pool that follows an invalid victim may crash */
     return kvt_summary();
 }
