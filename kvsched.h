@@ -2598,7 +2598,7 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         KVB__ARR_SHRINK(c->got, 0);
         got = stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1);
         if (info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
-            if (p) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
+            if (p && n) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got); /* n = 0: a miss */
             else if (n) kvb_release(c->cfg.device, got, n, NULL);
         }
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */

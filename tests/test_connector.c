@@ -389,6 +389,56 @@ static void test_connector_bad_input(void)
     rig_close(&r);
 }
 
+/* The scheduler side asks for request `req`'s hits after `computed` tokens (expecting `expect` tokens)
+ * and takes them all. */
+static void ask_take(rig *r, uint64_t req, const kvb_hash *h, size_t nh, size_t computed, size_t expect)
+{
+    size_t tokens = 0;
+    int async = 0;
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r->c, req, h, nh, computed, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, expect);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r->c, req, tokens), KVS_OK);
+}
+
+/* One step of both sides: build the metadata, bind it, start its loads and stores. */
+static void start_step(rig *r, kvs_connector_meta *meta)
+{
+    memset(meta, 0, sizeof *meta);
+    KVT_EQ(kvs_connector_build_meta(r->c, meta), KVS_OK);
+    KVT_EQ(kvs_connector_bind_meta(r->c, meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_loads(r->c), KVS_OK);
+    KVT_EQ(kvs_connector_start_stores(r->c), KVS_OK);
+}
+
+/* The host's copies evicted between the match and the load: the load lands nothing (a miss), the
+ * request is still reported, nothing stays referenced. (Its plan had never kept a device block: the
+ * empty landing was once copied into a NULL array, undefined behaviour that UBSan stopped on.) */
+static void test_load_of_evicted_blocks(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    kvb_block all[32];
+    size_t n = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    ask_take(&r, 5, h, 4, 0, 64);
+    KVT_EQ(kvb_alloc(r.e.host, 32, all), KVB_OK); /* the whole host: its 4 cached blocks are evicted */
+    KVT_EQ(kvb_release(r.e.host, all, 32, NULL), KVB_OK);
+    KVT_EQ(of_present(r.e.host, h, 4), 0);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(of_present(r.e.dev, h, 4), 0);
+    KVT_EQ(of_active(r.e.dev), 0);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -397,5 +447,6 @@ int main(void)
     KVT_RUN(test_dropped_plans);
     KVT_RUN(test_lazy_plans_no_stores);
     KVT_RUN(test_connector_bad_input);
+    KVT_RUN(test_load_of_evicted_blocks);
     return kvt_summary();
 }
