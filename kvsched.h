@@ -2136,6 +2136,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     kvb_hash *hashes;          /* stb_ds: the request's full-block hashes */
     kvs_load *runs;            /* stb_ds: planned runs (one tier each) */
     int accepted;              /* update_state_after_alloc said how many */
+    size_t first;              /* the offer's first block (num_computed's), where runs may start later */
     size_t offered;            /* tokens get_num_new_matched_tokens offered */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
     uint32_t loads_active;
@@ -2277,6 +2278,7 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
     }
     p.request = request;
     p.accepted = 0;
+    p.first = 0;
     p.offered = 0;
     p.loads_active = 0;
     return p;
@@ -2416,6 +2418,7 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
                 stbds_arrput(fresh.runs, l);
             }
         }
+        fresh.first = first;
         fresh.offered = (found - first) * c->block_tokens;
         stbds_arrput(c->plans, fresh);
         *out_tokens = (found - first) * c->block_tokens;
@@ -2442,8 +2445,8 @@ static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t 
     } else if (!num_external_tokens) {
         kvs__plan_drop(c, p);
     } else {
-        size_t keep_end = (size_t)(stbds_arrlen(p->runs) ? p->runs[0].first_block : 0) +
-                          num_external_tokens / c->block_tokens, i, w = 0;
+        /* the taken blocks count from the offer's first one (runs skip those on the device already) */
+        size_t keep_end = p->first + num_external_tokens / c->block_tokens, i, w = 0;
         for (i = 0; i < stbds_arrlenu(p->runs); i++) { /* keep what lies before the accepted end */
             kvs_load *l = &p->runs[i];
             if (l->first_block >= keep_end) continue;

@@ -439,6 +439,42 @@ static void test_load_of_evicted_blocks(void)
     rig_close(&r);
 }
 
+/* The blocks right after num_computed are on the device already (the engine's own prefix count is
+ * behind the pool's, e.g. another request's load just landed there): the offer counts them, and taking
+ * part of it loads only what lies within the part taken. */
+static void test_take_part_after_device_blocks(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4], zero;
+    kvb_block b, held;
+    size_t n = 0, tokens = 0;
+    int async = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    memset(&zero, 0, sizeof zero);
+    KVT_EQ(kvb_alloc(r.e.dev, 1, &b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(r.e.dev, &b, 1, h, &zero, &held), KVB_OK); /* the device holds block 0 */
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64); /* block 0 on the device, 1 .. 3 in the host */
+    KVT_EQ(async, 1);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 32), KVS_OK); /* blocks 0 and 1 */
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    if (meta.num_loads == 1) {
+        KVT_EQ(meta.loads[0].first_block, 1);
+        KVT_EQ(meta.loads[0].num_blocks, 1); /* block 1 only: block 2 was not taken */
+    }
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(of_present(r.e.dev, h, 4), 2);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    KVT_EQ(kvb_release(r.e.dev, &held, 1, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -448,5 +484,6 @@ int main(void)
     KVT_RUN(test_lazy_plans_no_stores);
     KVT_RUN(test_connector_bad_input);
     KVT_RUN(test_load_of_evicted_blocks);
+    KVT_RUN(test_take_part_after_device_blocks);
     return kvt_summary();
 }
