@@ -11889,6 +11889,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     int accepted;              /* update_state_after_alloc said how many */
     size_t first;              /* the offer's first block (num_computed's), where runs may start later */
     size_t offered;            /* tokens get_num_new_matched_tokens offered */
+    int async;                 /* the offer had blocks to load (*out_async = 1) */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
     uint32_t loads_active;
 } kvs__plan;
@@ -12031,6 +12032,7 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
     p.accepted = 0;
     p.first = 0;
     p.offered = 0;
+    p.async = 0;
     p.loads_active = 0;
     return p;
 }
@@ -12171,9 +12173,10 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         }
         fresh.first = first;
         fresh.offered = (found - first) * c->block_tokens;
+        fresh.async = stbds_arrlen(fresh.runs) > 0;
         stbds_arrput(c->plans, fresh);
-        *out_tokens = (found - first) * c->block_tokens;
-        *out_async = stbds_arrlen(fresh.runs) > 0;
+        *out_tokens = fresh.offered;
+        *out_async = fresh.async;
     }
     pthread_mutex_unlock(&c->lock);
     return KVS_OK;
@@ -12241,6 +12244,14 @@ static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out
     for (i = 0; i < stbds_arrlenu(c->plans); i++) {
         kvs__plan *p = &c->plans[i];
         if (!p->accepted) continue;
+        if (p->async && !stbds_arrlen(p->runs)) { /* what was taken is on the device: nothing to load, but */
+            kvs__active_load a;                    /* the engine was told to wait: reported at once */
+            memset(&a, 0, sizeof a);
+            a.load.request = p->request;
+            a.load.event = c->next_event++;
+            stbds_arrput(c->loads, a);
+            p->loads_active++;
+        }
         for (j = 0; j < stbds_arrlenu(p->runs); j++) {
             p->runs[j].event = c->next_event++;
             stbds_arrput(c->meta_loads, p->runs[j]);

@@ -475,6 +475,39 @@ static void test_take_part_after_device_blocks(void)
     rig_close(&r);
 }
 
+/* An offer that must be loaded (async), of which the scheduler takes only blocks already on the device:
+ * nothing is left to load, and the request is still reported, so an engine waiting for its loads goes
+ * on. */
+static void test_take_only_device_part_of_async_offer(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4], zero;
+    kvb_block b, held;
+    size_t n = 0, tokens = 0;
+    int async = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    memset(&zero, 0, sizeof zero);
+    KVT_EQ(kvb_alloc(r.e.dev, 1, &b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(r.e.dev, &b, 1, h, &zero, &held), KVB_OK); /* the device holds block 0 */
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(async, 1);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 16), KVS_OK); /* block 0: on the device */
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 0);
+    KVT_CHECK(pump(&r, 5, NULL, 0)); /* reported all the same */
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(of_present(r.e.dev, h, 4), 1);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    KVT_EQ(kvb_release(r.e.dev, &held, 1, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -485,5 +518,6 @@ int main(void)
     KVT_RUN(test_connector_bad_input);
     KVT_RUN(test_load_of_evicted_blocks);
     KVT_RUN(test_take_part_after_device_blocks);
+    KVT_RUN(test_take_only_device_part_of_async_offer);
     return kvt_summary();
 }
