@@ -12140,11 +12140,14 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     *out_tokens = 0;
     *out_async = 0;
     first = num_computed / c->block_tokens;
-    if (first >= num_hashes) return KVS_OK;
     KVB__ARR_SHRINK(c->tier_of, 0);
     tier_of = stbds_arraddnptr(c->tier_of, num_hashes);
-    if (c->cfg.lookup) c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
-    else kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    if (first >= num_hashes) { /* nothing after num_computed: no lookup, but the answer replaces the plan */
+    } else if (c->cfg.lookup) {
+        c->cfg.lookup(c->cfg.lookup_user, c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    } else {
+        kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
+    }
     pthread_mutex_lock(&c->lock);
     if ((p = kvs__plan_of(c, request)) != NULL) {
         if (p->loads_active) { /* its loads are on their way: they end before the request asks again */

@@ -508,6 +508,40 @@ static void test_take_only_device_part_of_async_offer(void)
     rig_close(&r);
 }
 
+/* Asking again replaces the plan, also when the new answer is 0 because num_computed now covers every
+ * hash: the taken plan is not loaded behind the new answer's back. While loads are on their way the
+ * question is refused whatever num_computed is. */
+static void test_ask_again_past_the_hashes(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    size_t n = 0, tokens = 9;
+    int async = 9;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    ask_take(&r, 5, h, 4, 0, 64);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 64, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 0);
+    KVT_EQ(async, 0);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 0); /* the answer was 0: nothing is loaded */
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(of_present(r.e.dev, h, 4), 0);
+
+    ask_take(&r, 5, h, 4, 0, 64);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 64, &tokens, &async), KVS_ESTATE);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 0, 0, &tokens, &async), KVS_ESTATE);
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -519,5 +553,6 @@ int main(void)
     KVT_RUN(test_load_of_evicted_blocks);
     KVT_RUN(test_take_part_after_device_blocks);
     KVT_RUN(test_take_only_device_part_of_async_offer);
+    KVT_RUN(test_ask_again_past_the_hashes);
     return kvt_summary();
 }
