@@ -301,7 +301,8 @@ KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint
 /* Device blocks of `request` newly registered by this step (eager stores). */
 KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks,
                                                  size_t n);
-/* This step's loads and stores (valid until the next build_meta). */
+/* This step's loads and stores (valid until the next build_meta), with those of earlier steps not started
+ * yet (a step's metadata never bound loses nothing; a load or store bound twice starts once). */
 KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out);
 /* Account what the worker finished (clears the request's pending loads and stores). */
 KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output);
@@ -2135,6 +2136,8 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     uint64_t request;
     kvb_hash *hashes;          /* stb_ds: the request's full-block hashes */
     kvs_load *runs;            /* stb_ds: planned runs (one tier each) */
+    kvs_load *built;           /* stb_ds: runs given by build_meta and not started yet (each build repeats
+                                * them, so a step's metadata never bound loses nothing) */
     int accepted;              /* update_state_after_alloc said how many */
     size_t first;              /* the offer's first block (num_computed's), where runs may start later */
     size_t offered;            /* tokens get_num_new_matched_tokens offered */
@@ -2237,6 +2240,7 @@ struct kvs_connector {
     uint8_t *tier_of;          /* stb_ds scratch of get_num_new_matched_tokens (scheduler side) */
     kvb_block *got;            /* stb_ds scratch of kvs__load_over (worker side) */
     kvs_store *noted;          /* stores waiting for build_meta */
+    kvs_store *built_stores;   /* stores given by build_meta and not started yet (each build repeats them) */
     kvs_load *meta_loads;      /* the last built meta */
     kvs_store *meta_stores;
     kvs_load *bound_loads;     /* the worker's copy */
@@ -2264,6 +2268,7 @@ static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
     KVB__ARR_SHRINK(p->loaded, 0);
     KVB__ARR_SHRINK(p->hashes, 0);
     KVB__ARR_SHRINK(p->runs, 0);
+    KVB__ARR_SHRINK(p->built, 0);
     stbds_arrput(c->spare_plans, *p);
     stbds_arrdelswap(c->plans, at);
 }
@@ -2291,6 +2296,7 @@ static void kvs__plan_free(kvs__plan *p)
     stbds_arrfree(p->loaded);
     stbds_arrfree(p->hashes);
     stbds_arrfree(p->runs);
+    stbds_arrfree(p->built);
 }
 
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
@@ -2363,6 +2369,7 @@ KVS_API void kvs_connector_destroy(kvs_connector *c)
     stbds_arrfree(c->tier_of);
     stbds_arrfree(c->got);
     stbds_arrfree(c->noted);
+    stbds_arrfree(c->built_stores);
     stbds_arrfree(c->meta_loads);
     stbds_arrfree(c->meta_stores);
     stbds_arrfree(c->bound_loads);
@@ -2495,25 +2502,26 @@ static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out
     KVB__ARR_SHRINK(c->meta_stores, 0);
     for (i = 0; i < stbds_arrlenu(c->plans); i++) {
         kvs__plan *p = &c->plans[i];
-        if (!p->accepted) continue;
-        if (p->async && !stbds_arrlen(p->runs)) { /* what was taken is on the device: nothing to load, but */
-            kvs__active_load a;                    /* the engine was told to wait: reported at once */
+        if (p->accepted && p->async && !stbds_arrlen(p->runs)) { /* what was taken is on the device: nothing */
+            kvs__active_load a;             /* to load, but the engine was told to wait: reported at once */
             memset(&a, 0, sizeof a);
             a.load.request = p->request;
             a.load.event = c->next_event++;
             stbds_arrput(c->loads, a);
             p->loads_active++;
         }
-        for (j = 0; j < stbds_arrlenu(p->runs); j++) {
+        for (j = 0; p->accepted && j < stbds_arrlenu(p->runs); j++) {
             p->runs[j].event = c->next_event++;
-            stbds_arrput(c->meta_loads, p->runs[j]);
+            stbds_arrput(p->built, p->runs[j]);
+            p->loads_active++;
         }
-        p->loads_active += (uint32_t)stbds_arrlen(p->runs);
         KVB__ARR_SHRINK(p->runs, 0);
         p->accepted = 0;
+        for (j = 0; j < stbds_arrlenu(p->built); j++) stbds_arrput(c->meta_loads, p->built[j]);
     }
-    for (i = 0; i < stbds_arrlenu(c->noted); i++) stbds_arrput(c->meta_stores, c->noted[i]);
+    for (i = 0; i < stbds_arrlenu(c->noted); i++) stbds_arrput(c->built_stores, c->noted[i]);
     KVB__ARR_SHRINK(c->noted, 0);
+    for (i = 0; i < stbds_arrlenu(c->built_stores); i++) stbds_arrput(c->meta_stores, c->built_stores[i]);
     out->step = ++c->step;
     out->loads = c->meta_loads;
     out->num_loads = stbds_arrlenu(c->meta_loads);
@@ -2534,7 +2542,7 @@ static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta
     size_t i;
     if (!c || !meta || (meta->num_loads && !meta->loads) || (meta->num_stores && !meta->stores)) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    for (i = 0; i < meta->num_loads; i++) { /* a request without a plan is reported finished at once */
+    for (i = 0; i < meta->num_loads; i++) { /* a request without a plan has finished: its loads are skipped */
         const kvs__plan *p = kvs__plan_of(c, meta->loads[i].request);
         if (p && !kvs__load_in_plan(p, &meta->loads[i])) { /* not what build_meta gave: nothing is bound */
             pthread_mutex_unlock(&c->lock);
@@ -2555,13 +2563,16 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
     for (i = 0; i < stbds_arrlenu(c->bound_loads); i++) {
-        kvs_load *l = &c->bound_loads[i];
-        kvs__plan *p = kvs__plan_of(c, l->request);
+        kvs__plan *p = kvs__plan_of(c, c->bound_loads[i].request);
         kvs__active_load a;
-        a.load = *l;
+        size_t k = 0;
+        while (p && k < stbds_arrlenu(p->built) && p->built[k].event != c->bound_loads[i].event) k++;
+        if (!p || k == stbds_arrlenu(p->built)) continue; /* started already (a step's metadata bound twice),
+                                                           * or its request finished since the bind */
+        a.load = p->built[k];
+        stbds_arrdel(p->built, k);
         a.t.id = 0;
-        if (!p || !kvs__load_in_plan(p, l) || /* its plan changed since the bind */
-            kvo_manager_onboard(c->cfg.tiers, l->tier, p->hashes + l->first_block, l->num_blocks, &a.t) != KVO_OK)
+        if (kvo_manager_onboard(c->cfg.tiers, a.load.tier, p->hashes + a.load.first_block, a.load.num_blocks, &a.t) != KVO_OK)
             a.t.id = 0; /* reported finished at once: the request computes those tokens instead */
         stbds_arrput(c->loads, a);
     }
@@ -2574,11 +2585,27 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
  * per request); each event finishes when that transfer does. */
 static kvs_result kvs__conn_start_stores(kvs_connector *c)
 {
-    size_t i, n;
+    size_t i, n, k, w, at = 0, nb;
     kvo_transfer t;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    n = stbds_arrlenu(c->bound_stores);
+    nb = stbds_arrlenu(c->built_stores);
+    for (i = w = 0; i < stbds_arrlenu(c->bound_stores); i++) { /* the bound stores not started yet */
+        const kvs_store *b = &c->bound_stores[i];
+        for (k = 0; k < nb; k++) { /* from the last one found on: they usually come in the built order */
+            const kvs_store *s = &c->built_stores[(at + k) % nb];
+            if (s->event && s->event == b->event && s->block.id == b->block.id) break;
+        }
+        if (k == nb) continue; /* started already: a step's metadata bound twice */
+        at = (at + k) % nb;
+        c->built_stores[at].event = 0; /* taken (events count from 1) */
+        c->bound_stores[w++] = *b;
+    }
+    KVB__ARR_SHRINK(c->bound_stores, w);
+    for (i = k = 0; i < nb; i++)
+        if (c->built_stores[i].event) c->built_stores[k++] = c->built_stores[i];
+    KVB__ARR_SHRINK(c->built_stores, k);
+    n = w;
     KVB__ARR_SHRINK(c->offer, 0);
     for (i = 0; i < n; i++) stbds_arrput(c->offer, c->bound_stores[i].block);
     t.id = 0;
@@ -2728,9 +2755,10 @@ KVS_API size_t kvs_connector_pending(kvs_connector *c)
     size_t n, i;
     if (!c) return 0;
     pthread_mutex_lock(&c->lock);
-    n = stbds_arrlenu(c->loads) + stbds_arrlenu(c->stores) + stbds_arrlenu(c->noted) + stbds_arrlenu(c->bound_loads) +
-        stbds_arrlenu(c->bound_stores);
-    for (i = 0; i < stbds_arrlenu(c->plans); i++) n += c->plans[i].accepted ? stbds_arrlenu(c->plans[i].runs) : 0;
+    /* taken, built (bound or not) or started; the bound ones are among the built or stale */
+    n = stbds_arrlenu(c->loads) + stbds_arrlenu(c->stores) + stbds_arrlenu(c->noted) + stbds_arrlenu(c->built_stores);
+    for (i = 0; i < stbds_arrlenu(c->plans); i++)
+        n += stbds_arrlenu(c->plans[i].built) + (c->plans[i].accepted ? stbds_arrlenu(c->plans[i].runs) : 0);
     pthread_mutex_unlock(&c->lock);
     return n;
 }

@@ -181,7 +181,10 @@ static void test_load_then_store(void)
         bad[1].num_blocks = 2;
         KVT_EQ(kvs_connector_bind_meta(r.c, &wrong), KVS_EINVAL);
         KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
-        KVT_EQ(kvs_connector_pending(r.c), 0); /* nothing started */
+        kvo_manager_stats ms;
+        KVT_EQ(kvo_manager_get_stats(r.e.m, &ms), KVO_OK);
+        KVT_EQ(ms.up[1].enqueued, 0);          /* nothing started */
+        KVT_EQ(kvs_connector_pending(r.c), 1); /* the load built, still to come */
     }
     KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
     KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
@@ -542,6 +545,71 @@ static void test_ask_again_past_the_hashes(void)
     rig_close(&r);
 }
 
+/* A step's metadata never bound (the engine built it and dropped it), then the next one bound twice and
+ * started twice: what the first one held is not lost (the next build repeats what was not started, so
+ * the request's loads are still done and reported, and the stores still go down), and nothing is
+ * started twice. Meanwhile pending counts it all. */
+static void test_meta_not_bound_then_bound_twice(void)
+{
+    rig r;
+    uint32_t t[64], u[32];
+    kvb_hash h[4], hu[2], parents[2];
+    kvb_block b[2], held[2];
+    size_t n = 0;
+    kvs_connector_meta meta;
+    kvo_manager_stats ms;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    sf_tokens(4, u, 32);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK); /* two computed device blocks of another request, to store */
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
+    ask_take(&r, 5, h, 4, 0, 64);
+
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK); /* never bound */
+    KVT_EQ(meta.num_loads, 1);
+    KVT_EQ(meta.num_stores, 2);
+    uint64_t load_event = meta.num_loads ? meta.loads[0].event : 0;
+    uint64_t store_event = meta.num_stores ? meta.stores[0].event : 0;
+    KVT_EQ(kvs_connector_pending(r.c), 3); /* 1 load, 2 stores, none reported */
+
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 1); /* the same load again */
+    KVT_EQ(meta.num_stores, 2);
+    if (meta.num_loads == 1) KVT_EQ(meta.loads[0].event, load_event);
+    if (meta.num_stores == 2) KVT_EQ(meta.stores[0].event, store_event);
+    for (int twice = 0; twice < 2; twice++) {
+        KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+        KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK);
+        KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK);
+    }
+    KVT_CHECK(pump(&r, 5, &store_event, 1));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(kvo_manager_get_stats(r.e.m, &ms), KVO_OK);
+    KVT_EQ(ms.up[1].enqueued, 1);     /* one onboard of the 4 blocks, not two */
+    KVT_EQ(ms.up[1].transferred, 4);
+    KVT_EQ(ms.up[1].present, 0);
+    KVT_EQ(ms.down[0].enqueued, 1);   /* one offer of the 2 blocks */
+    KVT_EQ(ms.down[0].transferred, 2);
+    KVT_EQ(of_present(r.e.dev, h, 4), 4);
+    for (size_t k = 0; k < 2; k++) KVT_EQ(sf_pool_holds(&r.e, r.e.host, hu[k], u, k), 1);
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK); /* everything started: nothing repeated */
+    KVT_EQ(meta.num_loads, 0);
+    KVT_EQ(meta.num_stores, 0);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    KVT_EQ(kvb_release(r.e.dev, held, 2, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -554,5 +622,6 @@ int main(void)
     KVT_RUN(test_take_part_after_device_blocks);
     KVT_RUN(test_take_only_device_part_of_async_offer);
     KVT_RUN(test_ask_again_past_the_hashes);
+    KVT_RUN(test_meta_not_bound_then_bound_twice);
     return kvt_summary();
 }
