@@ -479,7 +479,9 @@ KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, cons
 KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
 /* The configuration in use (defaults filled in). Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out);
-/* Replace the on_offloaded hook (before any offer; e.g. a connector installing itself). */
+/* Replace the on_offloaded hook at any time (e.g. a connector installing itself, or taking itself back
+ * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
+ * user data may go then. Not from within a hook. */
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Finish everything in flight (drains each pipeline, eager chains included). */
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
@@ -2964,6 +2966,9 @@ struct kvo_manager {
     kvo_pipeline *down[KVO_MAX_TIERS], *up[KVO_MAX_TIERS];
     uint32_t from[KVO_MAX_TIERS];   /* down[i] copies from[i] -> i + 1: i, or branch_from for the last */
     kvo__edge edges[KVO_MAX_TIERS];
+    pthread_mutex_t hook_lock; /* cfg.on_offloaded / offloaded_user, and hook_calls */
+    pthread_cond_t hook_idle;  /* hook_calls went to 0 */
+    uint32_t hook_calls;       /* on_offloaded calls in progress (pipeline threads) */
 };
 
 /* Blocks of `tier` go down every pipeline that copies from it (two at a branch). *out gets the first
@@ -2991,7 +2996,19 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     kvo__edge *e = (kvo__edge *)user;
     kvo_manager *m = e->m;
     uint32_t next = e->tier + 1;
-    if (m->cfg.on_offloaded) m->cfg.on_offloaded(m->cfg.offloaded_user, e->tier, t, info);
+    kvo_offloaded_fn hook;
+    void *hook_user;
+    pthread_mutex_lock(&m->hook_lock); /* a hook being replaced is not called once set_offloaded returns */
+    hook = m->cfg.on_offloaded;
+    hook_user = m->cfg.offloaded_user;
+    if (hook) m->hook_calls++;
+    pthread_mutex_unlock(&m->hook_lock);
+    if (hook) {
+        hook(hook_user, e->tier, t, info);
+        pthread_mutex_lock(&m->hook_lock);
+        if (--m->hook_calls == 0) pthread_cond_broadcast(&m->hook_idle);
+        pthread_mutex_unlock(&m->hook_lock);
+    }
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
         kvo__edge *landed = &m->edges[next]; /* what landed in `next` goes on from there */
         size_t i;
@@ -3022,6 +3039,8 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     m->cfg = *config;
     if (!m->cfg.lazy_reserve) m->cfg.lazy_reserve = 64;
     for (i = 0; i < KVO_MAX_TIERS; i++) pthread_mutex_init(&m->edges[i].lock, NULL);
+    pthread_mutex_init(&m->hook_lock, NULL);
+    pthread_cond_init(&m->hook_idle, NULL);
     for (i = 0; i < config->num_tiers && r == KVO_OK; i++) {
         kvo_pipeline_config pc = config->pipeline;
         m->edges[i].m = m;
@@ -3066,6 +3085,8 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
         stbds_arrfree(manager->edges[i].scratch);
         pthread_mutex_destroy(&manager->edges[i].lock);
     }
+    pthread_mutex_destroy(&manager->hook_lock);
+    pthread_cond_destroy(&manager->hook_idle);
     KVB_FREE(manager);
 }
 
@@ -3160,16 +3181,23 @@ KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_t
 
 KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out)
 {
+    pthread_mutex_t *hook_lock;
     if (!manager || !out) return KVO_EINVAL;
+    hook_lock = (pthread_mutex_t *)&manager->hook_lock; /* the hook may be replaced meanwhile */
+    pthread_mutex_lock(hook_lock);
     *out = manager->cfg;
+    pthread_mutex_unlock(hook_lock);
     return KVO_OK;
 }
 
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user)
 {
     if (!manager) return KVO_EINVAL;
+    pthread_mutex_lock(&manager->hook_lock);
     manager->cfg.on_offloaded = fn;
     manager->cfg.offloaded_user = user;
+    while (manager->hook_calls) pthread_cond_wait(&manager->hook_idle, &manager->hook_lock);
+    pthread_mutex_unlock(&manager->hook_lock);
     return KVO_OK;
 }
 

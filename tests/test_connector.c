@@ -16,7 +16,9 @@ typedef struct rig {
     kvs_connector *c;
 } rig;
 
-static void rig_open(rig *r, kvs_offload_mode mode)
+/* The pools, a manager over them (pipelines in poll or thread mode, with an optional on_stage observer)
+ * and the connector. */
+static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, kvo_stage_fn on_stage, void *stage_user)
 {
     sf_env *e = &r->e;
     kvo_manager_config mc;
@@ -39,7 +41,9 @@ static void rig_open(rig *r, kvs_offload_mode mode)
     mc.up[1] = e->mem;
     mc.offload = mode == KVS_OFFLOAD_LAZY ? KVO_OFFLOAD_LAZY : KVO_OFFLOAD_EAGER;
     mc.lazy_reserve = 4;
-    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.pipeline.mode = pipeline_mode;
+    mc.pipeline.on_stage = on_stage;
+    mc.pipeline.stage_user = stage_user;
     mc.pipeline.min_batch = 1;
     KVT_EQ(kvo_manager_create(&mc, &e->m), KVO_OK);
     memset(&cc, 0, sizeof cc);
@@ -48,6 +52,8 @@ static void rig_open(rig *r, kvs_offload_mode mode)
     cc.offload = mode;
     KVT_EQ(kvs_connector_create(&cc, &r->c), KVS_OK);
 }
+
+static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL); }
 
 static void rig_close(rig *r)
 {
@@ -610,6 +616,56 @@ static void test_meta_not_bound_then_bound_twice(void)
     rig_close(&r);
 }
 
+/* An on_stage observer that stalls the pipeline thread finishing a store (an offload from G1) for 0.3 s,
+ * once armed; `entered` says it is there. Relaxed atomics: they order nothing for ThreadSanitizer. */
+typedef struct stall { int armed, entered; } stall;
+
+static void stall_finished_store(void *user, const kvo_stage_note *note)
+{
+    stall *st = (stall *)user;
+    if (note->onboard || note->src_tier != 0 || note->info->status < KVO_STATUS_COMPLETE) return;
+    if (!__atomic_load_n(&st->armed, __ATOMIC_RELAXED)) return;
+    __atomic_store_n(&st->entered, 1, __ATOMIC_RELAXED);
+    of_sleep_us(300000);
+}
+
+/* The connector destroyed (no drain: pipelines in thread mode) while a pipeline thread is finishing one of
+ * its stores: that thread then tells the manager's on_offloaded hook, which the destroy took back. The
+ * hook must not be read while it is replaced, nor called with the freed connector: under ThreadSanitizer
+ * the hook's replacement and its call were a data race (kvo_manager_set_offloaded against
+ * kvo__manager_down_done); a thread that read the hook just before the destroy called it with freed
+ * memory. */
+static void test_destroy_with_stores_in_flight(void)
+{
+    rig r;
+    stall st = {1, 0};
+    uint32_t u[32];
+    kvb_hash hu[2], parents[2];
+    kvb_block b[2], held[2];
+    size_t n = 0;
+    kvs_connector_meta meta;
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st);
+    sf_tokens(4, u, 32);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_stores, 2);
+    for (int i = 0; i < 5000 && !__atomic_load_n(&st.entered, __ATOMIC_RELAXED); i++) of_sleep_us(1000);
+    KVT_EQ(__atomic_load_n(&st.entered, __ATOMIC_RELAXED), 1);
+    kvs_connector_destroy(r.c); /* the store's transfer is final, its hook call still to come */
+    r.c = NULL;
+    KVT_EQ(kvo_manager_drain(r.e.m, 5000000), KVO_OK);
+    __atomic_store_n(&st.armed, 0, __ATOMIC_RELAXED);
+    KVT_EQ(sf_pool_holds(&r.e, r.e.host, hu[0], u, 0), 1); /* the store itself went on */
+    KVT_EQ(kvb_release(r.e.dev, held, 2, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -623,5 +679,6 @@ int main(void)
     KVT_RUN(test_take_only_device_part_of_async_offer);
     KVT_RUN(test_ask_again_past_the_hashes);
     KVT_RUN(test_meta_not_bound_then_bound_twice);
+    KVT_RUN(test_destroy_with_stores_in_flight);
     return kvt_summary();
 }
