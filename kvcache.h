@@ -14298,8 +14298,9 @@ KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *
  *                              goes to the same worker. kvs_router_route_key takes the key (e.g. the
  *                              conversation); kvs_router_route uses the hash of the first
  *                              min(n, affinity_blocks) blocks (traces carry no session id)
- * Ties (equal cost or load) go to the first worker at or after a cursor that moves by one each route,
- * so equal workers take turns; every choice is deterministic. loads may be NULL (all zero).
+ * Ties (equal cost or load) go to the tied worker that won a tie least recently, and among those the
+ * first at or after a cursor that moves by one each route, so equal workers take turns (also when only
+ * some workers tie, or tied routes alternate with others); every choice is deterministic. loads may be NULL (all zero).
  *
  * 4. FEEDING EVENTS — three ways, all the same call underneath:
  *     direct      kvs_router_events(router, worker, events, n)     (returns errors, e.g. KVS_ENOMEM)
@@ -14500,6 +14501,8 @@ struct kvs_router {
     size_t *overlap;      /* scratch of a route: one per worker */
     uint64_t *alive;      /* scratch of a route: workers holding the whole prefix so far */
     uint32_t cursor;      /* round robin, and where ties start */
+    uint64_t *tie_won;    /* per worker: when it last won a tie (a count of ties broken), 0 never */
+    uint64_t ties;        /* ties broken (KV and least-loaded routes with several best workers) */
     kvs_router_stats stats;
 };
 
@@ -14638,6 +14641,7 @@ KVS_API void kvs_router_destroy(kvs_router *router)
     KVS__RFREE(router->feeds);
     KVS__RFREE(router->overlap);
     KVS__RFREE(router->alive);
+    KVS__RFREE(router->tie_won);
     KVS__RFREE(router);
 }
 
@@ -14659,15 +14663,18 @@ KVS_API kvs_result kvs_router_create(const kvs_router_config *config, kvs_router
     r->feeds = (kvs__feed *)KVS__RALLOC(c.num_workers * sizeof *r->feeds);
     r->overlap = (size_t *)KVS__RALLOC(c.num_workers * sizeof *r->overlap);
     r->alive = (uint64_t *)KVS__RALLOC(r->words * sizeof *r->alive);
-    if (!r->feeds || !r->overlap || !r->alive || kvs__rreserve(r, c.expected_blocks) != KVS_OK ||
+    r->tie_won = (uint64_t *)KVS__RALLOC(c.num_workers * sizeof *r->tie_won);
+    if (!r->feeds || !r->overlap || !r->alive || !r->tie_won || kvs__rreserve(r, c.expected_blocks) != KVS_OK ||
         pthread_mutex_init(&r->lock, NULL) != 0) {
         KVS__RFREE(r->slots);
         KVS__RFREE(r->feeds);
         KVS__RFREE(r->overlap);
         KVS__RFREE(r->alive);
+        KVS__RFREE(r->tie_won);
         KVS__RFREE(r);
         return KVS_ENOMEM;
     }
+    memset(r->tie_won, 0, c.num_workers * sizeof *r->tie_won);
     for (w = 0; w < c.num_workers; w++) {
         r->feeds[w].router = r;
         r->feeds[w].worker = w;
@@ -14841,10 +14848,19 @@ static uint64_t kvs__rmix(uint64_t x)
     return x ^ (x >> 31);
 }
 
-/* The policy's choice; r->overlap holds the scan when the policy needs it. */
-static uint32_t kvs__rchoose(const kvs_router *r, uint64_t key, size_t n, const double *loads)
+static double kvs__rcost(const kvs_router *r, uint32_t w, size_t n, const double *loads)
 {
-    uint32_t nw = r->cfg.num_workers, best = r->cursor % nw, j;
+    double load = loads ? loads[w] : 0;
+    if (r->cfg.policy == KVS_ROUTE_LEAST_LOADED) return load;
+    return (double)(n - r->overlap[w]) + r->cfg.load_weight * load;
+}
+
+/* The policy's choice; r->overlap holds the scan when the policy needs it. Of several workers of the
+ * least cost, the one that won a tie least recently, the first at or after the cursor among equals:
+ * a cursor alone gave nearly every tie to the tied worker after a run of untied ones. */
+static uint32_t kvs__rchoose(kvs_router *r, uint64_t key, size_t n, const double *loads)
+{
+    uint32_t nw = r->cfg.num_workers, best = r->cursor % nw, j, tied = 0, pick = best;
     double best_cost = INFINITY;
     switch (r->cfg.policy) {
     case KVS_ROUTE_ROUND_ROBIN: return best;
@@ -14853,15 +14869,19 @@ static uint32_t kvs__rchoose(const kvs_router *r, uint64_t key, size_t n, const 
     }
     for (j = 0; j < nw; j++) {
         uint32_t w = (r->cursor + j) % nw;
-        double load = loads ? loads[w] : 0, cost;
-        if (r->cfg.policy == KVS_ROUTE_LEAST_LOADED) cost = load;
-        else cost = (double)(n - r->overlap[w]) + r->cfg.load_weight * load;
+        double cost = kvs__rcost(r, w, n, loads);
         if (cost < best_cost) {
             best_cost = cost;
             best = w;
         }
     }
-    return best;
+    for (j = 0; j < nw; j++) {
+        uint32_t w = (r->cursor + j) % nw;
+        if (!(kvs__rcost(r, w, n, loads) == best_cost) && w != best) continue;
+        if (!tied++ || r->tie_won[w] < r->tie_won[pick]) pick = w;
+    }
+    if (tied > 1) r->tie_won[pick] = ++r->ties;
+    return pick;
 }
 
 static kvs_result kvs__rroute(kvs_router *r, int keyed, uint64_t key, const kvb_hash *hashes, size_t n,

@@ -489,6 +489,40 @@ static void test_kv_routes_to_least_prefill_plus_load(void)
     kvs_router_destroy(r);
 }
 
+/* Ties between some workers only (a hot prefix held by 2 of 8, no loads): the tied workers take turns.
+ * Ties used to go to the first tied worker at or after a cursor that moves by one each route, so the
+ * tied worker after the gap of untied ones took nearly every request (7 of 8 here). */
+static void test_ties_among_some_workers_take_turns(void)
+{
+    kvs_router *r = make_router(8, KVS_ROUTE_KV, 0);
+    kvs_router *ll = make_router(8, KVS_ROUTE_LEAST_LOADED, 0);
+    double loads[8] = { 5, 5, 1, 1, 5, 5, 5, 5 };
+    uint32_t got[8] = { 0 }, lgot[8] = { 0 };
+    int i;
+    make_chains();
+    store(r, 2, g_chain[5], 0, 6);
+    store(r, 3, g_chain[5], 0, 6);
+    for (i = 0; i < 16; i++) {
+        got[route(r, g_chain[5], 6, NULL, NULL)]++;
+        lgot[route(ll, g_chain[5], 6, loads, NULL)]++;
+    }
+    KVT_EQ(got[2], 8);
+    KVT_EQ(got[3], 8);
+    KVT_EQ(lgot[2], 8);
+    KVT_EQ(lgot[3], 8);
+    /* interleaved with routes that have one best worker: still turns */
+    memset(got, 0, sizeof got);
+    store(r, 6, g_chain[6], 0, 6);
+    for (i = 0; i < 16; i++) {
+        got[route(r, g_chain[5], 6, NULL, NULL)]++;
+        KVT_EQ(route(r, g_chain[6], 6, NULL, NULL), 6);
+    }
+    KVT_EQ(got[2], 8);
+    KVT_EQ(got[3], 8);
+    kvs_router_destroy(r);
+    kvs_router_destroy(ll);
+}
+
 /* More than 64 workers: the bitmaps take a second word; worker 100 is found like worker 0. */
 static void test_workers_beyond_64(void)
 {
@@ -794,6 +828,7 @@ int main(void)
     KVT_RUN(test_least_loaded_picks_the_idlest);
     KVT_RUN(test_affinity_keeps_a_key_on_one_worker);
     KVT_RUN(test_kv_routes_to_least_prefill_plus_load);
+    KVT_RUN(test_ties_among_some_workers_take_turns);
     KVT_RUN(test_workers_beyond_64);
     KVT_RUN(test_kv_finds_more_than_round_robin);
     KVT_RUN(test_engines_on_threads_feed_one_router);
