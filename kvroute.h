@@ -94,7 +94,8 @@
  * 7. ERRORS — kvs_result codes (KVS_OK, KVS_EINVAL for NULL arguments or an unknown event kind,
  * KVS_ENOMEM, KVS_ENOSPACE for a buffer too small) and the router's own: KVS_ECONFIG (a configuration
  * value out of range), KVS_EWORKER (a worker index out of range), KVS_ELOAD (a load negative or not
- * finite). kvs_router_result_string names them all. A call that fails changes nothing.
+ * finite, or under KVS_ROUTE_KV so large that load_weight x load is not). kvs_router_result_string
+ * names them all. A call that fails changes nothing.
  */
 #ifndef KVROUTE_H
 #define KVROUTE_H
@@ -654,8 +655,10 @@ static kvs_result kvs__rroute(kvs_router *r, int keyed, uint64_t key, const kvb_
     if (!r || !out_worker || (!hashes && n)) return KVS_EINVAL;
     nw = r->cfg.num_workers;
     if (loads)
-        for (w = 0; w < nw; w++)
-            if (!(loads[w] >= 0) || !isfinite(loads[w])) return (kvs_result)KVS_ELOAD;
+        for (w = 0; w < nw; w++) /* KV: load_weight x load must stay finite, or loaded workers all tie */
+            if (!(loads[w] >= 0) || !isfinite(loads[w]) ||
+                (r->cfg.policy == KVS_ROUTE_KV && !isfinite(r->cfg.load_weight * loads[w])))
+                return (kvs_result)KVS_ELOAD;
     if (!keyed) key = n ? hashes[(n < r->cfg.affinity_blocks ? n : r->cfg.affinity_blocks) - 1].lo : 0;
     pthread_mutex_lock(&r->lock);
     probes = kvs__rscan(r, hashes, n);

@@ -523,6 +523,30 @@ static void test_ties_among_some_workers_take_turns(void)
     kvs_router_destroy(ll);
 }
 
+/* load_weight x load past DBL_MAX (weight 1e9 is allowed, loads are only checked finite) made every
+ * loaded worker cost infinity: the cached prefix no longer counted and the tie cursor picked. Such a
+ * load is now refused (KVS_ELOAD), like an infinite one, and nothing changes. */
+static void test_weighted_load_overflow_is_refused(void)
+{
+    kvs_router_config rc;
+    kvs_router *r = NULL;
+    double loads[2] = { 1e300, 1e300 }, fine[2] = { 1e5, 1e5 };
+    uint32_t w = 77;
+    make_chains();
+    memset(&rc, 0, sizeof rc);
+    rc.num_workers = 2;
+    rc.load_weight = 1e9;
+    KVT_EQ(kvs_router_create(&rc, &r), KVS_OK);
+    store(r, 1, g_chain[7], 0, 6);
+    KVT_EQ(kvs_router_route(r, g_chain[7], 6, loads, &w, NULL), KVS_ELOAD);
+    KVT_EQ(w, 77);
+    KVT_EQ(stats_of(r).routes, 0);
+    /* large but representable: worker 1's cached prefix still decides */
+    KVT_EQ(route(r, g_chain[7], 6, fine, NULL), 1);
+    KVT_EQ(route(r, g_chain[7], 6, fine, NULL), 1);
+    kvs_router_destroy(r);
+}
+
 /* More than 64 workers: the bitmaps take a second word; worker 100 is found like worker 0. */
 static void test_workers_beyond_64(void)
 {
@@ -829,6 +853,7 @@ int main(void)
     KVT_RUN(test_affinity_keeps_a_key_on_one_worker);
     KVT_RUN(test_kv_routes_to_least_prefill_plus_load);
     KVT_RUN(test_ties_among_some_workers_take_turns);
+    KVT_RUN(test_weighted_load_overflow_is_refused);
     KVT_RUN(test_workers_beyond_64);
     KVT_RUN(test_kv_finds_more_than_round_robin);
     KVT_RUN(test_engines_on_threads_feed_one_router);
