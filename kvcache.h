@@ -10353,7 +10353,8 @@ typedef struct kvs_pause_info {
     uint64_t request;
 } kvs_pause_info;
 
-/* One hook (NULL removes it). */
+/* One hook (NULL removes it). Returns once no call of the old hook is in progress on another thread, so
+ * its user data may go then; not from within a hook. */
 KVS_API kvs_result kvs_bus_set_hook(kvs_bus *bus, kvs_hook_fn fn, void *user);
 KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uint32_t *out_id);
 /* id 0 removes all. KVS_ENOTFOUND for an unknown id. */
@@ -11082,6 +11083,7 @@ struct kvs_bus {
     int armed;                   /* hook, breakpoints or a pause pending: read without the lock */
     kvs_hook_fn hook;
     void *hook_user;
+    uint32_t hook_calls;         /* hook calls in progress (cond is signalled when they reach 0) */
     kvs_breakpoint *bps;         /* stb_ds */
     uint32_t *bp_ids;            /* stb_ds, parallel to bps */
     int pause_pending;
@@ -11339,6 +11341,7 @@ KVS_API kvs_result kvs_bus_set_hook(kvs_bus *bus, kvs_hook_fn fn, void *user)
     bus->hook = fn;
     bus->hook_user = user;
     kvs__rearm(bus);
+    while (bus->hook_calls) pthread_cond_wait(&bus->cond, &bus->lock); /* the old hook's user may go */
     pthread_mutex_unlock(&bus->lock);
     return KVS_OK;
 }
@@ -11472,8 +11475,13 @@ static void kvs__hook(kvs_bus *b, kvs_call call, int finished, uint64_t request,
     pthread_mutex_lock(&b->lock);
     fn = b->hook;
     user = b->hook_user;
+    if (fn) b->hook_calls++;
     pthread_mutex_unlock(&b->lock);
-    if (fn) fn(user, call, finished, request, result);
+    if (!fn) return;
+    fn(user, call, finished, request, result); /* no lock held: the hook may call kvs_bus_ functions */
+    pthread_mutex_lock(&b->lock);
+    if (--b->hook_calls == 0) pthread_cond_broadcast(&b->cond);
+    pthread_mutex_unlock(&b->lock);
 }
 
 static void kvs__will_call(kvs_bus *b, kvs_call call, uint64_t request)

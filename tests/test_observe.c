@@ -1809,6 +1809,54 @@ static void hooks_see_every_call_before_and_after(void)
 }
 
 /* With tiers, the scheduler's connector calls are entry points too. */
+/* A hook being removed from another thread while it runs: kvs_bus_set_hook returns only once the old
+ * hook has returned, so its user data may be freed then (as kvo_manager_set_offloaded). */
+typedef struct slow_hook { atomic_int entered, inside, calls_after; atomic_int removed; } slow_hook;
+
+static void slow_hook_fn(void *user, kvs_call call, int finished, uint64_t request, int result)
+{
+    slow_hook *h = (slow_hook *)user;
+    (void)call, (void)finished, (void)request, (void)result;
+    if (atomic_load(&h->removed)) atomic_fetch_add(&h->calls_after, 1);
+    atomic_store(&h->inside, 1);
+    atomic_fetch_add(&h->entered, 1);
+    of_sleep_us(200000);
+    atomic_store(&h->inside, 0);
+}
+
+typedef struct append_job { kvs_sched *s; } append_job;
+
+static void *append_once(void *arg)
+{
+    uint32_t tok = 5;
+    (void)kvs_sched_append(((append_job *)arg)->s, 999999, &tok, 1); /* a failing call, hooked all the same */
+    return NULL;
+}
+
+static void removing_a_hook_waits_out_the_call_in_progress(void)
+{
+    obs_env e;
+    kvs_bus *bus = new_bus();
+    slow_hook h;
+    append_job job;
+    pthread_t th;
+    int i;
+    memset(&h, 0, sizeof h);
+    obs_open(&e, 8, 0, bus);
+    KVT_EQ(kvs_bus_set_hook(bus, slow_hook_fn, &h), KVS_OK);
+    job.s = e.s;
+    KVT_EQ(pthread_create(&th, NULL, append_once, &job), 0);
+    for (i = 0; i < 5000 && !atomic_load(&h.entered); i++) of_sleep_us(1000);
+    KVT_CHECK(atomic_load(&h.entered));
+    KVT_EQ(kvs_bus_set_hook(bus, NULL, NULL), KVS_OK);
+    KVT_EQ(atomic_load(&h.inside), 0); /* the old hook has returned: h may go now */
+    atomic_store(&h.removed, 1);
+    pthread_join(th, NULL);
+    KVT_EQ(atomic_load(&h.calls_after), 0);
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 static void hooks_see_connector_calls_with_tiers(void)
 {
     sf_env e;
@@ -2518,6 +2566,7 @@ int main(void)
     KVT_RUN(breakpoint_all_zero_is_invalid);
     KVT_RUN(hooks_see_every_call_before_and_after);
     KVT_RUN(hooks_see_connector_calls_with_tiers);
+    KVT_RUN(removing_a_hook_waits_out_the_call_in_progress);
     /* 6 */
     KVT_RUN(metrics_validator_knows_good_from_bad);
     KVT_RUN(metrics_are_valid_prometheus_text);
