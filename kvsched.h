@@ -1308,7 +1308,7 @@ struct kvs_bus {
     kvs_breakpoint *bps;         /* stb_ds */
     uint32_t *bp_ids;            /* stb_ds, parallel to bps */
     int pause_pending;
-    uint32_t stopped;            /* threads stopped now */
+    uint32_t stopped;            /* threads stopped now (resume sets 0, before they wake) */
     uint64_t resumes;            /* resume generation */
     kvs_pause_info where;
 };
@@ -1616,7 +1616,8 @@ KVS_API kvs_result kvs_bus_resume(kvs_bus *bus)
     pthread_mutex_lock(&bus->lock);
     bus->pause_pending = 0;
     kvs__rearm(bus);
-    if (bus->stopped) {
+    if (bus->stopped) { /* every stopped thread counts as going on now, before it wakes */
+        bus->stopped = 0;
         bus->resumes++;
         pthread_cond_broadcast(&bus->cond);
     }
@@ -1681,8 +1682,7 @@ static void kvs__checkpoint(kvs_bus *b, const kvs_pause_info *at)
         b->stopped++;
         kvs__publish_locked(b, &e);
         pthread_cond_broadcast(&b->cond);
-        while (b->resumes == gen) pthread_cond_wait(&b->cond, &b->lock);
-        b->stopped--;
+        while (b->resumes == gen) pthread_cond_wait(&b->cond, &b->lock); /* resume cleared stopped */
         e.kind = KVS_EV_RESUMED;
         kvs__publish_locked(b, &e);
     }

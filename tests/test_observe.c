@@ -1658,6 +1658,33 @@ static void pause_before_the_first_call_stops_at_it(void)
     kvs_bus_destroy(bus);
 }
 
+/* Once kvs_bus_resume returns, no thread is stopped: kvs_bus_paused says 0 and kvs_bus_wait_paused waits
+ * for the next stop instead of reporting the one just resumed. */
+static void resumed_thread_no_longer_counts_as_stopped(void)
+{
+    obs_env e;
+    kvs_bus *bus = new_bus();
+    engine g;
+    int i, stale = 0, waited = 0;
+    obs_open(&e, 64, 0, bus);
+    engine_start(&g, e.s);
+    KVT_CHECK(wait_steps(&g, 5, 5000000));
+    for (i = 0; i < 50; i++) {
+        KVT_EQ(kvs_bus_pause(bus), KVS_OK);
+        if (kvs_bus_wait_paused(bus, 5000000, NULL) != KVS_OK) break;
+        waited++;
+        KVT_EQ(kvs_bus_resume(bus), KVS_OK);
+        stale += kvs_bus_paused(bus, NULL);
+    }
+    KVT_EQ(waited, 50);
+    if (stale) fprintf(stderr, "  %d of %d resumes still reported a thread stopped\n", stale, waited);
+    KVT_EQ(stale, 0);
+    kvs_bus_resume(bus);
+    if (!engine_finish(&g, bus)) return;
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 static void wait_paused_with_nothing_running_times_out(void)
 {
     kvs_bus *bus = new_bus();
@@ -2563,6 +2590,7 @@ int main(void)
     KVT_RUN(pause_before_the_first_call_stops_at_it);
     KVT_RUN(wait_paused_with_nothing_running_times_out);
     KVT_RUN(resume_cancels_a_pause_not_reached);
+    KVT_RUN(resumed_thread_no_longer_counts_as_stopped);
     KVT_RUN(breakpoint_all_zero_is_invalid);
     KVT_RUN(hooks_see_every_call_before_and_after);
     KVT_RUN(hooks_see_connector_calls_with_tiers);
