@@ -11659,6 +11659,7 @@ typedef struct kvs__client {
     unsigned char *out;          /* stb_ds: bytes not sent yet */
     char line[256];
     size_t line_len;
+    int overlong;                /* the line in progress outgrew `line`: dropped up to its newline */
 } kvs__client;
 
 typedef struct kvs__slot_last { uint64_t key; kvs_event value; } kvs__slot_last;
@@ -11757,11 +11758,14 @@ static int kvs__client_read(kvs_console *k, kvs__client *c)
     if (n == 0) return 0;
     if (n < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
     for (i = 0; i < n; i++) {
-        if (buf[i] == '\n' || c->line_len + 1 >= sizeof c->line) {
+        if (buf[i] == '\n') {
             c->line[c->line_len] = 0;
             if (c->line_len && c->line[c->line_len - 1] == '\r') c->line[c->line_len - 1] = 0;
-            kvs__console_command(k, c->line);
+            if (!c->overlong) kvs__console_command(k, c->line); /* no part of a longer line is a command */
             c->line_len = 0;
+            c->overlong = 0;
+        } else if (c->line_len + 1 >= sizeof c->line) {
+            c->overlong = 1;
         } else {
             c->line[c->line_len++] = buf[i];
         }

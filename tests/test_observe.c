@@ -2446,6 +2446,44 @@ static void metrics_count_the_bus_events(void)
  * 7. bad input
  * ======================================================================================================= */
 
+/* A console client's line longer than the console reads (255 bytes) is dropped whole: what follows
+ * its 255th byte is not taken for a command of its own. */
+static void console_drops_an_overlong_line_whole(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    struct sockaddr_un addr;
+    char path[64], line[300];
+    int fd, i, pending = -1, armed = 0;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_console_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path, path, strlen(path));
+    KVT_EQ(connect(fd, (struct sockaddr *)&addr, sizeof addr), 0);
+    memset(line, 'A', 256); /* 256 bytes of garbage, then "pause": one line, not a command */
+    memcpy(line + 256, "pause\n", 6);
+    KVT_EQ(send(fd, line, 262, MSG_NOSIGNAL), 262);
+    KVT_EQ(send(fd, "break request 4242\n", 19, MSG_NOSIGNAL), 19); /* then a real one, to know both were read */
+    for (i = 0; i < 5000 && !armed; i++) {
+        armed = kvs__is_armed(&bus->armed);
+        if (!armed) of_sleep_us(1000);
+    }
+    KVT_CHECK(armed);
+    pthread_mutex_lock(&bus->lock);
+    pending = bus->pause_pending;
+    pthread_mutex_unlock(&bus->lock);
+    KVT_EQ(pending, 0);
+    close(fd);
+    kvs_console_stop(con);
+    kvs_bus_destroy(bus);
+}
+
 static void null_arguments_are_invalid(void)
 {
     kvs_bus *bus = new_bus();
@@ -2603,6 +2641,7 @@ int main(void)
     KVT_RUN(metrics_into_a_short_buffer_say_how_much_is_needed);
     KVT_RUN(metrics_count_the_bus_events);
     /* 7 */
+    KVT_RUN(console_drops_an_overlong_line_whole);
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);
     return kvt_summary();
