@@ -4155,7 +4155,8 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
         if (!(idx = kvb__scratch(p, stack, n_new))) return KVB_ENOMEM;
         k = kvb__prefix(p, fresh, n_new, idx);
     }
-    for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs == 0;
+    for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs++ == 0; /* each block once: a hash_fn */
+    for (i = 0; i < k; i++) p->meta[idx[i]].refs--; /* that leaves out the parent can match one twice */
     need = nb_new - nb_old - k + (last != KVB__NIL && p->meta[last].refs > 1);
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
     if (need > room) return KVB_ENOSPACE;
