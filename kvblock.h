@@ -683,7 +683,9 @@ KVB_API void kvb_seq_destroy(kvb_seq *seq);
 KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config);
 
 /* Make room in the sequence's arrays for num_tokens tokens in all (with their blocks and hashes):
- * appends up to there do not grow them. KVB_EINVAL for NULL. Thread safety: one thread per sequence. */
+ * appends up to there do not grow them. KVB_EINVAL for NULL, KVB_ERANGE for a count no memory could
+ * hold, KVB_ENOMEM when the memory is not there (the sequence unchanged, but some room may be kept).
+ * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
 
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
@@ -4015,15 +4017,39 @@ KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
     return KVB_OK;
 }
 
+/* Capacity for cap elements in the stb_ds array *a (stbds_arrsetcap would wrap elemsize * cap and
+ * write through a failed realloc): 0 when the memory is not there, *a unchanged. */
+static int kvb__arr_room(void **a, size_t elemsize, size_t cap)
+{
+    stbds_array_header *h;
+    if (cap <= stbds_arrcap(*a)) return 1;
+    if (cap > (SIZE_MAX - sizeof *h) / elemsize) return 0;
+    h = (stbds_array_header *)KVB_REALLOC(*a ? stbds_header(*a) : NULL, elemsize * cap + sizeof *h);
+    if (!h) return 0;
+    if (!*a) {
+        h->length = 0;
+        h->hash_table = 0;
+        h->temp = 0;
+    }
+    h->capacity = cap;
+    *a = h + 1;
+    return 1;
+}
+
 KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens)
 {
     size_t bt;
+    void *tokens, *hashes, *table;
+    int ok;
     if (!seq) return KVB_EINVAL;
     bt = seq->pool->cfg.block_tokens;
-    if (num_tokens > stbds_arrcap(seq->tokens)) stbds_arrsetcap(seq->tokens, num_tokens);
-    if (num_tokens / bt > stbds_arrcap(seq->hashes)) stbds_arrsetcap(seq->hashes, num_tokens / bt);
-    if ((num_tokens + bt - 1) / bt > stbds_arrcap(seq->table)) stbds_arrsetcap(seq->table, (num_tokens + bt - 1) / bt);
-    return KVB_OK;
+    if (num_tokens > SIZE_MAX / (2 * sizeof(kvb_hash))) return KVB_ERANGE; /* more than memory holds */
+    tokens = seq->tokens, hashes = seq->hashes, table = seq->table;
+    ok = kvb__arr_room(&tokens, sizeof *seq->tokens, num_tokens) &&
+         kvb__arr_room(&hashes, sizeof *seq->hashes, num_tokens / bt) &&
+         kvb__arr_room(&table, sizeof *seq->table, num_tokens / bt + (num_tokens % bt != 0));
+    seq->tokens = (uint32_t *)tokens, seq->hashes = (kvb_hash *)hashes, seq->table = (kvb_block *)table;
+    return ok ? KVB_OK : KVB_ENOMEM;
 }
 
 static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)

@@ -641,6 +641,27 @@ static void test_append_counts_a_block_matched_twice_once(void)
     kvb_pool_destroy(pool);
 }
 
+/* A reserve no memory could hold is refused, and the sequence works as before: stbds_arrsetcap wrapped
+ * 4 x 2^62 bytes of tokens to a 32-byte buffer with a capacity of 2^62, then crashed on the NULL of the
+ * next, failed realloc. */
+static void test_reserve_beyond_memory_is_refused(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    kvb_seq *seq = fx_seq(pool, NULL);
+    uint32_t tokens[100];
+    fx_iota(tokens, 100, 1);
+    KVT_EQ(kvb_seq_reserve(seq, (SIZE_MAX >> 2) + 1), KVB_ERANGE);
+    KVT_EQ(kvb_seq_reserve(seq, SIZE_MAX), KVB_ERANGE);
+    KVT_EQ(kvb_seq_reserve(seq, 40), KVB_OK);
+    KVT_EQ(kvb_seq_append(seq, tokens, 100, NULL), KVB_OK); /* past the reservation: the arrays grow */
+    KVT_EQ(fx_seq_info(seq).num_tokens, 100);
+    check_hashes(seq, tokens, 100, NULL, 0, 0);
+    KVT_EQ(kvb_seq_reserve(NULL, 1), KVB_EINVAL);
+    kvb_seq_destroy(seq);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -656,5 +677,6 @@ int main(void)
     KVT_RUN(test_copy_hook_carries_fork_and_truncate);
     KVT_RUN(test_failed_copy_changes_nothing);
     KVT_RUN(test_append_counts_a_block_matched_twice_once);
+    KVT_RUN(test_reserve_beyond_memory_is_refused);
     return kvt_summary();
 }
