@@ -6041,7 +6041,8 @@ enum { /* per-block progress inside a container */
     KVO__B_DONE,
     KVO__B_FAILED,
     KVO__B_JOINING, /* onboarding: waits for another transfer's copy of the hash */
-    KVO__B_JOINED   /* ... which landed: dst_keep holds the block */
+    KVO__B_JOINED,  /* ... which landed: dst_keep holds the block */
+    KVO__B_LOST     /* ... which failed, and the block is nowhere now: failed, never counted in flight */
 };
 
 typedef struct kvo__container {
@@ -6642,8 +6643,8 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
             c->parents[i] = info.parent;
             c->state[i] = KVO__B_OFFER;
             kvo__count_add(&pl->inflight, &c->hashes[i], 1);
-        } else {
-            c->state[i] = KVO__B_FAILED;
+        } else { /* not KVO__B_FAILED: that one is counted in flight, and its end would uncount another's copy */
+            c->state[i] = KVO__B_LOST;
             c->info.failed++;
         }
     }

@@ -400,6 +400,44 @@ static void test_joined_copy_that_fails_is_loaded_again(void)
     rig_close(&r);
 }
 
+/* A joined block whose copy failed and that is gone from the source too fails without ever having been
+ * counted in flight: finishing its transfer must not take one off the count of another transfer's copy
+ * of the same hash, or a third request would copy that block again instead of joining. */
+static void test_failed_join_leaves_other_copies_in_flight(void)
+{
+    rig r;
+    rig_open(&r);
+    kvb_hash h0 = r.h[0], a_hashes[2] = {r.h[5], r.h[0]};
+    of_backend_set_fail(r.w, 1, KVO_EIO);          /* b's copy of h0 fails */
+    kvo_transfer b = onboard(&r, &h0, 1);
+    kvo_transfer a = onboard(&r, a_hashes, 2);      /* h5 loaded, h0 joins b */
+    KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);         /* b runs and fails; a still waits for the join */
+    KVT_EQ(of_status(r.p, b), KVO_STATUS_FAILED);
+    size_t dropped = 0;
+    KVT_EQ(kvb_invalidate(r.g2, &h0, 1, &dropped), KVB_OK); /* h0 leaves the source */
+    KVT_EQ(dropped, 1);
+    of_backend_set_hold(r.w, 1);
+    KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);         /* a: h0 failed (nowhere), h5 goes to the backend */
+    KVT_EQ(of_backend_held(r.w), 1);
+    of_register(r.g2, &h0, 1, NULL, NULL);          /* h0 comes back to the source */
+    kvo_transfer c = onboard(&r, &h0, 1);           /* c loads it: h0 in flight */
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);                        /* a finishes */
+    KVT_EQ(of_status(r.p, a), KVO_STATUS_FAILED);
+    kvo_transfer d = onboard(&r, &h0, 1);           /* must join c's copy */
+    KVT_EQ(of_pump(r.p, &r.clock, c, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, d, 1000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info id = of_info(r.p, d);
+    KVT_EQ(id.joined, 1);
+    KVT_EQ(id.transferred, 0);
+    KVT_EQ(of_backend_copies(r.w), 3);              /* b's h0, a's h5, c's h0: never a second h0 */
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    kvo_transfer_release(r.p, c);
+    kvo_transfer_release(r.p, d);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -414,5 +452,6 @@ int main(void)
     KVT_RUN(test_onboard_threaded);
     KVT_RUN(test_same_prefix_in_one_step_moves_each_block_once);
     KVT_RUN(test_joined_copy_that_fails_is_loaded_again);
+    KVT_RUN(test_failed_join_leaves_other_copies_in_flight);
     return kvt_summary();
 }
