@@ -2081,10 +2081,9 @@ static uint8_t kvo__evaluate_block(kvo_pipeline *pl, kvo__container *c, size_t i
 }
 
 /* Count a block's final verdict into the container's info. */
-static void kvo__count_verdict(kvo_pipeline *pl, kvo__container *c, size_t i)
+static void kvo__count_verdict(kvo__container *c, size_t i)
 {
     switch (c->state[i]) {
-    case KVO__B_OFFER: kvo__count_add(&pl->inflight, &c->hashes[i], 1); break;
     case KVO__B_SKIP: c->info.skipped++; break;
     case KVO__B_TIMEOUT: c->info.timed_out++; break;
     case KVO__B_DROPPED: c->info.dropped++; break;
@@ -2109,14 +2108,17 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
         if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
             c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : 0);
             if (c->state[i] == KVO__B_EVAL) pending = 1;
+            /* in flight from its verdict on: a repeat later in this container, or in one evaluated while
+               this one waits for another block's policy, is skipped by presence, not copied twice */
+            if (c->state[i] == KVO__B_OFFER) kvo__count_add(&pl->inflight, &c->hashes[i], 1);
         }
     }
+    c->inflight_marked = 1;
     if (pending) return 0;
     for (i = 0; i < c->n; i++) {
-        kvo__count_verdict(pl, c, i);
+        kvo__count_verdict(c, i);
         offered += c->state[i] == KVO__B_OFFER;
     }
-    c->inflight_marked = 1;
     return offered ? 1 : 2; /* 2: nothing to copy */
 }
 

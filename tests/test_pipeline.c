@@ -1281,6 +1281,45 @@ static void test_wait_from_on_done_in_threads_mode(void)
     rig_close(&r);
 }
 
+static kvo_verdict later_for_last(void *user, const kvb_hash *hash, uint32_t src_index)
+{
+    const kvb_hash *last = (const kvb_hash *)user;
+    (void)src_index;
+    return hash->lo == last->lo && hash->hi == last->hi ? KVO_LATER : KVO_OFFER;
+}
+
+/* Presence: a block already offered counts as in flight from its verdict on, for the rest of its own
+ * container and for containers evaluated while its container still waits for another block's policy. */
+static void test_presence_counts_offers_of_a_pending_container(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.policy = later_for_last;
+    pc.policy_user = &r.h[3];
+    rig_start(&r, &pc);
+    kvb_weak twice[2] = {r.weak[0], r.weak[0]};
+    kvo_transfer d = of_enqueue(r.p, twice, 2, NULL);
+    kvo_transfer a = of_enqueue(r.p, &r.weak[1], 3, NULL); /* blocks 1, 2 offered, 3 answered later */
+    KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);
+    kvo_transfer b = of_enqueue(r.p, &r.weak[1], 1, NULL); /* block 1 again, while a is pending */
+    KVT_EQ(of_pump(r.p, &r.clock, a, 10000, 200), KVO_STATUS_COMPLETE); /* the manual clock moves */
+    KVT_EQ(of_pump(r.p, &r.clock, b, 10000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, d, 10000, 200), KVO_STATUS_COMPLETE);
+    kvo_transfer_info id = of_info(r.p, d), ia = of_info(r.p, a), ib = of_info(r.p, b);
+    KVT_EQ(id.transferred, 1);
+    KVT_EQ(id.skipped, 1);
+    KVT_EQ(ia.transferred, 2);
+    KVT_EQ(ia.timed_out, 1);
+    KVT_EQ(ib.transferred, 0);
+    KVT_EQ(ib.skipped, 1);
+    KVT_EQ(saw(&r, r.weak, 3), 3);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    kvo_transfer_release(r.p, d);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1292,6 +1331,7 @@ int main(void)
     KVT_RUN(test_backend_refuses_blocks_past_the_pool);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
+    KVT_RUN(test_presence_counts_offers_of_a_pending_container);
     KVT_RUN(test_frequency_policy);
     KVT_RUN(test_user_policy_and_timeout);
     KVT_RUN(test_cancel_while_evaluating);
