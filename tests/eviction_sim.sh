@@ -2,7 +2,8 @@
 # serve_sim's eviction options (issue 14): every policy replays the sample trace with its pool checked;
 # --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
 # the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
-# policy name or value exits 2; prompts that end inside their last id's block are counted. Ends with
+# policy name or value exits 2; prompts that end inside their last id's block are counted; fractional ms
+# timestamps are read, not skipped. Ends with
 # "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
@@ -38,6 +39,14 @@ out=$($SIM --sequential --trace "$pt" --device-blocks 8 --host-blocks 0 --evicti
 echo "$out" | grep -q '"partial_last_blocks":[[:space:]]*1' && ok "a prompt that ends inside its last id's block is counted (and told)" ||
     bad "partial last blocks"
 rm -f "$pt"
+ft=$(mktemp /tmp/eviction_sim.XXXXXX)
+printf '%s\n' '{"timestamp": 0.0, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}' \
+    '{"timestamp": 0.5, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}' \
+    '{"timestamp": 1.25, "input_length": 1024, "output_length": 1, "hash_ids": [1, 2]}' >"$ft"
+out=$($SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 --json 2>/dev/null)
+echo "$out" | grep -q '"requests":[[:space:]]*3' && echo "$out" | grep -q '"hit_blocks":[[:space:]]*4' &&
+    ok "fractional ms timestamps are read, not skipped" || bad "fractional timestamps"
+rm -f "$ft"
 $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ $? -eq 2 ] && ok "--timing-runs 0 exits 2" ||
     bad "--timing-runs 0"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"

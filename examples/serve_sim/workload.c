@@ -188,15 +188,17 @@ static void make_synthetic(workload *w, const options *o)
 }
 
 /* Mooncake JSONL. Returns the number of requests read. */
-static int json_uint(const cJSON *o, const char *name, double max, double *out, char *why, size_t whylen)
+static int json_uint(const cJSON *o, const char *name, double max, int integral, double *out, char *why,
+                     size_t whylen)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
     if (!v) {
         snprintf(why, whylen, "field \"%s\" is missing", name);
         return 0;
     }
-    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > max || v->valuedouble != floor(v->valuedouble)) {
-        snprintf(why, whylen, "field \"%s\" must be a non-negative integer", name);
+    if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > max ||
+        (integral && v->valuedouble != floor(v->valuedouble))) {
+        snprintf(why, whylen, "field \"%s\" must be a non-negative %s", name, integral ? "integer" : "number");
         return 0;
     }
     *out = v->valuedouble;
@@ -235,9 +237,9 @@ static void load_trace(workload *w, const options *o)
         } else if (!cJSON_IsObject(obj)) {
             snprintf(why, sizeof why, "not a JSON object");
             ok = 0;
-        } else if (!json_uint(obj, "timestamp", 9.0e15, &ts, why, sizeof why) ||
-                   !json_uint(obj, "input_length", 1.0e9, &in, why, sizeof why) ||
-                   !json_uint(obj, "output_length", 1.0e9, &out, why, sizeof why)) {
+        } else if (!json_uint(obj, "timestamp", 9.0e15, 0, &ts, why, sizeof why) /* ms, fractions allowed */ ||
+                   !json_uint(obj, "input_length", 1.0e9, 1, &in, why, sizeof why) ||
+                   !json_uint(obj, "output_length", 1.0e9, 1, &out, why, sizeof why)) {
             ok = 0;
         } else if (!cJSON_IsArray(ids = cJSON_GetObjectItemCaseSensitive(obj, "hash_ids"))) {
             snprintf(why, sizeof why, "field \"hash_ids\" %s", ids ? "must be an array" : "is missing");
