@@ -47,6 +47,10 @@ out=$($SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 --json 2
 echo "$out" | grep -q '"requests":[[:space:]]*3' && echo "$out" | grep -q '"hit_blocks":[[:space:]]*4' &&
     ok "fractional ms timestamps are read, not skipped" || bad "fractional timestamps"
 rm -f "$ft"
+printf '%s\n' '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [4611686018427387904, 2]}' >"$ft"
+$SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 2>&1 | grep -q 'below 9e15' &&
+    ok "a hash id past 9e15 is reported as out of range" || bad "hash id range message"
+rm -f "$ft"
 $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ $? -eq 2 ] && ok "--timing-runs 0 exits 2" ||
     bad "--timing-runs 0"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"

@@ -248,7 +248,8 @@ static void load_trace(workload *w, const options *o)
             cJSON_ArrayForEach(id, ids) {
                 if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= 9.0e15 ||
                     id->valuedouble != floor(id->valuedouble)) {
-                    snprintf(why, sizeof why, "\"hash_ids\" must hold non-negative integers");
+                    snprintf(why, sizeof why, "\"hash_ids\" must hold non-negative integers below 9e15 (read as "
+                             "doubles: larger ids would collide)");
                     ok = 0;
                     break;
                 }
