@@ -448,26 +448,36 @@ static void test_load_of_evicted_blocks(void)
     rig_close(&r);
 }
 
+/* A 64-token prompt (4 blocks of 16) whose block 0 the device holds (a reference in *held) and blocks
+ * 1 .. 3 the host; request 5 asks with num_computed 0. */
+static void offer_with_device_block_0(rig *r, kvb_hash *h, kvb_block *held, size_t *tokens, int *async)
+{
+    uint32_t t[64];
+    kvb_hash zero;
+    kvb_block b;
+    size_t n = 0;
+    rig_open(r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r->e, t, h, 4);
+    memset(&zero, 0, sizeof zero);
+    KVT_EQ(kvb_alloc(r->e.dev, 1, &b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(r->e.dev, &b, 1, h, &zero, held), KVB_OK);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r->c, 5, h, 4, 0, tokens, async), KVS_OK);
+}
+
 /* The blocks right after num_computed are on the device already (the engine's own prefix count is
  * behind the pool's, e.g. another request's load just landed there): the offer counts them, and taking
  * part of it loads only what lies within the part taken. */
 static void test_take_part_after_device_blocks(void)
 {
     rig r;
-    uint32_t t[64];
-    kvb_hash h[4], zero;
-    kvb_block b, held;
-    size_t n = 0, tokens = 0;
+    kvb_hash h[4];
+    kvb_block held;
+    size_t tokens = 0;
     int async = 0;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
-    memset(&zero, 0, sizeof zero);
-    KVT_EQ(kvb_alloc(r.e.dev, 1, &b), KVB_OK);
-    KVT_EQ(kvb_register_hashed(r.e.dev, &b, 1, h, &zero, &held), KVB_OK); /* the device holds block 0 */
-    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
+    offer_with_device_block_0(&r, h, &held, &tokens, &async);
     KVT_EQ(tokens, 64); /* block 0 on the device, 1 .. 3 in the host */
     KVT_EQ(async, 1);
     KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 32), KVS_OK); /* blocks 0 and 1 */
@@ -490,20 +500,12 @@ static void test_take_part_after_device_blocks(void)
 static void test_take_only_device_part_of_async_offer(void)
 {
     rig r;
-    uint32_t t[64];
-    kvb_hash h[4], zero;
-    kvb_block b, held;
-    size_t n = 0, tokens = 0;
+    kvb_hash h[4];
+    kvb_block held;
+    size_t tokens = 0;
     int async = 0;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
-    memset(&zero, 0, sizeof zero);
-    KVT_EQ(kvb_alloc(r.e.dev, 1, &b), KVB_OK);
-    KVT_EQ(kvb_register_hashed(r.e.dev, &b, 1, h, &zero, &held), KVB_OK); /* the device holds block 0 */
-    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
+    offer_with_device_block_0(&r, h, &held, &tokens, &async);
     KVT_EQ(tokens, 64);
     KVT_EQ(async, 1);
     KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 16), KVS_OK); /* block 0: on the device */
