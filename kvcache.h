@@ -10466,8 +10466,10 @@ KVS_API void kvs_console_stop(kvs_console *console);
 
 /* Prometheus text exposition (version 0.0.4) of the scheduler's counters and its pools' and pipelines'
  * (prefix kvcache_, labels tier / direction); disk (optional) adds its checksum and I/O errors. NUL-
- * terminated. KVS_ENOSPACE with *out_len = the bytes needed when cap is too small. Thread safety: the
- * scheduler's thread. */
+ * terminated; *out_len = its length without the NUL. KVS_ENOSPACE when cap < *out_len + 1, buf left
+ * untouched (counters move: the next call may need a little more). The counters are read once per call,
+ * so the text written is always whole, however other threads move them meanwhile. Thread safety: the
+ * scheduler's thread (pools and pipelines may count from theirs). */
 KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *buf, size_t cap, size_t *out_len);
 
 #ifdef __cplusplus
@@ -14089,8 +14091,70 @@ static void kvs__family(kvs__text *t, const char *name, const char *type, const 
     kvs__printf(t, "# HELP kvcache_%s %s\n# TYPE kvcache_%s %s\n", name, help, name, type);
 }
 
+/* What kvs_metrics_write reports, read once (each part under its own lock, the scheduler's on its own
+ * thread): both passes, the measuring one and the writing one, render this, so the length measured is
+ * the length written however the counters move meanwhile (pipelines and pools count from their threads). */
+typedef struct kvs__metrics_snap {
+    kvs_sched_stats sched;                 /* with the queue lengths */
+    int has_bus;
+    uint64_t events;                       /* the bus's sequence */
+    uint32_t num_pools, tier[KVO_MAX_TIERS];
+    kvb_pool_stats pool[KVO_MAX_TIERS];    /* G1, then each pipeline's destination down the chain */
+    int has_pipelines;
+    unsigned char pipeline[2][KVO_MAX_TIERS]; /* [up][tier]: the manager has that pipeline */
+    kvo_manager_stats pipelines;
+    int has_disk;
+    uint32_t disk_tier;                    /* the tier the disk backend writes into */
+    kvo_disk_stats disk;
+} kvs__metrics_snap;
+
+static void kvs__metrics_read(kvs__metrics_snap *m, kvs_sched *s, kvo_backend *disk)
+{
+    kvb_pool *pools[KVO_MAX_TIERS];
+    uint32_t i, up;
+    memset(m, 0, sizeof *m);
+    kvs_sched_get_stats(s, &m->sched);
+    if (s->cfg.bus) {
+        pthread_mutex_lock(&s->cfg.bus->lock);
+        m->events = s->cfg.bus->seq;
+        pthread_mutex_unlock(&s->cfg.bus->lock);
+        m->has_bus = 1;
+    }
+    pools[m->num_pools++] = s->cfg.device;
+    for (i = 0; s->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) {
+        kvo_pipeline_config pc;
+        if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK) break;
+        pools[m->num_pools++] = pc.dst;
+    }
+    for (i = 0; i < m->num_pools; i++) {
+        kvb_pool_config pc;
+        memset(&pc, 0, sizeof pc);
+        kvb_pool_get_config(pools[i], &pc);
+        m->tier[i] = pc.tier;
+        kvb_pool_get_stats(pools[i], &m->pool[i]);
+    }
+    if (s->cfg.tiers && kvo_manager_get_stats(s->cfg.tiers, &m->pipelines) == KVO_OK) {
+        m->has_pipelines = 1;
+        for (up = 0; up < 2; up++)
+            for (i = 0; i < KVO_MAX_TIERS; i++)
+                m->pipeline[up][i] = kvo_manager_pipeline(s->cfg.tiers, i, (int)up) != NULL;
+    }
+    if (disk && kvo_disk_backend_stats(disk, &m->disk) == KVO_OK) {
+        m->has_disk = 1;
+        for (i = 0; s->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) {
+            kvo_pipeline_config pc;
+            kvb_pool_config bc;
+            if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK || pc.backend != disk)
+                continue;
+            memset(&bc, 0, sizeof bc);
+            kvb_pool_get_config(pc.dst, &bc);
+            m->disk_tier = bc.tier;
+        }
+    }
+}
+
 /* Pool counters and gauges, one family at a time across every tier. */
-static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
+static void kvs__pool_metrics(kvs__text *t, const kvs__metrics_snap *m)
 {
     static const struct { const char *name, *type, *help; size_t off; } rows[] = {
         {"lookups_total", "counter", "Prefix lookups (kvb_match calls).", offsetof(kvb_pool_stats, lookups)},
@@ -14105,17 +14169,10 @@ static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
          offsetof(kvb_pool_stats, dedups)},
         {"invalidated_total", "counter", "Cached blocks dropped as bad (a lower tier's copy failed its check).",
          offsetof(kvb_pool_stats, invalidated)}};
-    kvb_pool_stats st[KVO_MAX_TIERS];
-    uint32_t i, tier[KVO_MAX_TIERS];
+    const kvb_pool_stats *st = m->pool;
+    const uint32_t *tier = m->tier;
+    uint32_t i, n = m->num_pools;
     size_t r;
-    for (i = 0; i < n; i++) {
-        kvb_pool_config pc;
-        memset(&pc, 0, sizeof pc);
-        kvb_pool_get_config(pools[i], &pc);
-        tier[i] = pc.tier;
-        memset(&st[i], 0, sizeof st[i]);
-        kvb_pool_get_stats(pools[i], &st[i]);
-    }
     for (r = 0; r < sizeof rows / sizeof rows[0]; r++) {
         kvs__family(t, rows[r].name, rows[r].type, rows[r].help);
         for (i = 0; i < n; i++) {
@@ -14137,7 +14194,7 @@ static void kvs__pool_metrics(kvs__text *t, kvb_pool *const *pools, uint32_t n)
 
 /* Pipeline counters: offload into tier t + 1 (direction "offload", tier = destination) and onboarding
  * from tier t (direction "onboard", tier = source). */
-static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
+static void kvs__pipeline_metrics(kvs__text *t, const kvs__metrics_snap *m)
 {
     static const struct { const char *name, *type, *help; size_t off; int u32; } rows[] = {
         {"transfer_blocks_total", "counter", "Blocks copied and registered in the destination.",
@@ -14157,18 +14214,18 @@ static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
          offsetof(kvo_pipeline_stats, dest_full), 0},
         {"inflight_blocks", "gauge", "Blocks in transfers not finished yet.",
          offsetof(kvo_pipeline_stats, in_flight_blocks), 1}};
-    kvo_manager_stats ms;
+    const kvo_manager_stats *ms = &m->pipelines;
     size_t r;
     uint32_t tier, up;
-    if (kvo_manager_get_stats(m, &ms) != KVO_OK) return;
+    if (!m->has_pipelines) return;
     for (r = 0; r < sizeof rows / sizeof rows[0]; r++) {
         kvs__family(t, rows[r].name, rows[r].type, rows[r].help);
         for (up = 0; up < 2; up++)
             for (tier = up; tier < KVO_MAX_TIERS; tier++) {
-                const kvo_pipeline_stats *ps = up ? &ms.up[tier] : &ms.down[tier];
+                const kvo_pipeline_stats *ps = up ? &ms->up[tier] : &ms->down[tier];
                 uint64_t v = 0;
                 uint32_t v32;
-                if (!kvo_manager_pipeline(m, tier, (int)up)) continue;
+                if (!m->pipeline[up][tier]) continue;
                 if (rows[r].u32) {
                     memcpy(&v32, (const unsigned char *)ps + rows[r].off, sizeof v32);
                     v = v32;
@@ -14182,33 +14239,24 @@ static void kvs__pipeline_metrics(kvs__text *t, kvo_manager *m)
     kvs__family(t, "onboard_joined_blocks_total", "counter",
                 "Blocks to onboard that were already in flight to G1 for another request: waited for, not copied.");
     for (tier = 1; tier < KVO_MAX_TIERS; tier++)
-        if (kvo_manager_pipeline(m, tier, 1))
+        if (m->pipeline[1][tier])
             kvs__printf(t, "kvcache_onboard_joined_blocks_total{tier=\"%u\"} %llu\n", tier,
-                        (unsigned long long)ms.up[tier].joined);
+                        (unsigned long long)ms->up[tier].joined);
 }
 
-static void kvs__disk_metrics(kvs__text *t, kvs_sched *s, kvo_backend *disk)
+static void kvs__disk_metrics(kvs__text *t, const kvs__metrics_snap *m)
 {
-    kvo_disk_stats ds;
-    uint32_t tier = 0, i;
-    if (!disk || kvo_disk_backend_stats(disk, &ds) != KVO_OK) return;
-    for (i = 0; s->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) { /* the tier the disk backend writes into */
-        kvo_pipeline_config pc;
-        kvb_pool_config bc;
-        if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK || pc.backend != disk) continue;
-        memset(&bc, 0, sizeof bc);
-        kvb_pool_get_config(pc.dst, &bc);
-        tier = bc.tier;
-    }
+    if (!m->has_disk) return;
     kvs__family(t, "checksum_errors_total", "counter", "Blocks read back whose checksum did not match.");
-    kvs__printf(t, "kvcache_checksum_errors_total{tier=\"%u\"} %llu\n", tier, (unsigned long long)ds.checksum_errors);
+    kvs__printf(t, "kvcache_checksum_errors_total{tier=\"%u\"} %llu\n", m->disk_tier,
+                (unsigned long long)m->disk.checksum_errors);
     kvs__family(t, "io_errors_total", "counter", "Failed reads and writes.");
-    kvs__printf(t, "kvcache_io_errors_total{tier=\"%u\"} %llu\n", tier, (unsigned long long)ds.io_errors);
+    kvs__printf(t, "kvcache_io_errors_total{tier=\"%u\"} %llu\n", m->disk_tier, (unsigned long long)m->disk.io_errors);
 }
 
-static void kvs__sched_metrics(kvs__text *t, kvs_sched *s)
+static void kvs__sched_metrics(kvs__text *t, const kvs__metrics_snap *m)
 {
-    const kvs_sched_stats *st = &s->stats;
+    const kvs_sched_stats *st = &m->sched;
     kvs__family(t, "steps_total", "counter", "Scheduler steps planned.");
     kvs__printf(t, "kvcache_steps_total %llu\n", (unsigned long long)st->steps);
     kvs__family(t, "requests_total", "counter", "Requests by outcome.");
@@ -14228,41 +14276,38 @@ static void kvs__sched_metrics(kvs__text *t, kvs_sched *s)
     kvs__family(t, "requests", "gauge", "Requests by queue.");
     kvs__printf(t, "kvcache_requests{queue=\"waiting\"} %u\nkvcache_requests{queue=\"running\"} %u\n"
                    "kvcache_requests{queue=\"swapped\"} %u\nkvcache_requests{queue=\"onboarding\"} %u\n",
-                (unsigned)stbds_arrlenu(s->waiting), (unsigned)stbds_arrlenu(s->running),
-                (unsigned)stbds_arrlenu(s->swapped), (unsigned)stbds_arrlenu(s->onboarding));
-    if (s->cfg.bus) {
-        uint64_t seq;
-        pthread_mutex_lock(&s->cfg.bus->lock);
-        seq = s->cfg.bus->seq;
-        pthread_mutex_unlock(&s->cfg.bus->lock);
+                st->waiting, st->running, st->swapped, st->onboarding);
+    if (m->has_bus) {
         kvs__family(t, "events_total", "counter", "Events published on the scheduler's bus.");
-        kvs__printf(t, "kvcache_events_total %llu\n", (unsigned long long)seq);
+        kvs__printf(t, "kvcache_events_total %llu\n", (unsigned long long)m->events);
     }
 }
 
+/* A test's seam (tests/test_observe.c): runs between the measuring pass and the writing one, where
+ * another thread may move any counter. */
+#ifndef KVS__METRICS_BETWEEN_PASSES
+#define KVS__METRICS_BETWEEN_PASSES(sched) ((void)(sched))
+#endif
+
 KVS_API kvs_result kvs_metrics_write(kvs_sched *sched, kvo_backend *disk, char *buf, size_t cap, size_t *out_len)
 {
+    kvs__metrics_snap m;
     kvs__text t;
-    kvb_pool *pools[KVO_MAX_TIERS];
-    uint32_t n = 1, i;
     char none[1];
+    int pass;
     if (!sched || (!buf && cap) || !out_len) return KVS_EINVAL;
-    pools[0] = sched->cfg.device;
-    for (i = 0; sched->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) {
-        kvo_pipeline_config pc;
-        if (kvo_pipeline_get_config(kvo_manager_pipeline(sched->cfg.tiers, i, 0), &pc) != KVO_OK) break;
-        pools[n++] = pc.dst;
-    }
+    kvs__metrics_read(&m, sched, disk);
     t.buf = none; /* measure, then write only when it fits: a short buffer is left untouched */
     t.cap = 0;
-    for (i = 0; i < 2; i++) {
+    for (pass = 0; pass < 2; pass++) {
         t.len = 0;
-        kvs__sched_metrics(&t, sched);
-        kvs__pool_metrics(&t, pools, n);
-        if (sched->cfg.tiers) kvs__pipeline_metrics(&t, sched->cfg.tiers);
-        kvs__disk_metrics(&t, sched, disk);
+        kvs__sched_metrics(&t, &m);
+        kvs__pool_metrics(&t, &m);
+        kvs__pipeline_metrics(&t, &m);
+        kvs__disk_metrics(&t, &m);
         *out_len = t.len;
-        if (i == 0 && t.len + 1 > cap) return KVS_ENOSPACE;
+        if (pass == 0 && t.len + 1 > cap) return KVS_ENOSPACE;
+        if (pass == 0) KVS__METRICS_BETWEEN_PASSES(sched);
         t.buf = buf;
         t.cap = cap;
     }

@@ -13,11 +13,15 @@
  * - Breakpoints and pauses stop the engine thread where they say and hold it until resumed; hooks see
  *   every entry point twice (will / finished).
  * - kvs_metrics_write is valid Prometheus text exposition (checked line by line here) whose numbers are
- *   the scheduler's and the pool's.
+ *   the scheduler's and the pool's; the text is whole, of the length said, when counters move meanwhile.
  * - NULL arguments are KVS_EINVAL everywhere. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
+/* kvs_metrics_write's seam between its measuring and its writing pass: counters move there, as another
+ * thread could move them (metrics_text_is_whole_when_a_counter_gains_a_digit) */
+static void metrics_between_passes(void);
+#define KVS__METRICS_BETWEEN_PASSES(sched) metrics_between_passes()
 #include "kvsched.h"
 #include "kvtest.h"
 #include "sched_fixtures.h"
@@ -2442,6 +2446,137 @@ static void metrics_count_the_bus_events(void)
     kvs_bus_destroy(bus);
 }
 
+/* The pool metrics_between_passes looks up in, and how many unknown hashes (0: it does nothing). */
+static kvb_pool *moving_pool;
+static size_t moving_lookups;
+
+static void metrics_between_passes(void)
+{
+    kvb_hash *h;
+    kvb_block none[1];
+    size_t got = 0;
+    if (!moving_pool || !moving_lookups) return;
+    h = (kvb_hash *)calloc(moving_lookups, sizeof *h); /* hash 0 is never registered: a miss at once */
+    if (h) KVT_EQ(kvb_match(moving_pool, h, moving_lookups, none, &got), KVB_OK);
+    KVT_EQ(got, 0);
+    free(h);
+}
+
+static unsigned digits(uint64_t v)
+{
+    unsigned n = 1;
+    while (v >= 10) v /= 10, n++;
+    return n;
+}
+
+/* A counter gains a digit between kvs_metrics_write's measuring pass and its writing pass (a lookup at
+ * the seam, as another thread's would be): the buffer sized by the probe still gets the whole text, of
+ * the length returned, valid to its last line feed. Both passes render one reading of the counters; when
+ * each read them anew, the text came out one byte short, with KVS_OK. The next call reads the moved
+ * counter: the same buffer is then too small, and says so. */
+static void metrics_text_is_whole_when_a_counter_gains_a_digit(void)
+{
+    obs_env e;
+    kvb_pool_stats before, after;
+    size_t need = 0, got = 0, need2 = 0;
+    char *buf;
+    prom_doc *d = (prom_doc *)calloc(1, sizeof *d);
+    if (!d) return;
+    obs_open(&e, WL_DEVICE_BLOCKS, 0, NULL);
+    run_workload(e.s, 7);
+    KVT_EQ(kvs_metrics_write(e.s, NULL, NULL, 0, &need), KVS_ENOSPACE);
+    buf = (char *)malloc(need + 1);
+    KVT_CHECK(buf != NULL);
+    KVT_EQ(kvb_pool_get_stats(e.dev, &before), KVB_OK);
+    moving_pool = e.dev;
+    moving_lookups = 1;
+    for (unsigned k = digits(before.lookup_blocks); k--;) moving_lookups *= 10;
+    moving_lookups -= (size_t)before.lookup_blocks; /* lookup_blocks_total{tier="0"} reaches 10^digits */
+    if (buf) KVT_EQ(kvs_metrics_write(e.s, NULL, buf, need + 1, &got), KVS_OK);
+    moving_pool = NULL;
+    KVT_EQ(kvb_pool_get_stats(e.dev, &after), KVB_OK);
+    KVT_EQ(digits(after.lookup_blocks), digits(before.lookup_blocks) + 1); /* the seam ran */
+    if (buf) {
+        KVT_EQ(got, need);
+        KVT_EQ(strlen(buf), got);
+        int ok = prom_parse(d, buf, strlen(buf));
+        if (!ok) fprintf(stderr, "  %s\n", d->error);
+        KVT_CHECK(ok);
+        KVT_CHECK(strstr(buf, "kvcache_lookup_blocks_total{tier=\"0\"} ") != NULL);
+        KVT_EQ(kvs_metrics_write(e.s, NULL, buf, need + 1, &need2), KVS_ENOSPACE);
+        KVT_CHECK(need2 > need);
+    }
+    free(buf);
+    free(d->s);
+    free(d);
+    obs_close(&e);
+}
+
+typedef struct lookup_job {
+    kvb_pool *pool;
+    atomic_int stop;
+    uint64_t calls;
+} lookup_job;
+
+/* Prefix lookups that all miss, as fast as they go, until told to stop. */
+static void *lookups_until_stopped(void *arg)
+{
+    lookup_job *job = (lookup_job *)arg;
+    kvb_hash h[64];
+    kvb_block none[1];
+    memset(h, 0, sizeof h);
+    while (!atomic_load(&job->stop)) {
+        size_t got = 0;
+        kvb_match(job->pool, h, 1 + job->calls % 64, none, &got);
+        job->calls++;
+    }
+    return NULL;
+}
+
+/* While another thread looks up in the device pool, every text kvs_metrics_write returns KVS_OK for is
+ * whole: of the length it says, valid Prometheus text. Under ThreadSanitizer, the counters are read under
+ * their locks. */
+static void metrics_text_is_whole_while_another_thread_counts(void)
+{
+    obs_env e;
+    lookup_job job;
+    pthread_t th;
+    size_t whole = 0;
+    prom_doc *d = (prom_doc *)calloc(1, sizeof *d);
+    if (!d) return;
+    obs_open(&e, WL_DEVICE_BLOCKS, 0, NULL);
+    run_workload(e.s, 8);
+    memset(&job, 0, sizeof job);
+    job.pool = e.dev;
+    atomic_init(&job.stop, 0);
+    KVT_EQ(pthread_create(&th, NULL, lookups_until_stopped, &job), 0);
+    for (int i = 0; i < 200; i++) {
+        size_t need = 0, got = 0;
+        char *buf;
+        kvs_result r;
+        KVT_EQ(kvs_metrics_write(e.s, NULL, NULL, 0, &need), KVS_ENOSPACE);
+        if (!(buf = (char *)malloc(need + 1))) break;
+        r = kvs_metrics_write(e.s, NULL, buf, need + 1, &got);
+        KVT_CHECK(r == KVS_OK || r == KVS_ENOSPACE); /* a counter may gain a digit between the two calls */
+        if (r == KVS_OK) {
+            int ok = strlen(buf) == got && prom_parse(d, buf, got);
+            if (!ok) fprintf(stderr, "  call %d: %zu bytes said, %zu written: %s\n", i, got, strlen(buf), d->error);
+            KVT_CHECK(ok);
+            whole++;
+        } else {
+            KVT_CHECK(got > need);
+        }
+        free(buf);
+    }
+    atomic_store(&job.stop, 1);
+    KVT_EQ(pthread_join(th, NULL), 0);
+    KVT_CHECK(whole > 0);
+    KVT_CHECK(job.calls > 0);
+    free(d->s);
+    free(d);
+    obs_close(&e);
+}
+
 /* =========================================================================================================
  * 7. bad input
  * ======================================================================================================= */
@@ -2640,6 +2775,8 @@ int main(void)
     KVT_RUN(metrics_with_tiers_and_disk_are_valid_prometheus_text);
     KVT_RUN(metrics_into_a_short_buffer_say_how_much_is_needed);
     KVT_RUN(metrics_count_the_bus_events);
+    KVT_RUN(metrics_text_is_whole_when_a_counter_gains_a_digit);
+    KVT_RUN(metrics_text_is_whole_while_another_thread_counts);
     /* 7 */
     KVT_RUN(console_drops_an_overlong_line_whole);
     KVT_RUN(null_arguments_are_invalid);
