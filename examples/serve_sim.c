@@ -75,8 +75,11 @@
  *   Mooncake traces (--trace FILE): one JSON object a line, {"timestamp": ms, "input_length": n,
  *   "output_length": n, "hash_ids": [...]}; each hash id names one block of --block-tokens tokens
  *   (default 512) together with its whole prefix, and becomes that many synthetic tokens derived from
- *   (id, position); an input_length beyond the ids adds tokens unique to the request. Malformed lines
- *   are reported with their line number and skipped, or stop the run with --strict (exit 2).
+ *   (id, position); an input_length beyond the ids adds tokens unique to the request. A trace with
+ *   malformed lines does not run (exit 2): the first 5 are reported with their line numbers, then how
+ *   many of all the lines were malformed; --skip-bad replays the good lines instead (the report counts
+ *   the others), --strict stops at the first. A compressed trace (gzip, zstd, xz, bzip2) stops at once
+ *   with one message: decompress it.
  *
  * REMOTE TIER (--remote redis://host:port, or a seed list host:port,host:port for a Redis Cluster)
  * adds G4 (kvremote.h) as the last tier: a metadata-only pool standing for what Redis holds, the Redis
@@ -202,6 +205,7 @@ static const optdef optdefs[] = {
     {"--seed", OPT_U64, OPT(seed), NULL, "N", "synthetic workload seed (default 1)"},
     {"--requests", OPT_U32, OPT(requests), NULL, "N", "synthetic workload size (default 5000)"},
     {"--trace", OPT_STR, OPT(trace), NULL, "FILE", "replay a Mooncake JSONL trace instead"},
+    {"--skip-bad", OPT_FLAG, OPT(skip_bad), NULL, NULL, "replay a trace's good lines when some are malformed (default: exit 2)"},
     {"--strict", OPT_FLAG, OPT(strict), NULL, NULL, "stop at the first malformed trace line"},
     {"--sequential", OPT_FLAG, OPT(sequential), NULL, NULL, "pure cache replay: one request at a time, prompts only"},
     {"--check-lru", OPT_FLAG, OPT(check_lru), NULL, NULL, "compare the replay with a reference LRU cache (implies --sequential)"},
@@ -358,6 +362,7 @@ static void parse_options(int argc, char **argv, options *o)
     if (!o->timing_runs || o->timing_runs > 99) die(2, "--timing-runs must be 1..99");
     if (!o->block_tokens || o->block_tokens > 32768) die(2, "--block-tokens must be 1..32768");
     if (!o->requests && !o->trace) die(2, "--requests must be at least 1");
+    if (o->strict && o->skip_bad) die(2, "--strict stops at a malformed line, --skip-bad replays past them: choose one");
     if (o->check_lru && (o->host_blocks || o->disk_blocks))
         die(2, "--check-lru compares the device pool alone with the reference: add --host-blocks 0 --disk-blocks 0");
     if (o->sequential && (o->console || o->record || o->metrics || o->pace_us))

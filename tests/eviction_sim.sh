@@ -3,7 +3,8 @@
 # --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
 # the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
 # policy name or value exits 2; prompts that end inside their last id's block are counted; fractional ms
-# timestamps are read, not skipped. Ends with
+# timestamps are read, not skipped; a trace with malformed lines exits 2 unless --skip-bad (a file in
+# another format says so in a few lines, a gzip'd one in one). Ends with
 # "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
@@ -50,6 +51,23 @@ rm -f "$ft"
 printf '%s\n' '{"timestamp": 0, "input_length": 1024, "output_length": 1, "hash_ids": [4611686018427387904, 2]}' >"$ft"
 $SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 2>&1 | grep -q 'below 9e15' &&
     ok "a hash id past 9e15 is reported as out of range" || bad "hash id range message"
+rm -f "$ft"
+M=examples/traces/malformed.jsonl # 5 lines, 2 of them malformed
+err=$($SIM --sequential --trace $M --device-blocks 64 --host-blocks 0 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && echo "$err" | grep -q '2 of 5 lines malformed.*--skip-bad' &&
+    ok "a trace with malformed lines exits 2 and says how many" || bad "malformed lines: exit $rc: $err"
+out=$($SIM --sequential --trace $M --device-blocks 64 --host-blocks 0 --skip-bad --json 2>/dev/null) &&
+    echo "$out" | grep -q '"malformed_lines":[[:space:]]*2' && echo "$out" | grep -q '"requests":[[:space:]]*3' &&
+    ok "--skip-bad replays the good lines and counts the others" || bad "--skip-bad"
+{ echo "timestamp,input_length,output_length"; i=0; while [ $i -lt 40 ]; do echo "$i,1024,1"; i=$((i + 1)); done
+  head -n 2 $T; } >"$ft"
+err=$($SIM --sequential --trace "$ft" --device-blocks 64 --host-blocks 0 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(echo "$err" | wc -l)" -le 6 ] && echo "$err" | grep -q '41 of 43 lines malformed' &&
+    ok "a file in another format exits 2 in a few lines" || bad "another format: exit $rc: $err"
+gzip -c $T >"$ft"
+err=$($SIM --sequential --trace "$ft" --device-blocks 64 --host-blocks 0 --skip-bad 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && echo "$err" | grep -q 'gzip-compressed.*gunzip' &&
+    ok "a gzip'd trace exits 2 with one message" || bad "gzip'd trace: exit $rc: $err"
 rm -f "$ft"
 $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ $? -eq 2 ] && ok "--timing-runs 0 exits 2" ||
     bad "--timing-runs 0"

@@ -97,7 +97,7 @@ typedef struct options {
     const char *trace, *svg, *remote;
     const char *console, *record, *metrics; /* observability of the scheduler run (NULL: off) */
     uint32_t pace_us;        /* real microseconds slept after every engine step */
-    int json, sequential, bytes, strict, check_lru, help;
+    int json, sequential, bytes, strict, skip_bad, check_lru, help;
     uint32_t remote_blocks; /* G4 pool size: set in main from the workload (its prompt blocks) */
     const char *engines_arg; /* --engines N | auto */
     uint32_t engines;        /* resolved: engines in the fleet (main sets it, "auto" from the workload) */

@@ -187,7 +187,8 @@ static void make_synthetic(workload *w, const options *o)
     free(zd.cdf);
 }
 
-/* Mooncake JSONL. Returns the number of requests read. */
+/* ---- Mooncake JSONL traces ------------------------------------------------------------------------ */
+
 static int json_uint(const cJSON *o, const char *name, double max, int integral, double *out, char *why,
                      size_t whylen)
 {
@@ -205,65 +206,115 @@ static int json_uint(const cJSON *o, const char *name, double max, int integral,
     return 1;
 }
 
+/* One trace line's request: the parsed object, its numbers in *ts, *in, *out and its hash ids in *ids.
+ * NULL, with the reason in why, when the line is malformed. */
+static cJSON *parse_trace_line(const char *line, size_t len, const options *o, double *ts, double *in,
+                               double *out, const cJSON **ids, char *why, size_t whylen)
+{
+    const char *end = NULL;
+    const cJSON *id;
+    cJSON *obj = cJSON_ParseWithLengthOpts(line, len, &end, 0);
+    int ok = 1;
+    if (!obj) {
+        const char *at = cJSON_GetErrorPtr();
+        snprintf(why, whylen, "not valid JSON (at column %ld)", at && at >= line && at <= line + len ? (long)(at - line) + 1 : 0L);
+        return NULL;
+    }
+    if (strspn(end, " \t") != strlen(end)) {
+        snprintf(why, whylen, "text after the JSON object (at column %ld)", (long)(end - line) + 1);
+        ok = 0;
+    } else if (!cJSON_IsObject(obj)) {
+        snprintf(why, whylen, "not a JSON object");
+        ok = 0;
+    } else if (!json_uint(obj, "timestamp", 9.0e15, 0, ts, why, whylen) /* ms, fractions allowed */ ||
+               !json_uint(obj, "input_length", 1.0e9, 1, in, why, whylen) ||
+               !json_uint(obj, "output_length", 1.0e9, 1, out, why, whylen)) {
+        ok = 0;
+    } else if (!cJSON_IsArray(*ids = cJSON_GetObjectItemCaseSensitive(obj, "hash_ids"))) {
+        snprintf(why, whylen, "field \"hash_ids\" %s", *ids ? "must be an array" : "is missing");
+        ok = 0;
+    } else {
+        cJSON_ArrayForEach(id, *ids) {
+            if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= 9.0e15 ||
+                id->valuedouble != floor(id->valuedouble)) {
+                snprintf(why, whylen, "\"hash_ids\" must hold non-negative integers below 9e15 (read as "
+                         "doubles: larger ids would collide)");
+                ok = 0;
+                break;
+            }
+        }
+        if (ok && ((double)cJSON_GetArraySize(*ids) * o->block_tokens > 64.0 * 1024 * 1024 || *in > 64.0 * 1024 * 1024)) {
+            snprintf(why, whylen, "prompt longer than 64 Mi tokens");
+            ok = 0;
+        }
+    }
+    if (ok) return obj;
+    cJSON_Delete(obj);
+    return NULL;
+}
+
+/* A compressed file, told by its first bytes: the name of the format and the command that unpacks it. */
+static void refuse_packed(const char *path, const char *line, size_t len)
+{
+    static const struct { const char *magic, *format, *unpack; } packed[] = {
+        {"\x1f\x8b", "gzip", "gunzip -k"}, {"\x28\xb5\x2f\xfd", "zstd", "unzstd"},
+        {"\xfd" "7zXZ", "xz", "unxz -k"}, {"BZh", "bzip2", "bunzip2 -k"}};
+    size_t i;
+    for (i = 0; i < sizeof packed / sizeof packed[0]; i++)
+        if (len >= strlen(packed[i].magic) && !memcmp(line, packed[i].magic, strlen(packed[i].magic)))
+            die(2, "%s: %s-compressed; a trace is read as plain JSON lines: decompress it first (%s %s)", path,
+                packed[i].format, packed[i].unpack, path);
+}
+
+enum { MALFORMED_SHOWN = 5 }; /* malformed lines told one by one; the rest are counted */
+
+/* A malformed line: told (the first MALFORMED_SHOWN), counted; --strict stops at it. */
+static void malformed_line(workload *w, const options *o, uint32_t lineno, const char *why)
+{
+    if (w->malformed++ < MALFORMED_SHOWN)
+        fprintf(stderr, "serve_sim: %s:%u: %s%s\n", o->trace, lineno, why, o->skip_bad ? "; line skipped" : "");
+    if (o->strict) die(2, "stopping at the first malformed line (--strict)");
+}
+
+/* A trace with malformed lines replays only with --skip-bad: a hit rate over what is left of a file in
+ * another format, or of a damaged one, would look like an answer. */
+static void check_malformed(const workload *w, const options *o, uint32_t lines)
+{
+    char shown[48] = "";
+    if (w->malformed > MALFORMED_SHOWN) snprintf(shown, sizeof shown, " (the first %d shown above)", MALFORMED_SHOWN);
+    if (!w->n)
+        die(2, "%s: no requests in %u line%s%s: a trace has one JSON object a line, {\"timestamp\": ms, "
+               "\"input_length\": n, \"output_length\": n, \"hash_ids\": [...]}", o->trace, lines,
+            lines == 1 ? "" : "s", shown);
+    if (!w->malformed) return;
+    if (!o->skip_bad)
+        die(2, "%s: %zu of %u lines malformed%s; fix them, or pass --skip-bad to replay the other %zu", o->trace,
+            w->malformed, lines, shown, w->n);
+    fprintf(stderr, "serve_sim: %s: %zu of %u lines malformed%s, skipped (--skip-bad)\n", o->trace, w->malformed,
+            lines, shown);
+}
+
 static void load_trace(workload *w, const options *o)
 {
     FILE *f = fopen(o->trace, "r");
     char *line = NULL, why[160];
     size_t linecap = 0, bufcap = 0;
     ssize_t len;
-    uint32_t *buf = NULL, lineno = 0;
+    uint32_t *buf = NULL, lineno = 0, lines = 0;
     uint64_t tail_key = 0;
     if (!f) die(2, "%s: %s", o->trace, strerror(errno));
     w->is_trace = 1;
     while ((len = getline(&line, &linecap, f)) >= 0) {
         cJSON *obj;
-        const cJSON *ids, *id;
+        const cJSON *ids = NULL, *id;
         double ts = 0, in = 0, out = 0;
-        const char *end = NULL;
         uint32_t nids, j;
-        int ok = 1;
-        lineno++;
+        if (++lineno == 1) refuse_packed(o->trace, line, (size_t)len);
         while (len > 0 && (line[len - 1] == '\n' || line[len - 1] == '\r')) line[--len] = 0;
         if (strspn(line, " \t") == (size_t)len) continue; /* blank */
-        obj = cJSON_ParseWithLengthOpts(line, (size_t)len, &end, 0);
-        why[0] = 0;
-        if (!obj) {
-            const char *at = cJSON_GetErrorPtr();
-            snprintf(why, sizeof why, "not valid JSON (at column %ld)", at && at >= line && at <= line + len ? (long)(at - line) + 1 : 0L);
-            ok = 0;
-        } else if (strspn(end, " \t") != strlen(end)) {
-            snprintf(why, sizeof why, "text after the JSON object (at column %ld)", (long)(end - line) + 1);
-            ok = 0;
-        } else if (!cJSON_IsObject(obj)) {
-            snprintf(why, sizeof why, "not a JSON object");
-            ok = 0;
-        } else if (!json_uint(obj, "timestamp", 9.0e15, 0, &ts, why, sizeof why) /* ms, fractions allowed */ ||
-                   !json_uint(obj, "input_length", 1.0e9, 1, &in, why, sizeof why) ||
-                   !json_uint(obj, "output_length", 1.0e9, 1, &out, why, sizeof why)) {
-            ok = 0;
-        } else if (!cJSON_IsArray(ids = cJSON_GetObjectItemCaseSensitive(obj, "hash_ids"))) {
-            snprintf(why, sizeof why, "field \"hash_ids\" %s", ids ? "must be an array" : "is missing");
-            ok = 0;
-        } else {
-            cJSON_ArrayForEach(id, ids) {
-                if (!cJSON_IsNumber(id) || id->valuedouble < 0 || id->valuedouble >= 9.0e15 ||
-                    id->valuedouble != floor(id->valuedouble)) {
-                    snprintf(why, sizeof why, "\"hash_ids\" must hold non-negative integers below 9e15 (read as "
-                             "doubles: larger ids would collide)");
-                    ok = 0;
-                    break;
-                }
-            }
-            if (ok && ((double)cJSON_GetArraySize(ids) * o->block_tokens > 64.0 * 1024 * 1024 || in > 64.0 * 1024 * 1024)) {
-                snprintf(why, sizeof why, "prompt longer than 64 Mi tokens");
-                ok = 0;
-            }
-        }
-        if (!ok) {
-            fprintf(stderr, "serve_sim: %s:%u: %s%s\n", o->trace, lineno, why, o->strict ? "" : "; line skipped");
-            cJSON_Delete(obj);
-            w->malformed++;
-            if (o->strict) die(2, "stopping at the first malformed line (--strict)");
+        lines++;
+        if (!(obj = parse_trace_line(line, (size_t)len, o, &ts, &in, &out, &ids, why, sizeof why))) {
+            malformed_line(w, o, lineno, why);
             continue;
         }
         {
@@ -300,7 +351,7 @@ static void load_trace(workload *w, const options *o)
     free(line);
     free(buf);
     fclose(f);
-    if (!w->n) die(2, "%s: no requests", o->trace);
+    check_malformed(w, o, lines);
 }
 
 typedef struct arrival_key { double t; size_t i; } arrival_key;
