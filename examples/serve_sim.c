@@ -75,11 +75,11 @@
  *   Mooncake traces (--trace FILE): one JSON object a line, {"timestamp": ms, "input_length": n,
  *   "output_length": n, "hash_ids": [...]}; each hash id names one block of --block-tokens tokens
  *   (default 512) together with its whole prefix, and becomes that many synthetic tokens derived from
- *   (id, position); an input_length beyond the ids adds tokens unique to the request. A trace with
- *   malformed lines does not run (exit 2): the first 5 are reported with their line numbers, then how
- *   many of all the lines were malformed; --skip-bad replays the good lines instead (the report counts
- *   the others), --strict stops at the first. A compressed trace (gzip, zstd, xz, bzip2) stops at once
- *   with one message: decompress it.
+ *   (id, position); an input_length beyond the ids adds tokens unique to the request. output_length may
+ *   be left out with --sequential, which never decodes. A trace with malformed lines does not run (exit
+ *   2): the first 5 are reported with their line numbers, then how many of all the lines were malformed;
+ *   --skip-bad replays the good lines instead (the report counts the others), --strict stops at the
+ *   first. A compressed trace (gzip, zstd, xz, bzip2) stops at once with one message: decompress it.
  *
  * REMOTE TIER (--remote redis://host:port, or a seed list host:port,host:port for a Redis Cluster)
  * adds G4 (kvremote.h) as the last tier: a metadata-only pool standing for what Redis holds, the Redis

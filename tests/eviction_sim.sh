@@ -4,7 +4,8 @@
 # the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
 # policy name or value exits 2; prompts that end inside their last id's block are counted; fractional ms
 # timestamps are read, not skipped; a trace with malformed lines exits 2 unless --skip-bad (a file in
-# another format says so in a few lines, a gzip'd one in one). Ends with
+# another format says so in a few lines, a gzip'd one in one); output_length may be left out with
+# --sequential, not without. Ends with
 # "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
@@ -68,6 +69,14 @@ gzip -c $T >"$ft"
 err=$($SIM --sequential --trace "$ft" --device-blocks 64 --host-blocks 0 --skip-bad 2>&1 >/dev/null); rc=$?
 [ $rc -eq 2 ] && [ "$(echo "$err" | wc -l)" -eq 1 ] && echo "$err" | grep -q 'gzip-compressed.*gunzip' &&
     ok "a gzip'd trace exits 2 with one message" || bad "gzip'd trace: exit $rc: $err"
+printf '%s\n' '{"timestamp": 0, "input_length": 1024, "hash_ids": [1, 2]}' \
+    '{"timestamp": 1, "input_length": 1024, "hash_ids": [1, 2]}' >"$ft"
+out=$($SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 --json) &&
+    echo "$out" | grep -q '"requests":[[:space:]]*2' && echo "$out" | grep -q '"hit_blocks":[[:space:]]*2' &&
+    ok "--sequential replays lines without output_length" || bad "--sequential without output_length"
+err=$($SIM --trace "$ft" --device-blocks 8 --host-blocks 0 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && echo "$err" | grep -q '"output_length" is missing.*--sequential' &&
+    ok "the scheduler still needs output_length, and says --sequential does not" || bad "scheduler without output_length: exit $rc: $err"
 rm -f "$ft"
 $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ $? -eq 2 ] && ok "--timing-runs 0 exits 2" ||
     bad "--timing-runs 0"

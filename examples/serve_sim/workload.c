@@ -189,13 +189,15 @@ static void make_synthetic(workload *w, const options *o)
 
 /* ---- Mooncake JSONL traces ------------------------------------------------------------------------ */
 
-static int json_uint(const cJSON *o, const char *name, double max, int integral, double *out, char *why,
-                     size_t whylen)
+/* A number field of a trace line into *out. A missing field is fine when `missing` is NULL (*out stays as
+ * it was); otherwise it is malformed, and `missing` is added to the reason. */
+static int json_uint(const cJSON *o, const char *name, double max, int integral, const char *missing, double *out,
+                     char *why, size_t whylen)
 {
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, name);
     if (!v) {
-        snprintf(why, whylen, "field \"%s\" is missing", name);
-        return 0;
+        if (missing) snprintf(why, whylen, "field \"%s\" is missing%s", name, missing);
+        return !missing;
     }
     if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble > max ||
         (integral && v->valuedouble != floor(v->valuedouble))) {
@@ -207,10 +209,12 @@ static int json_uint(const cJSON *o, const char *name, double max, int integral,
 }
 
 /* One trace line's request: the parsed object, its numbers in *ts, *in, *out and its hash ids in *ids.
- * NULL, with the reason in why, when the line is malformed. */
+ * output_length may be left out with --sequential, which never decodes (*out stays 0). NULL, with the
+ * reason in why, when the line is malformed. */
 static cJSON *parse_trace_line(const char *line, size_t len, const options *o, double *ts, double *in,
                                double *out, const cJSON **ids, char *why, size_t whylen)
 {
+    static const char no_output[] = " (the scheduler decodes that many tokens; --sequential replays without it)";
     const char *end = NULL;
     const cJSON *id;
     cJSON *obj = cJSON_ParseWithLengthOpts(line, len, &end, 0);
@@ -226,9 +230,9 @@ static cJSON *parse_trace_line(const char *line, size_t len, const options *o, d
     } else if (!cJSON_IsObject(obj)) {
         snprintf(why, whylen, "not a JSON object");
         ok = 0;
-    } else if (!json_uint(obj, "timestamp", 9.0e15, 0, ts, why, whylen) /* ms, fractions allowed */ ||
-               !json_uint(obj, "input_length", 1.0e9, 1, in, why, whylen) ||
-               !json_uint(obj, "output_length", 1.0e9, 1, out, why, whylen)) {
+    } else if (!json_uint(obj, "timestamp", 9.0e15, 0, "", ts, why, whylen) /* ms, fractions allowed */ ||
+               !json_uint(obj, "input_length", 1.0e9, 1, "", in, why, whylen) ||
+               !json_uint(obj, "output_length", 1.0e9, 1, o->sequential ? NULL : no_output, out, why, whylen)) {
         ok = 0;
     } else if (!cJSON_IsArray(*ids = cJSON_GetObjectItemCaseSensitive(obj, "hash_ids"))) {
         snprintf(why, whylen, "field \"hash_ids\" %s", *ids ? "must be an array" : "is missing");
