@@ -76,10 +76,11 @@
  *   "output_length": n, "hash_ids": [...]}; each hash id names one block of --block-tokens tokens
  *   (default 512) together with its whole prefix, and becomes that many synthetic tokens derived from
  *   (id, position); an input_length beyond the ids adds tokens unique to the request. output_length may
- *   be left out with --sequential, which never decodes. A trace with malformed lines does not run (exit
- *   2): the first 5 are reported with their line numbers, then how many of all the lines were malformed;
- *   --skip-bad replays the good lines instead (the report counts the others), --strict stops at the
- *   first. A compressed trace (gzip, zstd, xz, bzip2) stops at once with one message: decompress it.
+ *   be left out with --sequential, which never decodes. Malformed lines are reported (the first 5 with
+ *   their line numbers, then how many of all the lines were malformed); a trace with more than 1% of its
+ *   lines malformed does not run (exit 2), one with fewer (a long trace cut off mid-line) replays the
+ *   rest with that warning; --skip-bad replays the good lines whatever their share (the report counts
+ *   the others), --strict stops at the first. A compressed trace (gzip, zstd, xz, bzip2) stops at once with one message: decompress it.
  *
  * REMOTE TIER (--remote redis://host:port, or a seed list host:port,host:port for a Redis Cluster)
  * adds G4 (kvremote.h) as the last tier: a metadata-only pool standing for what Redis holds, the Redis
@@ -205,7 +206,7 @@ static const optdef optdefs[] = {
     {"--seed", OPT_U64, OPT(seed), NULL, "N", "synthetic workload seed (default 1)"},
     {"--requests", OPT_U32, OPT(requests), NULL, "N", "synthetic workload size (default 5000)"},
     {"--trace", OPT_STR, OPT(trace), NULL, "FILE", "replay a Mooncake JSONL trace instead"},
-    {"--skip-bad", OPT_FLAG, OPT(skip_bad), NULL, NULL, "replay a trace's good lines when some are malformed (default: exit 2)"},
+    {"--skip-bad", OPT_FLAG, OPT(skip_bad), NULL, NULL, "replay a trace's good lines however many are malformed (default: exit 2 above 1%)"},
     {"--strict", OPT_FLAG, OPT(strict), NULL, NULL, "stop at the first malformed trace line"},
     {"--sequential", OPT_FLAG, OPT(sequential), NULL, NULL, "pure cache replay: one request at a time, prompts only"},
     {"--check-lru", OPT_FLAG, OPT(check_lru), NULL, NULL, "compare the replay with a reference LRU cache (implies --sequential)"},

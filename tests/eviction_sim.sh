@@ -3,8 +3,9 @@
 # --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
 # the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
 # policy name or value exits 2; prompts that end inside their last id's block are counted; fractional ms
-# timestamps are read, not skipped; a trace with malformed lines exits 2 unless --skip-bad (a file in
-# another format says so in a few lines, a gzip'd one in one); output_length may be left out with
+# timestamps are read, not skipped; a trace with more than 1% of its lines malformed exits 2 unless
+# --skip-bad (a file in another format says so in a few lines, a gzip'd one in one), one cut off mid-line
+# replays the rest with a warning; output_length may be left out with
 # --sequential, not without. Ends with
 # "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
@@ -60,6 +61,12 @@ err=$($SIM --sequential --trace $M --device-blocks 64 --host-blocks 0 2>&1 >/dev
 out=$($SIM --sequential --trace $M --device-blocks 64 --host-blocks 0 --skip-bad --json 2>/dev/null) &&
     echo "$out" | grep -q '"malformed_lines":[[:space:]]*2' && echo "$out" | grep -q '"requests":[[:space:]]*3' &&
     ok "--skip-bad replays the good lines and counts the others" || bad "--skip-bad"
+{ i=0; while [ $i -lt 150 ]; do echo "{\"timestamp\": $i, \"input_length\": 1024, \"output_length\": 1, \"hash_ids\": [1, 2]}"
+  i=$((i + 1)); done; printf '{"timestamp": 150, "input_len'; } >"$ft"
+out=$($SIM --sequential --trace "$ft" --device-blocks 8 --host-blocks 0 --json 2>"$ft.err") &&
+    grep -q '1 of 151 lines malformed, skipped' "$ft.err" && echo "$out" | grep -q '"requests":[[:space:]]*150' &&
+    ok "a long trace cut off mid-line replays the rest with a warning" || bad "a trace cut off mid-line: $(cat "$ft.err")"
+rm -f "$ft.err"
 { echo "timestamp,input_length,output_length"; i=0; while [ $i -lt 40 ]; do echo "$i,1024,1"; i=$((i + 1)); done
   head -n 2 $T; } >"$ft"
 err=$($SIM --sequential --trace "$ft" --device-blocks 64 --host-blocks 0 2>&1 >/dev/null); rc=$?

@@ -280,8 +280,10 @@ static void malformed_line(workload *w, const options *o, uint32_t lineno, const
     if (o->strict) die(2, "stopping at the first malformed line (--strict)");
 }
 
-/* A trace with malformed lines replays only with --skip-bad: a hit rate over what is left of a file in
- * another format, or of a damaged one, would look like an answer. */
+/* A trace with more than MALFORMED_TOLERATED of its lines malformed replays only with --skip-bad: a hit
+ * rate over what is left of a file in another format, or of a badly damaged one, would look like an
+ * answer. Up to that share (a long trace cut off mid-line, a stray line) it replays, with a warning. */
+#define MALFORMED_TOLERATED 0.01
 static void check_malformed(const workload *w, const options *o, uint32_t lines)
 {
     char shown[48] = "";
@@ -291,11 +293,11 @@ static void check_malformed(const workload *w, const options *o, uint32_t lines)
                "\"input_length\": n, \"output_length\": n, \"hash_ids\": [...]}", o->trace, lines,
             lines == 1 ? "" : "s", shown);
     if (!w->malformed) return;
-    if (!o->skip_bad)
+    if (!o->skip_bad && (double)w->malformed > MALFORMED_TOLERATED * lines)
         die(2, "%s: %zu of %u lines malformed%s; fix them, or pass --skip-bad to replay the other %zu", o->trace,
             w->malformed, lines, shown, w->n);
-    fprintf(stderr, "serve_sim: %s: %zu of %u lines malformed%s, skipped (--skip-bad)\n", o->trace, w->malformed,
-            lines, shown);
+    fprintf(stderr, "serve_sim: %s: %zu of %u lines malformed%s, skipped%s\n", o->trace, w->malformed, lines, shown,
+            o->skip_bad ? " (--skip-bad)" : " (at most 1% of the lines: replaying the rest)");
 }
 
 static void load_trace(workload *w, const options *o)
