@@ -4883,7 +4883,8 @@ KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transf
  * while this waits). */
 KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status);
 /* Onboarding result: the destination blocks (strong references, now the caller's), in hash order; at
- * most max, count in *out_n. Only once, after Complete: KVO_ESTATE otherwise. */
+ * most max, count in *out_n. A max below the transfer's blocks takes their first max (a shorter prefix)
+ * and gives the rest back at once (they stay cached). Only once, after Complete: KVO_ESTATE otherwise. */
 KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer transfer, kvb_block *out,
                                             size_t max, size_t *out_n);
 /* Forget the handle (cancelling it first if it is not final; untaken onboarded blocks are released). */
@@ -7385,12 +7386,13 @@ KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer
     c = kvo__resolve(pipeline, transfer);
     if (!c) r = KVO_ESTALE;
     else if (!c->onboard || c->info.status != KVO_STATUS_COMPLETE || c->taken) r = KVO_ESTATE;
-    else if (max < c->n) r = KVO_EINVAL;
     if (r == KVO_OK) {
-        for (i = 0; i < c->n; i++) {
+        for (i = 0; i < c->n && k < max; i++) {
             out[k++] = c->dst_keep[i];
             c->dst_keep[i].id = 0;
         }
+        /* what did not fit goes back now (it stays cached), not at kvo_transfer_release */
+        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
         c->taken = 1;
         *out_n = k;
     }

@@ -288,6 +288,43 @@ static void test_take_cancel_and_release_rules(void)
     rig_close(&r);
 }
 
+/* take_blocks takes at most max (section "kvo_transfer_take_blocks"): a caller with room for fewer
+ * blocks than were loaded gets the first max of them, a shorter prefix, and the rest are given back at
+ * once (still registered: cached, and found by the next match). Before, a max below the count was
+ * refused with KVO_EINVAL. */
+static void test_take_at_most_max(void)
+{
+    rig r;
+    rig_open(&r);
+    kvo_transfer t = onboard(&r, r.h, 4);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_active(r.g1), 4);
+    kvb_block got[4];
+    size_t n = 99;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 2, &n), KVO_OK);
+    KVT_EQ(n, 2);
+    for (size_t i = 0; i < n && i < 2; i++) {
+        KVT_EQ(of_refs(r.g1, got[i].id), 1);
+        KVT_CHECK(of_hash_eq(of_hash_of(r.g1, got[i].id), r.h[i])); /* the prefix, in hash order */
+    }
+    KVT_EQ(of_active(r.g1), 2);               /* the other two went back at once */
+    KVT_EQ(of_holds_all(r.g1, &r.h[2], 2), 2); /* ... and stay cached */
+    size_t again = 99;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, t, got, 4, &again), KVO_ESTATE); /* still only once */
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    KVT_EQ(of_active(r.g1), 2);
+    if (n == 2) KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+
+    kvo_transfer none = onboard(&r, &r.h[8], 3); /* max 0: nothing taken, everything given back */
+    KVT_EQ(of_pump(r.p, &r.clock, none, 1000, 200), KVO_STATUS_COMPLETE);
+    n = 99;
+    KVT_EQ(kvo_transfer_take_blocks(r.p, none, NULL, 0, &n), KVO_OK);
+    KVT_EQ(n, 0);
+    KVT_EQ(of_active(r.g1), 0);
+    KVT_EQ(kvo_transfer_release(r.p, none), KVO_OK);
+    rig_close(&r);
+}
+
 /* G1 has no room (every block held by the engine): the onboarding fails, counted as a full
  * destination, and the source references are given back. */
 static void test_full_destination(void)
@@ -448,6 +485,7 @@ int main(void)
     KVT_RUN(test_onboard_present_block_is_returned);
     KVT_RUN(test_miss_ends_the_prefix);
     KVT_RUN(test_take_cancel_and_release_rules);
+    KVT_RUN(test_take_at_most_max);
     KVT_RUN(test_full_destination);
     KVT_RUN(test_onboard_threaded);
     KVT_RUN(test_same_prefix_in_one_step_moves_each_block_once);
