@@ -4549,7 +4549,10 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *
  * 6. THREAD SAFETY — queues, tokens, events, pipelines and managers are safe from any thread. Completion
  * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
- * call back into the pipeline.
+ * call back into the pipeline, waits and drains included (on the coordinator thread these run the stages
+ * themselves; a drain does not wait for the callbacks its own thread is delivering). A backend worker
+ * that runs a callback is busy meanwhile: a wait there for a copy only that worker could make (a backend
+ * with one worker) times out.
  *
  * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
  * from the pools. kvo_result_string names both. A failed call changes nothing.
@@ -4863,7 +4866,9 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
 /* Run every stage once (KVO_MODE_POLL; in thread mode it only wakes the coordinator). */
 KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
 /* Push everything pending through regardless of min batch and flush interval, and wait (poll mode:
- * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT. */
+ * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT.
+ * From on_done it waits for everything but the callbacks its own thread is delivering (that one and
+ * those queued after it). */
 KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us);
 /* Frequency policy: count uses of blocks (e.g. prefix hits) without offering them. */
 KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n);
@@ -6073,6 +6078,12 @@ typedef struct kvo__note {
     size_t n;
 } kvo__note;
 
+/* A thread delivering on_done callbacks (on its stack, in kvo_pipeline.delivering while it does). */
+typedef struct kvo__delivery {
+    pthread_t thread;
+    struct kvo__delivery *next;
+} kvo__delivery;
+
 typedef struct kvo__batch {
     kvo_pipeline *pl;
     kvo__container **cs;    /* stb_ds array */
@@ -6104,7 +6115,7 @@ struct kvo_pipeline {
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
-    uint32_t delivering;      /* threads running on_done callbacks right now */
+    kvo__delivery *delivering; /* deliveries of on_done callbacks in progress, one per thread and nesting */
     pthread_t thread;
     kvo_pipeline_stats stats;
     kvo__note *notes;
@@ -6373,19 +6384,24 @@ static void kvo__notes_done(kvo_pipeline *pl, kvo__note *notes)
 static void kvo__unlock(kvo_pipeline *pl)
 {
     kvo__note *notes = pl->notes;
+    kvo__delivery me, **at;
     size_t i;
     if (!notes) {
         pthread_mutex_unlock(&pl->lock);
         return;
     }
     pl->notes = NULL;
-    pl->delivering++; /* a drain waits for callbacks in progress: they may start follow-up work */
+    me.thread = pthread_self(); /* a drain waits for callbacks in progress: they may start follow-up work */
+    me.next = pl->delivering;
+    pl->delivering = &me;
     pthread_mutex_unlock(&pl->lock);
     for (i = 0; i < stbds_arrlenu(notes); i++)
         pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
     pthread_mutex_lock(&pl->lock);
     kvo__notes_done(pl, notes);
-    pl->delivering--;
+    for (at = &pl->delivering; *at != &me; at = &(*at)->next) {
+    }
+    *at = me.next;
     pthread_cond_broadcast(&pl->cond);
     pthread_mutex_unlock(&pl->lock);
 }
@@ -6965,11 +6981,21 @@ static int kvo__step(kvo_pipeline *pl)
     return pl->moves != before;
 }
 
+/* Callbacks delivered by other threads than the caller: a drain from on_done cannot wait for its own
+ * (nor for the ones its thread delivers after it), which would never end. */
+static int kvo__others_delivering(const kvo_pipeline *pl)
+{
+    const kvo__delivery *d;
+    for (d = pl->delivering; d; d = d->next)
+        if (!pthread_equal(d->thread, pthread_self())) return 1;
+    return 0;
+}
+
 static int kvo__idle(kvo_pipeline *pl)
 {
     return !kvo_queue_len(pl->q_eval) && !kvo_queue_len(pl->q_pre) && !kvo_queue_len(pl->q_batch) &&
            !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing && !stbds_arrlen(pl->notes) &&
-           !pl->delivering;
+           !kvo__others_delivering(pl);
 }
 
 /* How long the coordinator may sleep: short while anything is polled (policies, events, batches). */

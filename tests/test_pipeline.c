@@ -1320,6 +1320,85 @@ static void test_presence_counts_offers_of_a_pending_container(void)
     rig_close(&r);
 }
 
+/* A drain from on_done (section 6: callbacks may call back in) waits for everything but the callbacks
+ * its own thread is delivering. Before, the pipeline counted the callback calling drain as work in
+ * progress, so drain never saw it idle and returned KVO_ETIMEDOUT after its full timeout (for ever
+ * with a negative one): in poll mode, in threads mode on the coordinator thread (an inline backend),
+ * and on a backend worker's thread alike. The callback here signals the precondition of a second
+ * transfer and drains: that one completes inside the drain, which returns at once. */
+typedef struct drain_in_done_ctx {
+    kvo_pipeline *p;
+    kvo_transfer other;
+    kvo_event *go;
+    atomic_int armed, done;
+    int result;
+    kvo_transfer_info other_info;
+    uint64_t waited_us;
+} drain_in_done_ctx;
+
+static void drain_in_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    drain_in_done_ctx *d = (drain_in_done_ctx *)user;
+    uint64_t t0 = of_now_us();
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (t.id == d->other.id || !atomic_exchange(&d->armed, 0)) return;
+    KVT_EQ(kvo_event_signal(d->go), KVO_OK);
+    d->result = kvo_pipeline_drain(d->p, 2000000);
+    d->waited_us = of_now_us() - t0;
+    KVT_EQ(kvo_transfer_get_info(d->p, d->other, &d->other_info), KVO_OK);
+    atomic_store(&d->done, 1);
+}
+
+static void drain_from_on_done(kvo_mode mode, uint32_t backend_threads)
+{
+    rig r;
+    drain_in_done_ctx d;
+    kvo_enqueue_opts o;
+    memset(&d, 0, sizeof d);
+    memset(&o, 0, sizeof o);
+    rig_pools(&r, SRC_BLOCKS, 2);
+    if (backend_threads) { /* the wrapper over a memcpy backend with workers: on_done runs on one */
+        kvo_backend_destroy(of_backend_iface(r.w));
+        kvo_backend_destroy(r.mem);
+        KVT_EQ(kvo_memcpy_backend_create(backend_threads, &r.mem), KVO_OK);
+        r.w = of_backend_wrap(r.mem);
+    }
+    kvo_pipeline_config pc = of_config(r.src, r.dst, of_backend_iface(r.w), mode, NULL);
+    pc.on_done = drain_in_done;
+    pc.done_user = &d;
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    d.p = r.p;
+    KVT_EQ(kvo_event_create(&d.go), KVO_OK);
+    o.precondition = d.go;
+    d.other = of_enqueue(r.p, &r.weak[1], 1, &o); /* waits for the event on_done signals */
+    atomic_store(&d.armed, 1);
+    kvo_transfer first = of_enqueue(r.p, &r.weak[0], 1, NULL);
+    uint64_t end = of_now_us() + 10000000;
+    while (!atomic_load(&d.done) && of_now_us() < end) { /* the test thread only pumps poll mode */
+        if (mode == KVO_MODE_POLL) KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);
+        else of_sleep_us(1000);
+    }
+    KVT_EQ(atomic_load(&d.done), 1);
+    KVT_EQ(d.result, KVO_OK);
+    KVT_CHECK(d.waited_us < 1000000);
+    KVT_EQ(d.other_info.status, KVO_STATUS_COMPLETE);
+    KVT_EQ(of_holds_all(r.dst, r.h, 2), 2);
+    KVT_EQ(kvo_transfer_release(r.p, first), KVO_OK);
+    KVT_EQ(kvo_transfer_release(r.p, d.other), KVO_OK);
+    kvo_event_release(d.go);
+    rig_close(&r);
+}
+
+static void test_drain_from_on_done(void)
+{
+    drain_from_on_done(KVO_MODE_POLL, 0);
+    drain_from_on_done(KVO_MODE_THREADS, 0); /* on the coordinator thread */
+    drain_from_on_done(KVO_MODE_THREADS, 2); /* on a worker of the backend */
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1355,5 +1434,6 @@ int main(void)
     KVT_RUN(test_on_done_once_with_destination_handles);
     KVT_RUN(test_wait_and_cancel_while_on_done_releases);
     KVT_RUN(test_wait_from_on_done_in_threads_mode);
+    KVT_RUN(test_drain_from_on_done);
     return kvt_summary();
 }
