@@ -319,7 +319,9 @@ typedef struct kvo_transfer_info {
     uint32_t timed_out;      /* policy gave no answer in time */
     uint32_t dropped;        /* weak handle could not be upgraded */
     uint32_t failed;         /* the backend could not copy them */
-    char message[128];       /* the backend's message for a failure */
+    char message[128];       /* about its first failure: the backend's message when every failed copy of
+                                the backend job was this transfer's, else "<backend> backend: <error>"
+                                (a job mixes transfers, and its one message may be another's) */
 } kvo_transfer_info;
 
 /* Every change of a transfer's status (Evaluating, Queued, Transferring, then one final status), called
@@ -2412,8 +2414,8 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
     }
 }
 
-/* Register what arrived, give back every block the batch held, finish its containers. Locked. */
-/* Block j of container c did not land: its destination block (never registered) goes back to free. */
+/* Block j of container c did not land: its destination block (never registered) goes back to free.
+ * message: about this failure, or NULL, when the container's message names the backend and its error. */
 static void kvo__landing_failed(kvo_pipeline *pl, kvo__container *c, uint32_t j, kvb_block *dst, int err,
                                 const char *message)
 {
@@ -2422,15 +2424,35 @@ static void kvo__landing_failed(kvo_pipeline *pl, kvo__container *c, uint32_t j,
     c->state[j] = KVO__B_FAILED;
     c->info.failed++;
     if (!c->info.error) c->info.error = err;
-    if (message && !c->info.message[0]) snprintf(c->info.message, sizeof c->info.message, "%s", message);
+    if (c->info.message[0]) return;
+    if (message) snprintf(c->info.message, sizeof c->info.message, "%s", message);
+    else snprintf(c->info.message, sizeof c->info.message, "%s backend: %s",
+                  pl->cfg.backend->name ? pl->cfg.backend->name : "copy", kvo_result_string(c->info.error));
 }
 
-static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message)
+/* The job's one message may be about any failed copy: it is a container's only when every failed copy
+ * of the job is that container's, or when it is about the whole job (`whole`). */
+static const char *kvo__message_of(const kvo__batch *b, const char *message, int whole)
+{
+    const kvo__container *failing = NULL;
+    size_t k;
+    if (!message || whole) return message;
+    for (k = 0; k < b->job.n; k++) {
+        if (b->results[k] == KVO_OK) continue;
+        if (failing && failing != b->owner[k]) return NULL;
+        failing = b->owner[k];
+    }
+    return message;
+}
+
+/* Register what arrived, give back every block the batch held, finish its containers. Locked. */
+static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message, int whole)
 {
     size_t k, n = b->job.n, i;
     kvb_block *keep = b->dst_b; /* reused in place: successes first */
     size_t ok = 0;
     kvb_result r;
+    message = kvo__message_of(b, message, whole);
     for (k = 0; k < n; k++) {
         if (b->results[k] == KVO_OK) {
             b->dst_b[ok] = b->dst_b[k];
@@ -2482,7 +2504,7 @@ static void kvo__job_done(kvo_copy_job *job, int result, const char *message)
     kvo__batch *b = (kvo__batch *)job->user;
     kvo_pipeline *pl = b->pl;
     pthread_mutex_lock(&pl->lock);
-    kvo__batch_finish(pl, b, result, message);
+    kvo__batch_finish(pl, b, result, message, 0);
     kvo__unlock(pl);
 }
 
@@ -2503,7 +2525,7 @@ static void kvo__stage_execute(kvo_pipeline *pl)
         if (r != KVO_OK) {
             size_t k;
             for (k = 0; k < b->job.n; k++) b->results[k] = r; /* its reason, not the placeholder */
-            kvo__batch_finish(pl, b, r, "backend refused the job");
+            kvo__batch_finish(pl, b, r, "backend refused the job", 1);
         }
     }
 }

@@ -317,6 +317,76 @@ static void test_corrupted_slot_is_a_miss(void)
     disk_close(&d);
 }
 
+/* A transfer's message is about its own failure. Two loads in one backend job, the first block's slot
+ * corrupted: that load's message is the disk backend's, naming the slot. Both slots corrupted: the
+ * job's one message names the slot of the last failure only, which is the other load's. Before, each
+ * container took the job's message, so the first load said "slot <the other's> failed ..."; now a
+ * container gets the backend's words only when every failed copy of the job is its own, else the
+ * backend's name and its own error. */
+static void test_message_of_a_shared_job_is_each_transfers_own(void)
+{
+    disk d;
+    kvb_hash h[4];
+    if (!disk_open(&d, 0)) return;
+    of_chain(37, 4, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_register(g2, h, 4, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 4).transferred, 4);
+    uint32_t slot[4];
+    char name[4][32];
+    for (int k = 0; k < 4; k++) {
+        slot[k] = disk_index_of(d.pool, h[k]);
+        snprintf(name[k], sizeof name[k], "slot %u ", slot[k]);
+    }
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, slot[0]) + 4096 + 7);
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, slot[2]) + 4096 + 7);
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, slot[3]) + 4096 + 7);
+
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    of_clock clock = {1000000};
+    kvo_pipeline_config pc = of_config(d.pool, g1, d.backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    for (int both = 0; both < 2; both++) { /* loads h[0] (bad) with h[1] (good), then h[2] with h[3] (bad) */
+        kvo_transfer a, b;
+        kvo_pipeline_stats before, after;
+        KVT_EQ(kvo_pipeline_get_stats(p, &before), KVO_OK);
+        KVT_EQ(kvo_onboard(p, &h[2 * both], 1, NULL, &a), KVO_OK);
+        KVT_EQ(kvo_onboard(p, &h[2 * both + 1], 1, NULL, &b), KVO_OK);
+        of_pump(p, &clock, a, 1000, 100);
+        of_pump(p, &clock, b, 1000, 100);
+        KVT_EQ(kvo_pipeline_get_stats(p, &after), KVO_OK);
+        KVT_EQ(after.batches - before.batches, 1); /* one job for both */
+        kvo_transfer_info ia = of_info(p, a), ib = of_info(p, b);
+        KVT_EQ(ia.status, KVO_STATUS_FAILED);
+        KVT_EQ(ia.error, KVO_ECHECKSUM);
+        KVT_CHECK(ia.message[0] != 0);
+        KVT_CHECK(strstr(ia.message, name[2 * both + 1]) == NULL); /* never the other load's slot */
+        if (!both) {
+            KVT_EQ(ib.status, KVO_STATUS_COMPLETE);
+            KVT_EQ(ib.message[0], 0);
+            KVT_CHECK(strstr(ia.message, name[0]) != NULL); /* the backend's own words: its slot */
+        } else {
+            KVT_EQ(ib.status, KVO_STATUS_FAILED);
+            KVT_CHECK(strstr(ib.message, name[2]) == NULL);
+            KVT_CHECK(strstr(ia.message, "disk") != NULL);
+            KVT_CHECK(strstr(ia.message, kvo_result_string(KVO_ECHECKSUM)) != NULL);
+        }
+        size_t none = 0;
+        kvb_block got[1];
+        if (ib.status == KVO_STATUS_COMPLETE) {
+            KVT_EQ(kvo_transfer_take_blocks(p, b, got, 1, &none), KVO_OK);
+            release_all(g1, got, none);
+        }
+        KVT_EQ(kvo_transfer_release(p, a), KVO_OK);
+        KVT_EQ(kvo_transfer_release(p, b), KVO_OK);
+    }
+    kvo_pipeline_destroy(p);
+    KVT_EQ(of_active(g1), 0);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
 /* A slot written by kvcache 0.1 (slot format 1: its block hashes differ from 0.2's) is a miss even
  * when it is whole and names the hash asked for. */
 static void test_old_format_version_is_a_miss(void)
@@ -692,6 +762,7 @@ int main(void)
     KVT_RUN(test_round_trip_contiguous);
     KVT_RUN(test_round_trip_layer_separate);
     KVT_RUN(test_corrupted_slot_is_a_miss);
+    KVT_RUN(test_message_of_a_shared_job_is_each_transfers_own);
     KVT_RUN(test_old_format_version_is_a_miss);
     KVT_RUN(test_checksum_function);
     KVT_RUN(test_bad_paths_and_config);
