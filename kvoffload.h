@@ -374,9 +374,9 @@ typedef struct kvo_enqueue_opts {
 typedef struct kvo_pipeline_stats {
     uint64_t enqueued, transferred, present, skipped, timed_out, dropped, failed, cancelled;
     uint64_t joined;              /* onboarded blocks that joined another transfer's copy */
-    uint64_t dest_full;           /* offloads that found the destination full */
+    uint64_t dest_full;           /* transfers that found the destination full (failed with KVO_EFULL) */
     uint64_t batches, bytes;
-    uint32_t in_flight_blocks;
+    uint32_t in_flight_blocks;    /* now: blocks upgraded and not landed yet (on deck or in the backend) */
 } kvo_pipeline_stats;
 
 typedef struct kvo_pipeline kvo_pipeline;
@@ -1651,6 +1651,7 @@ struct kvo_pipeline {
     kvo__batch **in_queue;    /* weak batches, higher priority first, FIFO within */
     kvo__batch **on_deck;     /* upgraded batches */
     uint32_t executing;       /* jobs handed to the backend and not done */
+    uint32_t executing_blocks; /* ... and their copies */
     kvo__hslot *slots;
     uint32_t *free_slots;
     kvb__ctab inflight, freq;  /* blocks in flight, blocks seen (frequency policy), per hash */
@@ -2408,7 +2409,7 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
         } else if (n == 0) {
             kvo__batch_abort(pl, b, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
-            if (n == KVO_EFULL) pl->stats.dest_full++;
+            if (n == KVO_EFULL) pl->stats.dest_full += stbds_arrlenu(b->cs); /* transfers, not batches */
             kvo__batch_abort(pl, b, KVO_STATUS_FAILED, n);
         }
     }
@@ -2495,6 +2496,7 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
     pl->stats.batches++;
     pl->stats.bytes += b->job.bytes;
     pl->executing--;
+    pl->executing_blocks -= (uint32_t)b->job.n;
     kvo__batch_free(b);
     pthread_cond_broadcast(&pl->cond);
 }
@@ -2517,6 +2519,7 @@ static void kvo__stage_execute(kvo_pipeline *pl)
         int r;
         stbds_arrdel(pl->on_deck, 0);
         pl->executing++;
+        pl->executing_blocks += (uint32_t)b->job.n;
         pl->moves++;
         b->job.done = kvo__job_done;
         pthread_mutex_unlock(&pl->lock);
@@ -2897,7 +2900,7 @@ KVO_API kvo_result kvo_pipeline_get_stats(kvo_pipeline *pipeline, kvo_pipeline_s
     if (!pipeline || !out) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     *out = pipeline->stats;
-    out->in_flight_blocks = 0;
+    out->in_flight_blocks = pipeline->executing_blocks;
     for (i = 0; i < stbds_arrlenu(pipeline->on_deck); i++) out->in_flight_blocks += (uint32_t)pipeline->on_deck[i]->job.n;
     pthread_mutex_unlock(&pipeline->lock);
     return KVO_OK;

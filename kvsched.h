@@ -4401,9 +4401,9 @@ static void kvs__pipeline_metrics(kvs__text *t, const kvs__metrics_snap *m)
          offsetof(kvo_pipeline_stats, failed), 0},
         {"transfer_cancelled_total", "counter", "Transfers cancelled.", offsetof(kvo_pipeline_stats, cancelled), 0},
         {"transfer_batches_total", "counter", "Backend jobs.", offsetof(kvo_pipeline_stats, batches), 0},
-        {"transfer_dest_full_total", "counter", "Offloads that found the destination full.",
+        {"transfer_dest_full_total", "counter", "Transfers that found the destination full.",
          offsetof(kvo_pipeline_stats, dest_full), 0},
-        {"inflight_blocks", "gauge", "Blocks in transfers not finished yet.",
+        {"inflight_blocks", "gauge", "Blocks upgraded and not landed yet (on deck or being copied).",
          offsetof(kvo_pipeline_stats, in_flight_blocks), 1}};
     const kvo_manager_stats *ms = &m->pipelines;
     size_t r;

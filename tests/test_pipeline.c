@@ -962,6 +962,64 @@ static void test_backend_failure_mid_batch(void)
     rig_close(&r);
 }
 
+static kvo_pipeline_stats stats_of(kvo_pipeline *p)
+{
+    kvo_pipeline_stats st;
+    memset(&st, 0, sizeof st);
+    KVT_EQ(kvo_pipeline_get_stats(p, &st), KVO_OK);
+    return st;
+}
+
+/* dest_full counts transfers that found the destination full, as its comment says: two offloads in
+ * one batch into a full destination are 2. Before, it counted the batch: 1. */
+static void test_dest_full_counts_transfers(void)
+{
+    rig r;
+    kvb_block engine[DST_BLOCKS];
+    rig_open(&r, 4);
+    KVT_EQ(kvb_alloc(r.dst, DST_BLOCKS, engine), KVB_OK); /* no room left */
+    kvo_transfer a = of_enqueue(r.p, r.weak, 2, NULL);
+    kvo_transfer b = of_enqueue(r.p, &r.weak[2], 2, NULL); /* below min batch: one batch at the flush */
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_FAILED);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 200), KVO_STATUS_FAILED);
+    KVT_EQ(of_info(r.p, a).error, KVO_EFULL);
+    KVT_EQ(of_info(r.p, b).error, KVO_EFULL);
+    KVT_EQ(stats_of(r.p).dest_full, 2);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    KVT_EQ(kvb_release(r.dst, engine, DST_BLOCKS, NULL), KVB_OK);
+    rig_close(&r);
+}
+
+/* in_flight_blocks counts the blocks upgraded and not landed yet: on deck, and in the backend. Before,
+ * a job handed to the backend left the count, so a pipeline busy copying reported 0. */
+static void test_in_flight_blocks_include_the_backends_jobs(void)
+{
+    rig r;
+    rig_pools(&r, SRC_BLOCKS, 8);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.max_batch = 4;
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    of_backend_set_hold(r.w, 1);
+    kvo_transfer a = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1);
+    KVT_EQ(stats_of(r.p).in_flight_blocks, 4); /* in the backend */
+    kvo_transfer b = of_enqueue(r.p, &r.weak[4], 3, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1);
+    KVT_EQ(stats_of(r.p).in_flight_blocks, 7); /* and on deck */
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 100), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, b, 1000, 100), KVO_STATUS_COMPLETE);
+    KVT_EQ(stats_of(r.p).in_flight_blocks, 0);
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b);
+    rig_close(&r);
+}
+
 /* A backend that refuses the whole job (submit error): Failed with that code, nothing held. */
 static void test_backend_refuses_job(void)
 {
@@ -1429,6 +1487,8 @@ int main(void)
     KVT_RUN(test_wait_on_custom_events);
     KVT_RUN(test_backend_failure_mid_batch);
     KVT_RUN(test_backend_refuses_job);
+    KVT_RUN(test_dest_full_counts_transfers);
+    KVT_RUN(test_in_flight_blocks_include_the_backends_jobs);
     KVT_RUN(test_backend_refusal_reason_reported);
     KVT_RUN(test_priority_order);
     KVT_RUN(test_on_done_once_with_destination_handles);
