@@ -2692,7 +2692,10 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
         }
     }
     KVB__ARR_SHRINK(c->stores, w);
-    if (!w) kvs__id_clear(&c->offloaded); /* ids of offloads that were not stores (lazy, swap) */
+    /* What is left are ids of offloads that were not stores (lazy, swap, other offers): every pending
+     * store's transfer is in c->stores by now (start_stores runs on this side's thread, not meanwhile),
+     * and a store reported later is added later. Kept, they would pile up while stores are pending. */
+    kvs__id_clear(&c->offloaded);
     out->finished_loads = c->fin_loads;
     out->num_finished_loads = stbds_arrlenu(c->fin_loads);
     out->finished_stores = c->fin_stores;

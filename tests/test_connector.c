@@ -14,11 +14,13 @@
 typedef struct rig {
     sf_env e;                 /* pools and manager only (no scheduler: the test is the scheduler) */
     kvs_connector *c;
+    of_backend *spy;          /* with spy_down: the G1 -> G2 backend, which can hold jobs */
 } rig;
 
 /* The pools, a manager over them (pipelines in poll or thread mode, with an optional on_stage observer)
- * and the connector. */
-static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, kvo_stage_fn on_stage, void *stage_user)
+ * and the connector. spy_down: G1 -> G2 copies go through the test backend (r->spy), two jobs at once. */
+static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, kvo_stage_fn on_stage, void *stage_user,
+                        int spy_down)
 {
     sf_env *e = &r->e;
     kvo_manager_config mc;
@@ -39,6 +41,11 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     mc.pools[1] = e->host;
     mc.down[0] = e->mem;
     mc.up[1] = e->mem;
+    if (spy_down) {
+        r->spy = of_backend_wrap(e->mem);
+        mc.down[0] = of_backend_iface(r->spy);
+        mc.pipeline.max_concurrent = 2;
+    }
     mc.offload = mode == KVS_OFFLOAD_LAZY ? KVO_OFFLOAD_LAZY : KVO_OFFLOAD_EAGER;
     mc.lazy_reserve = 4;
     mc.pipeline.mode = pipeline_mode;
@@ -53,7 +60,7 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     KVT_EQ(kvs_connector_create(&cc, &r->c), KVS_OK);
 }
 
-static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL); }
+static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL, 0); }
 
 static void rig_close(rig *r)
 {
@@ -65,6 +72,7 @@ static void rig_close(rig *r)
     KVT_EQ(of_active(e->host), 0);
     OF_CHECK_POOL(e->dev);
     OF_CHECK_POOL(e->host);
+    if (r->spy) kvo_backend_destroy(of_backend_iface(r->spy));
     kvo_backend_destroy(e->mem);
     kvb_pool_destroy(e->dev);
     kvb_pool_destroy(e->host);
@@ -646,7 +654,7 @@ static void test_destroy_with_stores_in_flight(void)
     kvb_block b[2], held[2];
     size_t n = 0;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st, 0);
     sf_tokens(4, u, 32);
     KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
     KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
@@ -668,6 +676,66 @@ static void test_destroy_with_stores_in_flight(void)
     rig_close(&r);
 }
 
+/* The manager tells the connector of every G1 -> G2 offload, stores or not (a swap-out, a lazy backing,
+ * another caller's offer); the connector keeps the ids to match them with its stores. Ids that match
+ * no store were dropped only when no store was pending at get_finished, so with a store always pending
+ * (a busy engine) they piled up: here one store stays in the backend while 200 other offloads finish,
+ * and the connector's set held 200 ids (it is read directly: nothing public shows it). Now it keeps
+ * none of them; the pending store is still reported when it lands. */
+static void test_other_offloads_do_not_pile_up(void)
+{
+    rig r;
+    uint32_t u[32], v[16];
+    kvb_hash hu[2], hv[1], parents[2];
+    kvb_block b[3], held[2], other;
+    size_t n = 0;
+    kvs_connector_meta meta;
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 1);
+    sf_tokens(4, u, 32);
+    sf_tokens(5, v, 16);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    KVT_EQ(kvb_hash_prompt(v, 16, 16, NULL, 0, 0, hv, 1, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 3, b), KVB_OK);
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
+    fill_block(&r.e, r.e.dev, b[2], v, 0);
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    KVT_EQ(kvb_register_hashed(r.e.dev, &b[2], 1, hv, parents, &other), KVB_OK);
+
+    of_backend_set_hold(r.spy, 1); /* the store's job stays in the backend */
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_stores, 2);
+    uint64_t store_event = meta.num_stores ? meta.stores[0].event : 0;
+    for (int i = 0; i < 20 && !of_backend_held(r.spy); i++) KVT_EQ(kvo_manager_poll(r.e.m), KVO_OK);
+    KVT_EQ(of_backend_held(r.spy), 1);
+    of_backend_set_hold(r.spy, 0);
+
+    for (int round = 0; round < 200; round++) { /* offloads that are not stores, each reported */
+        kvs_worker_output out;
+        memset(&out, 0, sizeof out);
+        KVT_EQ(kvo_manager_offer(r.e.m, 0, &other, 1, NULL), KVO_OK);
+        KVT_EQ(kvs_connector_get_finished(r.c, &out), KVS_OK);
+        KVT_EQ(out.num_finished_stores, 0);
+        KVT_EQ(kvs_connector_update_output(r.c, &out), KVS_OK);
+    }
+    kvo_manager_stats ms;
+    KVT_EQ(kvo_manager_get_stats(r.e.m, &ms), KVO_OK);
+    KVT_EQ(ms.down[0].enqueued, 201);
+    KVT_EQ(kvs_connector_pending(r.c), 1); /* the store's event */
+    KVT_EQ(r.c->offloaded.used, 0);        /* before: 200 */
+
+    of_backend_release(r.spy);
+    KVT_CHECK(pump(&r, 0, &store_event, 1));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(r.c->offloaded.used, 0);
+    for (size_t k = 0; k < 2; k++) KVT_EQ(sf_pool_holds(&r.e, r.e.host, hu[k], u, k), 1);
+    KVT_EQ(kvb_release(r.e.dev, held, 2, NULL), KVB_OK);
+    KVT_EQ(kvb_release(r.e.dev, &other, 1, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -682,5 +750,6 @@ int main(void)
     KVT_RUN(test_ask_again_past_the_hashes);
     KVT_RUN(test_meta_not_bound_then_bound_twice);
     KVT_RUN(test_destroy_with_stores_in_flight);
+    KVT_RUN(test_other_offloads_do_not_pile_up);
     return kvt_summary();
 }
