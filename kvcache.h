@@ -4951,6 +4951,10 @@ KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manage
  * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
  * user data may go then. Not from within a hook. */
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
+/* Install the on_offloaded hook only while the manager has none: KVO_OK, or KVO_ESTATE when it has one
+ * (from its config or a set or claim), which stays; KVO_EINVAL for a NULL manager or fn. The check and
+ * the set are one step: of two claims at once, one wins. Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Finish everything in flight (drains each pipeline, eager chains included). */
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
 KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out);
@@ -7717,6 +7721,20 @@ KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded
     return KVO_OK;
 }
 
+KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user)
+{
+    kvo_result r = KVO_ESTATE;
+    if (!manager || !fn) return KVO_EINVAL;
+    pthread_mutex_lock(&manager->hook_lock);
+    if (!manager->cfg.on_offloaded) { /* no hook: no call of one in progress to wait for */
+        manager->cfg.on_offloaded = fn;
+        manager->cfg.offloaded_user = user;
+        r = KVO_OK;
+    }
+    pthread_mutex_unlock(&manager->hook_lock);
+    return r;
+}
+
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us)
 {
     uint32_t i;
@@ -10143,10 +10161,10 @@ typedef struct kvs_connector_config {
 
 typedef struct kvs_connector kvs_connector;
 
-/* The connector installs itself as the manager's on_offloaded hook (kvo_manager_set_offloaded):
- * KVS_EINVAL when the manager has one already (another connector's, or a kvo_manager_config hook), and
- * when the connector is lazy and the manager eager (nothing would ever be offered). Thread safety: any
- * thread. */
+/* The connector installs itself as the manager's on_offloaded hook (kvo_manager_claim_offloaded):
+ * KVS_EINVAL when the manager has one already (another connector's, or a kvo_manager_config hook; of
+ * two connectors created at once on one manager, one gets it), and when the connector is lazy and the
+ * manager eager (nothing would ever be offered). Thread safety: any thread. */
 KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_connector **out);
 KVS_API void kvs_connector_destroy(kvs_connector *connector);
 
@@ -12208,9 +12226,6 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
      * ever go down. (An eager connector over a lazy manager works: the manager ignores the offers.) */
     if (kvo_manager_get_config(config->tiers, &mc) != KVO_OK || (config->offload == KVS_OFFLOAD_LAZY && mc.offload != KVO_OFFLOAD_LAZY))
         return KVS_EINVAL;
-    /* The manager tells one hook of its offloads: taking it from another connector (or the user) would
-     * leave that one's stores pending for ever. */
-    if (mc.on_offloaded) return KVS_EINVAL;
     c = (kvs_connector *)KVB_MALLOC(sizeof *c);
     if (!c) return KVS_ENOMEM;
     memset(c, 0, sizeof *c);
@@ -12224,7 +12239,14 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
     kvb_pool_get_config(config->device, &pc);
     c->block_tokens = pc.block_tokens;
     c->next_event = 1;
-    kvo_manager_set_offloaded(config->tiers, kvs__on_offloaded, c);
+    /* The manager tells one hook of its offloads: taking it from another connector (or the user) would
+     * leave that one's stores pending for ever. Claimed, not checked then set: two connectors created at
+     * once could both see none. Last, as the hook may be called at once. */
+    if (kvo_manager_claim_offloaded(config->tiers, kvs__on_offloaded, c) != KVO_OK) {
+        pthread_mutex_destroy(&c->lock);
+        KVB_FREE(c);
+        return KVS_EINVAL;
+    }
     *out = c;
     return KVS_OK;
 }

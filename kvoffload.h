@@ -491,6 +491,10 @@ KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manage
  * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
  * user data may go then. Not from within a hook. */
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
+/* Install the on_offloaded hook only while the manager has none: KVO_OK, or KVO_ESTATE when it has one
+ * (from its config or a set or claim), which stays; KVO_EINVAL for a NULL manager or fn. The check and
+ * the set are one step: of two claims at once, one wins. Thread safety: any thread. */
+KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Finish everything in flight (drains each pipeline, eager chains included). */
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
 KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out);
@@ -3255,6 +3259,20 @@ KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded
     while (manager->hook_calls) pthread_cond_wait(&manager->hook_idle, &manager->hook_lock);
     pthread_mutex_unlock(&manager->hook_lock);
     return KVO_OK;
+}
+
+KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user)
+{
+    kvo_result r = KVO_ESTATE;
+    if (!manager || !fn) return KVO_EINVAL;
+    pthread_mutex_lock(&manager->hook_lock);
+    if (!manager->cfg.on_offloaded) { /* no hook: no call of one in progress to wait for */
+        manager->cfg.on_offloaded = fn;
+        manager->cfg.offloaded_user = user;
+        r = KVO_OK;
+    }
+    pthread_mutex_unlock(&manager->hook_lock);
+    return r;
 }
 
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us)

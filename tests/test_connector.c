@@ -736,6 +736,60 @@ static void test_other_offloads_do_not_pile_up(void)
     rig_close(&r);
 }
 
+/* Two connectors created at once on one manager: exactly one gets its hook. Before, each checked that
+ * the manager had no hook and then set its own, so both could pass the check, the second replacing the
+ * first's hook (whose stores would stay pending for ever). */
+typedef struct create_race {
+    pthread_barrier_t *go;
+    kvs_connector_config cc;
+    kvs_connector *c;
+    kvs_result r;
+} create_race;
+
+static void *create_on_thread(void *arg)
+{
+    create_race *x = (create_race *)arg;
+    pthread_barrier_wait(x->go);
+    x->r = kvs_connector_create(&x->cc, &x->c);
+    return NULL;
+}
+
+static void test_two_connectors_created_at_once(void)
+{
+    rig r;
+    pthread_barrier_t go;
+    int both = 0, none = 0;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    kvs_connector_destroy(r.c); /* the manager without a hook */
+    r.c = NULL;
+    KVT_EQ(pthread_barrier_init(&go, NULL, 2), 0);
+    for (int round = 0; round < 1000; round++) {
+        create_race x[2];
+        pthread_t th[2];
+        for (int i = 0; i < 2; i++) {
+            memset(&x[i], 0, sizeof x[i]);
+            x[i].go = &go;
+            x[i].cc.device = r.e.dev;
+            x[i].cc.tiers = r.e.m;
+            KVT_EQ(pthread_create(&th[i], NULL, create_on_thread, &x[i]), 0);
+        }
+        for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+        int ok = (x[0].r == KVS_OK) + (x[1].r == KVS_OK);
+        both += ok == 2;
+        none += ok == 0;
+        for (int i = 0; i < 2; i++) {
+            if (x[i].r != KVS_OK) KVT_EQ(x[i].r, KVS_EINVAL);
+            if (x[i].r != KVS_OK) KVT_CHECK(x[i].c == NULL);
+        }
+        for (int i = 0; i < 2; i++)
+            if (x[i].r == KVS_OK) kvs_connector_destroy(x[i].c); /* gives the hook back */
+    }
+    KVT_EQ(both, 0);
+    KVT_EQ(none, 0);
+    pthread_barrier_destroy(&go);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -751,5 +805,6 @@ int main(void)
     KVT_RUN(test_meta_not_bound_then_bound_twice);
     KVT_RUN(test_destroy_with_stores_in_flight);
     KVT_RUN(test_other_offloads_do_not_pile_up);
+    KVT_RUN(test_two_connectors_created_at_once);
     return kvt_summary();
 }

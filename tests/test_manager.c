@@ -109,6 +109,29 @@ static void record_offloaded(void *user, uint32_t tier, kvo_transfer t, const kv
     log->calls++;
 }
 
+/* kvo_manager_claim_offloaded installs the hook only while there is none, and leaves one that is there
+ * (set, claimed, or from the config); after the hook is taken back a claim succeeds again. */
+static void test_claim_offloaded(void)
+{
+    tiers t;
+    offloaded_log a, b;
+    kvo_manager_config got;
+    memset(&a, 0, sizeof a);
+    memset(&b, 0, sizeof b);
+    tiers_open(&t, 8, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    KVT_EQ(kvo_manager_claim_offloaded(NULL, record_offloaded, &a), KVO_EINVAL);
+    KVT_EQ(kvo_manager_claim_offloaded(t.m, NULL, &a), KVO_EINVAL);
+    KVT_EQ(kvo_manager_claim_offloaded(t.m, record_offloaded, &a), KVO_OK);
+    KVT_EQ(kvo_manager_claim_offloaded(t.m, record_offloaded, &b), KVO_ESTATE);
+    KVT_EQ(kvo_manager_get_config(t.m, &got), KVO_OK);
+    KVT_CHECK(got.offloaded_user == &a); /* the first claim's stays */
+    KVT_EQ(kvo_manager_set_offloaded(t.m, NULL, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_claim_offloaded(t.m, record_offloaded, &b), KVO_OK);
+    KVT_EQ(kvo_manager_get_config(t.m, &got), KVO_OK);
+    KVT_CHECK(got.offloaded_user == &b);
+    tiers_close(&t);
+}
+
 /* Eager: four blocks registered in G1 reach G2 (same bytes) and then G3, each hop told once through
  * on_offloaded; lookups follow evictions. */
 static void test_eager_chain_and_lookup(void)
@@ -455,6 +478,7 @@ int main(void)
 {
     of_watchdog(60);
     KVT_RUN(test_eager_chain_and_lookup);
+    KVT_RUN(test_claim_offloaded);
     KVT_RUN(test_full_destination_then_retry);
     KVT_RUN(test_lazy_backs_eviction_candidates);
     KVT_RUN(test_lazy_reserve_above_the_tier);
