@@ -4535,7 +4535,10 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
  * eviction (the next `lazy_reserve` eviction candidates of each tier are kept backed below). A full
- * destination fails the offload quietly (counted); the next offer tries again. kvo_manager_lookup finds
+ * destination or a backend error fails the offload quietly (counted); the next offer tries again. (An
+ * offer of blocks a tier already holds stops there, so in eager mode the manager keeps weak handles to
+ * the blocks whose hop out of a tier below G1 failed, and sends them again with the next offer that
+ * reaches that tier, one that lands nothing new there included.) kvo_manager_lookup finds
  * the longest prefix across tiers and which tier holds each block; kvo_manager_onboard loads blocks from
  * a lower tier into G1.
  * A branch (branch_from = b): the last tier is fed from tier b instead of the one above it, beside b's
@@ -4929,9 +4932,10 @@ typedef struct kvo_manager kvo_manager;
 
 KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_manager **out);
 KVO_API void kvo_manager_destroy(kvo_manager *manager);
-/* Blocks just registered in `tier`: eager mode sends them down; lazy mode ignores them (poll finds
- * them when they near eviction). *out (may be NULL) gets the transfer, {0} when none was started; the
- * manager releases it after on_offloaded. Thread safety: any thread. */
+/* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
+ * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
+ * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
+ * on_offloaded. Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
 /* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
@@ -6135,6 +6139,8 @@ struct kvo_pipeline {
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
     uint8_t *present;         /* scratch of kvo__evaluate */
     kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose stored bytes failed their check */
+    uint32_t keep_failed;     /* tier manager (eager): keep up to this many failed sources for its next send */
+    kvb_weak *failed_src;     /* ... here: weak handles of sources whose copy failed (kvo__take_failed) */
     kvo__note *spare_notes;
     kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
 };
@@ -6329,11 +6335,20 @@ static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)
     c->inflight_marked = 0;
 }
 
+/* The sources of c's failed copies join pl->failed_src, up to keep_failed of them in all. Locked. */
+static void kvo__keep_failed(kvo_pipeline *pl, const kvo__container *c)
+{
+    size_t j;
+    for (j = 0; j < c->n && stbds_arrlenu(pl->failed_src) < pl->keep_failed; j++)
+        if (c->state[j] == KVO__B_FAILED) stbds_arrput(pl->failed_src, c->src[j]);
+}
+
 /* A container reaches its final state: give back what it holds, count it, queue its on_done. */
 static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, int err)
 {
     kvo_pipeline_stats *s = &pl->stats;
     if (c->final) return;
+    if (pl->keep_failed && c->info.failed && !c->onboard) kvo__keep_failed(pl, c);
     kvo__release_held(pl->cfg.src, c->src_strong, c->n, 0);
     if (st != KVO_STATUS_COMPLETE) kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
     kvo__unmark_inflight(pl, c);
@@ -6473,6 +6488,7 @@ static void kvo__free_spares(kvo_pipeline *pl)
     stbds_arrfree(pl->stage_cs);
     stbds_arrfree(pl->present);
     stbds_arrfree(pl->bad);
+    stbds_arrfree(pl->failed_src);
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
@@ -7479,6 +7495,7 @@ typedef struct kvo__edge {
     uint32_t tier;
     pthread_mutex_t lock;      /* the scratch below: callbacks of one pipeline may come from two threads */
     kvb_weak *scratch;         /* stb_ds: weak handles on their way down from this tier (kept) */
+    kvb_weak *retry;           /* stb_ds: failed ones going down from this tier again (kept) */
 } kvo__edge;
 
 struct kvo_manager {
@@ -7491,20 +7508,48 @@ struct kvo_manager {
     uint32_t hook_calls;       /* on_offloaded calls in progress (pipeline threads) */
 };
 
-/* Blocks of `tier` go down every pipeline that copies from it (two at a branch). *out gets the first
- * transfer; the handles are released when the transfers are done (kvo__manager_down_done). */
+/* The sources of pl's failed copies kept so far, moved into *out (an stb_ds array, emptied first);
+ * returns how many. */
+static size_t kvo__take_failed(kvo_pipeline *pl, kvb_weak **out)
+{
+    kvb_weak *kept;
+    size_t n;
+    KVB__ARR_SHRINK(*out, 0);
+    pthread_mutex_lock(&pl->lock);
+    n = stbds_arrlenu(pl->failed_src);
+    if (n) { /* swapped: both arrays keep their room */
+        kept = pl->failed_src;
+        pl->failed_src = *out;
+        *out = kept;
+    }
+    pthread_mutex_unlock(&pl->lock);
+    return n;
+}
+
+/* Blocks of `tier` go down every pipeline that copies from it (two at a branch), and with them, on a
+ * separate transfer, the blocks whose copy down that pipeline failed before (eager mode): a later offer
+ * of those stops at this tier, which holds them, so this is their next try. *out gets the first
+ * transfer of w (n may be 0); the handles are released when the transfers are done
+ * (kvo__manager_down_done). The caller holds the edge of `tier`. */
 static kvo_result kvo__manager_send(kvo_manager *m, uint32_t tier, const kvb_weak *w, size_t n, kvo_transfer *out)
 {
+    kvo__edge *e = &m->edges[tier];
     kvo_result r = KVO_OK, ri;
     uint32_t i;
     int first = 1;
     for (i = 0; i + 1 < m->cfg.num_tiers; i++) {
         kvo_transfer t;
+        size_t again;
         if (!m->down[i] || m->from[i] != tier) continue;
-        ri = kvo_enqueue(m->down[i], w, n, NULL, &t);
-        if (first && out && ri == KVO_OK) *out = t;
-        if (first) r = ri;
-        first = 0;
+        if (n) {
+            ri = kvo_enqueue(m->down[i], w, n, NULL, &t);
+            if (first && out && ri == KVO_OK) *out = t;
+            if (first) r = ri;
+            first = 0;
+        }
+        if ((again = kvo__take_failed(m->down[i], &e->retry)) > 0)
+            (void)kvo_enqueue(m->down[i], e->retry, again, NULL, &t); /* refused (out of memory): lost, as a
+                                                                         failed offer is */
     }
     return r;
 }
@@ -7530,16 +7575,30 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
         pthread_mutex_unlock(&m->hook_lock);
     }
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
-        kvo__edge *landed = &m->edges[next]; /* what landed in `next` goes on from there */
+        kvo__edge *landed = &m->edges[next]; /* what landed in `next` goes on from there (and what failed
+                                                to go on before, even when nothing landed) */
         size_t i;
         pthread_mutex_lock(&landed->lock);
         KVB__ARR_SHRINK(landed->scratch, 0);
         for (i = 0; i < n; i++)
             if (dst[i].id) stbds_arrput(landed->scratch, dst[i]);
-        if (stbds_arrlen(landed->scratch)) kvo__manager_send(m, next, landed->scratch, stbds_arrlenu(landed->scratch), NULL);
+        kvo__manager_send(m, next, landed->scratch, stbds_arrlenu(landed->scratch), NULL);
         pthread_mutex_unlock(&landed->lock);
     }
     kvo_transfer_release(m->down[e->tier], t);
+}
+
+/* Eager mode, a pipeline from a tier below G1: blocks there arrived through the chain, and an offer of
+ * them stops at the tier that holds them, so the manager keeps the sources of failed copies for the
+ * pipeline's next send (kvo__manager_send), at most as many as the tier has blocks. (G1's own blocks
+ * fail into a G2 that lacks them: the next offer of them tries again by itself.) */
+static void kvo__manager_keep_failed(kvo_pipeline *pl, kvb_pool *src)
+{
+    kvb_pool_config pc;
+    if (kvb_pool_get_config(src, &pc) != KVB_OK) return;
+    pthread_mutex_lock(&pl->lock);
+    pl->keep_failed = pc.num_blocks;
+    pthread_mutex_unlock(&pl->lock);
 }
 
 KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_manager **out)
@@ -7573,6 +7632,8 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
             pc.on_done = kvo__manager_down_done;
             pc.done_user = &m->edges[i];
             r = kvo_pipeline_create(&pc, &m->down[i]);
+            if (r == KVO_OK && config->offload == KVO_OFFLOAD_EAGER && m->from[i] > 0)
+                kvo__manager_keep_failed(m->down[i], config->pools[m->from[i]]);
         }
         if (r == KVO_OK && i >= 1 && config->up[i]) {
             pc = config->pipeline;
@@ -7603,6 +7664,7 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
     for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
     for (i = 0; i < KVO_MAX_TIERS; i++) {
         stbds_arrfree(manager->edges[i].scratch);
+        stbds_arrfree(manager->edges[i].retry);
         pthread_mutex_destroy(&manager->edges[i].lock);
     }
     pthread_mutex_destroy(&manager->hook_lock);

@@ -1,7 +1,8 @@
 /* The tier manager of kvoffload.h: an eager chain G1 -> G2 -> G3 (host memory, then a disk file) moves
  * offered blocks all the way down; kvo_manager_lookup tells for a prefix which tier holds each block
  * after G1 evicted some (and after G2 lost everything); blocks come back from G3 with
- * kvo_manager_onboard; a full G2 makes the offload fail quietly and a later offer succeeds; lazy mode
+ * kvo_manager_onboard; a full G2 makes the offload fail quietly and a later offer succeeds; a failed
+ * G2 -> G3 hop is tried again by the next offer of blocks G2 already holds; lazy mode
  * offloads nothing until blocks come near eviction, then keeps the next candidates backed in G2.
  * A branch (branch_from 1): G1 -> G2 -> G3 (disk) and G2 -> G4 (a memory pool standing in for Redis):
  * offered blocks reach all four tiers, G4 gets them from G2 with the same bytes, lookup and onboarding
@@ -16,6 +17,7 @@
 typedef struct tiers {
     kvb_pool *g1, *g2, *g3;
     kvo_backend *mem, *disk;
+    of_backend *g3_faults; /* G2 -> G3 goes through it (faults on demand) */
     char dir[64], path[128];
     kvo_manager *m;
 } tiers;
@@ -44,9 +46,10 @@ static void tiers_open(tiers *t, uint32_t g1_blocks, uint32_t g2_blocks, int wit
         dc.disk_pool = t->g3;
         dc.block_bytes = OF_BLOCK_BYTES;
         KVT_EQ(kvo_disk_backend_create(&dc, &t->disk), KVO_OK);
+        t->g3_faults = of_backend_wrap(t->disk);
         mc.num_tiers = 3;
         mc.pools[2] = t->g3;
-        mc.down[1] = t->disk;
+        mc.down[1] = of_backend_iface(t->g3_faults);
         mc.up[2] = t->disk;
     }
     mc.offload = mode;
@@ -64,6 +67,7 @@ static void tiers_close(tiers *t)
         KVT_EQ(of_active(pools[i]), 0);
         OF_CHECK_POOL(pools[i]);
     }
+    if (t->g3_faults) kvo_backend_destroy(of_backend_iface(t->g3_faults));
     kvo_backend_destroy(t->disk);
     kvo_backend_destroy(t->mem);
     for (int i = 0; i < 3; i++) kvb_pool_destroy(pools[i]);
@@ -273,6 +277,59 @@ static void test_full_destination_then_retry(void)
     tiers_close(&t);
 }
 
+/* G3 refuses the first G2 -> G3 job: the blocks stay in G2 alone. The next offer of the same blocks
+ * stops at G2, which holds them, and tries the G2 -> G3 hop again, so G3 gets them (it never did: the
+ * second hop only followed blocks that landed in G2). Once they are there, offers copy nothing more. */
+static void failed_second_hop_then_retry(kvo_mode mode)
+{
+    tiers t;
+    kvb_hash h[4];
+    kvb_block b[4];
+    tiers_open(&t, 8, 16, 1, KVO_OFFLOAD_EAGER, 0, mode);
+    of_backend_set_submit_error(t.g3_faults, KVO_EIO);
+    of_chain(73, 4, h);
+    of_register(t.g1, h, 4, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 4), 4);
+    KVT_EQ(of_present(t.g3, h, 4), 0);
+    KVT_EQ(mstats(&t).down[1].failed, 4);
+
+    of_backend_set_submit_error(t.g3_faults, 0);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_present(t.g3, h, 4), 4);
+    kvo_manager_stats s = mstats(&t);
+    KVT_EQ(s.down[0].transferred, 4); /* G1 -> G2 once: the second offer found them there */
+    KVT_EQ(s.down[1].transferred, 4);
+    uint64_t copies = of_backend_copies(t.g3_faults);
+
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_backend_copies(t.g3_faults), copies);
+    KVT_EQ(mstats(&t).down[1].transferred, 4);
+
+    /* what G3 got is the blocks' bytes: G1 and G2 lose them, and they come back from disk */
+    KVT_EQ(kvb_release(t.g1, b, 4, NULL), KVB_OK);
+    KVT_EQ(kvb_pool_reset(t.g1), KVB_OK);
+    KVT_EQ(kvb_pool_reset(t.g2), KVB_OK);
+    kvo_transfer tr;
+    KVT_EQ(kvo_manager_onboard(t.m, 2, h, 4, &tr), KVO_OK);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    kvo_pipeline *up = kvo_manager_pipeline(t.m, 2, 1);
+    kvb_block got[4];
+    size_t ngot = 0;
+    KVT_EQ(kvo_transfer_take_blocks(up, tr, got, 4, &ngot), KVO_OK);
+    KVT_EQ(ngot, 4);
+    for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(t.g1, got[i], h[i]));
+    if (ngot) KVT_EQ(kvb_release(t.g1, got, ngot, NULL), KVB_OK);
+    KVT_EQ(kvo_transfer_release(up, tr), KVO_OK);
+    tiers_close(&t);
+}
+
+static void test_failed_second_hop_then_retry(void) { failed_second_hop_then_retry(KVO_MODE_POLL); }
+static void test_failed_second_hop_then_retry_threaded(void) { failed_second_hop_then_retry(KVO_MODE_THREADS); }
+
 /* Lazy: offered blocks stay in G1 alone while in use; once released into a full G1 (no free block), the
  * next two eviction candidates (lazy_reserve 2) are backed in G2, and the others are not yet; after G1
  * evicts those two they are found in G2, and the next poll backs the next two. */
@@ -480,6 +537,8 @@ int main(void)
     KVT_RUN(test_eager_chain_and_lookup);
     KVT_RUN(test_claim_offloaded);
     KVT_RUN(test_full_destination_then_retry);
+    KVT_RUN(test_failed_second_hop_then_retry);
+    KVT_RUN(test_failed_second_hop_then_retry_threaded);
     KVT_RUN(test_lazy_backs_eviction_candidates);
     KVT_RUN(test_lazy_reserve_above_the_tier);
     KVT_RUN(test_eager_threaded);
