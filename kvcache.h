@@ -4518,7 +4518,10 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * evaluator gives up on a block after the policy timeout and counts it.
  *
  * 4. BACKENDS — struct kvo_backend: submit a job of (src block, dst block) copies, get one completion
- * call with a result per copy. Built in:
+ * call with a result per copy. A copy that fails because the source tier's entry is damaged
+ * (KVO_ECHECKSUM) or gone (KVO_ENOTFOUND: e.g. Redis evicted it) is a miss, and once the job is done the
+ * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next offer
+ * stores it again. Built in:
  *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
  *           kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
@@ -4526,11 +4529,11 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
  *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic,
  *           version, block bytes, hash, checksum), verified on every read: a mismatch fails that copy
- *           with KVO_ECHECKSUM (a miss), never wrong data, and the pipeline then drops the tier's block
- *           (kvb_invalidate), so the next offer stores it again. Version 2 since 0.2 (kvblock.h's hashes
- *           changed): a file 0.1 wrote holds only misses. A job of several blocks is written by two
- *           threads: one prepares the next slot (gathers it when needed, computes its checksum) while
- *           the other writes the last, so the checksum stays off the disk's critical path.
+ *           with KVO_ECHECKSUM (a miss, and the tier's block is dropped as above), never wrong data.
+ *           Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote holds only misses. A job
+ *           of several blocks is written by two threads: one prepares the next slot (gathers it when
+ *           needed, computes its checksum) while the other writes the last, so the checksum stays off
+ *           the disk's critical path.
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
@@ -4613,7 +4616,9 @@ extern "C" {
     X(KVO_ENOMEM,    -111,  "out of memory")                                       \
     X(KVO_ELAYOUT,   -112,  "pools have different block sizes")                    \
     X(KVO_ECLOSED,   -113,  "queue closed")                                        \
-    X(KVO_EPRECOND,  -114,  "precondition event failed")
+    X(KVO_EPRECOND,  -114,  "precondition event failed")                           \
+    X(KVO_ENOTFOUND, -123,  "entry not in the source tier (evicted, expired, never written)")
+/* KVO_ENOTFOUND keeps the value it had when only kvremote.h (Redis, whose codes are -121 ..) used it. */
 
 #define KVO__ENUM_ITEM(name, value, text) name = value,
 typedef enum kvo_result { KVO__RESULTS(KVO__ENUM_ITEM) KVO__RESULT_MIN = -115 } kvo_result;
@@ -4684,7 +4689,9 @@ KVO_API void kvo_queue_close(kvo_queue *queue);
 /* ---- copy backends ------------------------------------------------------------------------------ */
 
 /* One batch of block copies between two pools. results[i] is written by the backend (0 or a negative
- * code for that copy); done is called exactly once, from any thread, after every copy finished. */
+ * code for that copy: KVO_ECHECKSUM or KVO_ENOTFOUND when the source's entry is damaged or gone, so the
+ * pipeline drops the source block, section 4); done is called exactly once, from any thread, after
+ * every copy finished. */
 typedef struct kvo_copy_job {
     kvb_pool *src, *dst;
     const uint32_t *src_idx, *dst_idx; /* block indices (kvb_block_index) */
@@ -6138,7 +6145,7 @@ struct kvo_pipeline {
     kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
     uint8_t *present;         /* scratch of kvo__evaluate */
-    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose stored bytes failed their check */
+    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose entry is damaged or gone */
     uint32_t keep_failed;     /* tier manager (eager): keep up to this many failed sources for its next send */
     kvb_weak *failed_src;     /* ... here: weak handles of sources whose copy failed (kvo__take_failed) */
     kvo__note *spare_notes;
@@ -6926,6 +6933,9 @@ static const char *kvo__message_of(const kvo__batch *b, const char *message, int
     return message;
 }
 
+/* A copy failed this way: the source tier's entry is damaged or gone, so its block there is dropped. */
+static int kvo__source_lost(int result) { return result == KVO_ECHECKSUM || result == KVO_ENOTFOUND; }
+
 /* Register what arrived, give back every block the batch held, finish its containers. Locked. */
 static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message, int whole)
 {
@@ -6943,7 +6953,7 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
-            if (b->results[k] == KVO_ECHECKSUM) stbds_arrput(pl->bad, b->hashes[k]);
+            if (kvo__source_lost(b->results[k])) stbds_arrput(pl->bad, b->hashes[k]);
             kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
                                 message);
         }
@@ -7868,8 +7878,10 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * blocks, onboarding from G4 GETs them. Entries other processes wrote are learnt with
  * kvo_redis_import (or kvo_redis_manager_lookup, which imports what lies past the local prefix).
  * Capacity and eviction are Redis's own (maxmemory with allkeys-lru): an entry Redis evicted stays
- * known in the G4 pool until that pool evicts it, and reading it fails that copy with KVO_ENOTFOUND,
- * a miss like any other; kvo_redis_lookup always asks the servers.
+ * known in the G4 pool until a read finds it gone; that read fails the copy with KVO_ENOTFOUND, a miss
+ * like any other, and the pipeline drops the block from the G4 pool (kvoffload.h, section 4), so
+ * lookups stop finding it there and the next offer stores it again. kvo_redis_lookup always asks the
+ * servers.
  * Every batch is one round trip: the commands of a job go out pipelined (to each node its share), then
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight
@@ -7935,9 +7947,10 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * lookup, import or (threads = 0) submit.
  *
  * 9. ERRORS — kvo_result codes, plus the remote ones below (kvo_redis_result_string names them all):
- * KVO_EAUTH, KVO_ECONNECT (no server reachable at create), KVO_ENOTFOUND (entry not in Redis: a miss),
- * KVO_EREMOTE (an error reply, a cluster that does not serve the slot, too many redirects),
- * KVO_ENOREMOTE (built without KVO_WITH_REDIS). Lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
+ * KVO_EAUTH, KVO_ECONNECT (no server reachable at create), KVO_EREMOTE (an error reply, a cluster that
+ * does not serve the slot, too many redirects), KVO_ENOREMOTE (built without KVO_WITH_REDIS). An entry
+ * not in Redis is KVO_ENOTFOUND (a miss; a kvo_result since the pipeline drops such a block, its value
+ * unchanged), lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
  */
 /* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
  * it reads its first header. A system header included earlier has fixed what it declares (glibc's
@@ -7961,7 +7974,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 
 #define KVO_EAUTH (-121)     /* the server refused the credentials, or wants some */
 #define KVO_ECONNECT (-122)  /* no server of the seed list could be reached */
-#define KVO_ENOTFOUND (-123) /* the entry is not in Redis (evicted, expired, never written): a miss */
+/* KVO_ENOTFOUND (-123), the entry is not in Redis (evicted, expired, never written), is kvoffload.h's */
 #define KVO_EREMOTE (-124)   /* an error reply from the server, or a slot no node serves */
 #define KVO_ENOREMOTE (-125) /* built without KVO_WITH_REDIS */
 

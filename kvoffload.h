@@ -58,7 +58,10 @@
  * evaluator gives up on a block after the policy timeout and counts it.
  *
  * 4. BACKENDS — struct kvo_backend: submit a job of (src block, dst block) copies, get one completion
- * call with a result per copy. Built in:
+ * call with a result per copy. A copy that fails because the source tier's entry is damaged
+ * (KVO_ECHECKSUM) or gone (KVO_ENOTFOUND: e.g. Redis evicted it) is a miss, and once the job is done the
+ * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next offer
+ * stores it again. Built in:
  *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
  *           kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
@@ -66,11 +69,11 @@
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
  *           file size limit, goes on buffered alone). Each slot starts with a 4 KiB header (magic,
  *           version, block bytes, hash, checksum), verified on every read: a mismatch fails that copy
- *           with KVO_ECHECKSUM (a miss), never wrong data, and the pipeline then drops the tier's block
- *           (kvb_invalidate), so the next offer stores it again. Version 2 since 0.2 (kvblock.h's hashes
- *           changed): a file 0.1 wrote holds only misses. A job of several blocks is written by two
- *           threads: one prepares the next slot (gathers it when needed, computes its checksum) while
- *           the other writes the last, so the checksum stays off the disk's critical path.
+ *           with KVO_ECHECKSUM (a miss, and the tier's block is dropped as above), never wrong data.
+ *           Version 2 since 0.2 (kvblock.h's hashes changed): a file 0.1 wrote holds only misses. A job
+ *           of several blocks is written by two threads: one prepares the next slot (gathers it when
+ *           needed, computes its checksum) while the other writes the last, so the checksum stays off
+ *           the disk's critical path.
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
@@ -153,7 +156,9 @@ extern "C" {
     X(KVO_ENOMEM,    -111,  "out of memory")                                       \
     X(KVO_ELAYOUT,   -112,  "pools have different block sizes")                    \
     X(KVO_ECLOSED,   -113,  "queue closed")                                        \
-    X(KVO_EPRECOND,  -114,  "precondition event failed")
+    X(KVO_EPRECOND,  -114,  "precondition event failed")                           \
+    X(KVO_ENOTFOUND, -123,  "entry not in the source tier (evicted, expired, never written)")
+/* KVO_ENOTFOUND keeps the value it had when only kvremote.h (Redis, whose codes are -121 ..) used it. */
 
 #define KVO__ENUM_ITEM(name, value, text) name = value,
 typedef enum kvo_result { KVO__RESULTS(KVO__ENUM_ITEM) KVO__RESULT_MIN = -115 } kvo_result;
@@ -224,7 +229,9 @@ KVO_API void kvo_queue_close(kvo_queue *queue);
 /* ---- copy backends ------------------------------------------------------------------------------ */
 
 /* One batch of block copies between two pools. results[i] is written by the backend (0 or a negative
- * code for that copy); done is called exactly once, from any thread, after every copy finished. */
+ * code for that copy: KVO_ECHECKSUM or KVO_ENOTFOUND when the source's entry is damaged or gone, so the
+ * pipeline drops the source block, section 4); done is called exactly once, from any thread, after
+ * every copy finished. */
 typedef struct kvo_copy_job {
     kvb_pool *src, *dst;
     const uint32_t *src_idx, *dst_idx; /* block indices (kvb_block_index) */
@@ -1678,7 +1685,7 @@ struct kvo_pipeline {
     kvo__container **batcher_cs; /* scratch of kvo__stage_batcher */
     kvo__container **stage_cs; /* scratch of kvo__stage_policy and kvo__stage_precondition (put back) */
     uint8_t *present;         /* scratch of kvo__evaluate */
-    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose stored bytes failed their check */
+    kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose entry is damaged or gone */
     uint32_t keep_failed;     /* tier manager (eager): keep up to this many failed sources for its next send */
     kvb_weak *failed_src;     /* ... here: weak handles of sources whose copy failed (kvo__take_failed) */
     kvo__note *spare_notes;
@@ -2466,6 +2473,9 @@ static const char *kvo__message_of(const kvo__batch *b, const char *message, int
     return message;
 }
 
+/* A copy failed this way: the source tier's entry is damaged or gone, so its block there is dropped. */
+static int kvo__source_lost(int result) { return result == KVO_ECHECKSUM || result == KVO_ENOTFOUND; }
+
 /* Register what arrived, give back every block the batch held, finish its containers. Locked. */
 static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const char *message, int whole)
 {
@@ -2483,7 +2493,7 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
-            if (b->results[k] == KVO_ECHECKSUM) stbds_arrput(pl->bad, b->hashes[k]);
+            if (kvo__source_lost(b->results[k])) stbds_arrput(pl->bad, b->hashes[k]);
             kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
                                 message);
         }

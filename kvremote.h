@@ -36,8 +36,10 @@
  * blocks, onboarding from G4 GETs them. Entries other processes wrote are learnt with
  * kvo_redis_import (or kvo_redis_manager_lookup, which imports what lies past the local prefix).
  * Capacity and eviction are Redis's own (maxmemory with allkeys-lru): an entry Redis evicted stays
- * known in the G4 pool until that pool evicts it, and reading it fails that copy with KVO_ENOTFOUND,
- * a miss like any other; kvo_redis_lookup always asks the servers.
+ * known in the G4 pool until a read finds it gone; that read fails the copy with KVO_ENOTFOUND, a miss
+ * like any other, and the pipeline drops the block from the G4 pool (kvoffload.h, section 4), so
+ * lookups stop finding it there and the next offer stores it again. kvo_redis_lookup always asks the
+ * servers.
  * Every batch is one round trip: the commands of a job go out pipelined (to each node its share), then
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight
@@ -103,9 +105,10 @@
  * lookup, import or (threads = 0) submit.
  *
  * 9. ERRORS — kvo_result codes, plus the remote ones below (kvo_redis_result_string names them all):
- * KVO_EAUTH, KVO_ECONNECT (no server reachable at create), KVO_ENOTFOUND (entry not in Redis: a miss),
- * KVO_EREMOTE (an error reply, a cluster that does not serve the slot, too many redirects),
- * KVO_ENOREMOTE (built without KVO_WITH_REDIS). Lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
+ * KVO_EAUTH, KVO_ECONNECT (no server reachable at create), KVO_EREMOTE (an error reply, a cluster that
+ * does not serve the slot, too many redirects), KVO_ENOREMOTE (built without KVO_WITH_REDIS). An entry
+ * not in Redis is KVO_ENOTFOUND (a miss; a kvo_result since the pipeline drops such a block, its value
+ * unchanged), lost connections are KVO_EIO, bad values KVO_ECHECKSUM.
  */
 /* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
  * it reads its first header. A system header included earlier has fixed what it declares (glibc's
@@ -129,7 +132,7 @@
 
 #define KVO_EAUTH (-121)     /* the server refused the credentials, or wants some */
 #define KVO_ECONNECT (-122)  /* no server of the seed list could be reached */
-#define KVO_ENOTFOUND (-123) /* the entry is not in Redis (evicted, expired, never written): a miss */
+/* KVO_ENOTFOUND (-123), the entry is not in Redis (evicted, expired, never written), is kvoffload.h's */
 #define KVO_EREMOTE (-124)   /* an error reply from the server, or a slot no node serves */
 #define KVO_ENOREMOTE (-125) /* built without KVO_WITH_REDIS */
 

@@ -2,7 +2,8 @@
  * Registered in the destination with their hashes and bytes; the presence, frequency and user policies
  * (with the policy timeout); cancel at every stage before the upgrade (nothing copied) and after it (the
  * transfer completes); finished, cancelled-twice and released handles; stale weak handles; precondition
- * events and their timeout; a backend failing mid-batch; priorities; on_done. A wrapping test backend
+ * events and their timeout; a backend failing mid-batch (a source whose entry is gone or damaged is
+ * dropped); priorities; on_done. A wrapping test backend
  * counts and records every copy the pipeline asks for. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
@@ -1020,6 +1021,32 @@ static void test_in_flight_blocks_include_the_backends_jobs(void)
     rig_close(&r);
 }
 
+/* A copy failing because the source's entry is gone (KVO_ENOTFOUND, as Redis reports an evicted one) or
+ * damaged (KVO_ECHECKSUM) is a miss reported with that code, and the source block is dropped once the
+ * job is done (kvb_invalidate), so lookups there stop finding it; the other sources stay. (A copy failed
+ * otherwise leaves its source: test_backend_failure_mid_batch.) */
+static void test_lost_source_dropped(void)
+{
+    const int codes[2] = {KVO_ENOTFOUND, KVO_ECHECKSUM};
+    KVT_CHECK(strstr(kvo_result_string(KVO_ENOTFOUND), "not in the source tier") != NULL);
+    for (int i = 0; i < 2; i++) {
+        rig r;
+        rig_open(&r, 8);
+        of_backend_set_fail(r.w, 3, codes[i]);
+        kvo_transfer t = of_enqueue(r.p, r.weak, 8, NULL);
+        KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_FAILED);
+        kvo_transfer_info info = of_info(r.p, t);
+        KVT_EQ(info.error, codes[i]);
+        KVT_EQ(info.failed, 1);
+        KVT_EQ(info.transferred, 7);
+        KVT_CHECK(!of_has(r.src, r.w->failed_hash));
+        KVT_EQ(of_stats(r.src).invalidated, 1);
+        KVT_EQ(of_present(r.src, r.h, 8), 7);
+        kvo_transfer_release(r.p, t);
+        rig_close(&r);
+    }
+}
+
 /* A backend that refuses the whole job (submit error): Failed with that code, nothing held. */
 static void test_backend_refuses_job(void)
 {
@@ -1486,6 +1513,7 @@ int main(void)
     KVT_RUN(test_custom_precondition_events);
     KVT_RUN(test_wait_on_custom_events);
     KVT_RUN(test_backend_failure_mid_batch);
+    KVT_RUN(test_lost_source_dropped);
     KVT_RUN(test_backend_refuses_job);
     KVT_RUN(test_dest_full_counts_transfers);
     KVT_RUN(test_in_flight_blocks_include_the_backends_jobs);

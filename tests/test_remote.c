@@ -8,7 +8,8 @@
  * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
- *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses; a whole value
+ *   bytes; a deleted entry and entries Redis evicted under maxmemory are plain misses (and the G4 pool
+ *   drops a block whose entry a load found gone, so the next offer stores it again); a whole value
  *   of the other format version (kvcache 0.1) is a miss left in place; a key of ours holding a list is
  *   a damaged entry (a miss, deleted);
  * - tenants with different salts do not see each other's blocks;
@@ -894,14 +895,14 @@ static void test_corrupt_and_tenants(void)
     KVT_EQ(rs.gets, 3);
     KVT_CHECK(log_has("failed its header or checksum check"));
     /* the damaged entries are gone, so no reader meets them again: from Redis, and from the G4 pool
-     * (kvb_invalidate after the load), so the next offer stores them again; the evicted one stays
-     * known there until that pool evicts it (a miss each time, as the manual says) */
+     * (kvb_invalidate after the load), so the next offer stores them again; so is the deleted one,
+     * from the G4 pool (test_lost_entry_dropped) */
     KVT_EQ(exists(s.port, k2), 0);
     KVT_EQ(exists(s.port, k4), 0);
     KVT_EQ(of_has(g4, h[2]), 0);
     KVT_EQ(of_has(g4, h[4]), 0);
-    KVT_EQ(of_has(g4, h[5]), 1);
-    KVT_EQ(of_stats(g4).invalidated, 2);
+    KVT_EQ(of_has(g4, h[5]), 0);
+    KVT_EQ(of_stats(g4).invalidated, 3);
     KVT_EQ(kvo_redis_lookup(b, h, 6, &prefix), KVO_OK);
     KVT_EQ(prefix, 2);
 
@@ -1558,6 +1559,83 @@ static void test_connector_g4(void)
     rf_stop(&s);
 }
 
+/* An entry Redis lost (deleted here, as an eviction would) under a block the G4 pool still knows: the
+ * load fails that copy with KVO_ENOTFOUND (a miss), and the G4 pool drops the block, so lookups stop
+ * finding it there and the next offer stores it again. It used to stay known until that pool evicted
+ * it: every load of it a miss, and offers skipped it as present. */
+static void test_lost_entry_dropped(void)
+{
+    rf_server s;
+    engine e;
+    kvb_hash h[4];
+    kvb_block b[4], got[4];
+    uint8_t tier_of[4];
+    size_t n = 0, ngot = 0;
+    char key[KVO_REDIS_KEY_MAX];
+    kvo_transfer t;
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    if (!engine_open(&e, s.port)) {
+        rf_stop(&s);
+        return;
+    }
+    of_chain(19, 4, h);
+    of_register(e.g1, h, 4, b, NULL);
+    KVT_EQ(kvo_manager_offer(e.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(e.m, 10000000), KVO_OK);
+    KVT_EQ(kvb_release(e.g1, b, 4, NULL), KVB_OK);
+    KVT_EQ(of_present(e.g4, h, 4), 4);
+    KVT_EQ(rf_int(s.port, NULL, "DBSIZE"), 4);
+
+    /* Redis loses h[2]; G1 and G2 lose everything, so the blocks are to come from G4 */
+    kvo_redis_key(e.redis, &h[2], key, sizeof key);
+    KVT_EQ(rf_int(s.port, NULL, "DEL %s", key), 1);
+    KVT_EQ(kvb_pool_reset(e.g1), KVB_OK);
+    KVT_EQ(kvb_pool_reset(e.g2), KVB_OK);
+    KVT_EQ(kvo_manager_onboard(e.m, 2, h, 4, &t), KVO_OK);
+    KVT_EQ(kvo_manager_drain(e.m, 10000000), KVO_OK);
+    kvo_pipeline *up = kvo_manager_pipeline(e.m, 2, 1);
+    kvo_transfer_info info = of_info(up, t);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.transferred, 3);
+    KVT_EQ(info.failed, 1);
+    KVT_EQ(info.error, KVO_ENOTFOUND);
+    KVT_EQ(kvo_transfer_release(up, t), KVO_OK);
+    KVT_EQ(rstats(e.redis).misses, 1);
+
+    /* the G4 pool forgot it: the prefix ends there across the tiers */
+    KVT_EQ(of_has(e.g4, h[2]), 0);
+    KVT_EQ(of_stats(e.g4).invalidated, 1);
+    KVT_EQ(kvo_manager_lookup(e.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 2);
+
+    /* the engine computes it again and offers it: it goes down to Redis again */
+    of_register(e.g1, &h[2], 1, b, NULL);
+    KVT_EQ(kvo_manager_offer(e.m, 0, b, 1, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(e.m, 10000000), KVO_OK);
+    KVT_EQ(kvb_release(e.g1, b, 1, NULL), KVB_OK);
+    KVT_EQ(rf_int(s.port, NULL, "EXISTS %s", key), 1);
+    KVT_EQ(of_has(e.g4, h[2]), 1);
+
+    /* and all four load from G4 with their bytes */
+    KVT_EQ(kvb_pool_reset(e.g1), KVB_OK);
+    KVT_EQ(kvb_pool_reset(e.g2), KVB_OK);
+    KVT_EQ(kvo_manager_lookup(e.m, h, 4, tier_of, &n), KVO_OK);
+    KVT_EQ(n, 4);
+    KVT_EQ(kvo_manager_onboard(e.m, 2, h, 4, &t), KVO_OK);
+    KVT_EQ(kvo_manager_drain(e.m, 10000000), KVO_OK);
+    KVT_EQ(of_status(up, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_take_blocks(up, t, got, 4, &ngot), KVO_OK);
+    KVT_EQ(ngot, 4);
+    for (size_t i = 0; i < ngot; i++) KVT_CHECK(of_bytes_ok(e.g1, got[i], h[i]));
+    if (ngot) KVT_EQ(kvb_release(e.g1, got, ngot, NULL), KVB_OK);
+    KVT_EQ(kvo_transfer_release(up, t), KVO_OK);
+    engine_close(&e);
+    rf_stop(&s);
+}
+
 static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
 
 int main(int argc, char **argv)
@@ -1586,6 +1664,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_other_format_version);
     KVT_RUN(test_wrong_type_value);
     KVT_RUN(test_server_eviction);
+    KVT_RUN(test_lost_entry_dropped);
     KVT_RUN(test_remote_bounds);
     KVT_RUN(test_stray_reply);
     KVT_RUN(test_log_reads_stats);
