@@ -3065,6 +3065,7 @@ static size_t kvo__take_failed(kvo_pipeline *pl, kvb_weak **out)
     kvb_weak *kept;
     size_t n;
     KVB__ARR_SHRINK(*out, 0);
+    if (!pl->keep_failed) return 0; /* set at the manager's creation: G1's pipelines keep none */
     pthread_mutex_lock(&pl->lock);
     n = stbds_arrlenu(pl->failed_src);
     if (n) { /* swapped: both arrays keep their room */
