@@ -2189,11 +2189,13 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     kvb__tune_prefetch(p, idx, n);
     for (i = n; i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
+        uint64_t key;
         if (!(m->flags & KVB__F_SAMPLED)) continue;
         sampled++;
+        key = kvb__mix(&m->hash);
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
-            uint64_t s = kvb__tune_slot(t, sh, kvb__mix(&m->hash));
+            uint64_t s = kvb__tune_slot(t, sh, key);
             uint32_t x = sh->index[s].ref ? sh->index[s].ref - 1 : KVB__NIL;
             if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
             sh->score += 1.0;
@@ -2213,9 +2215,10 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
     t->live_differ += live_lead * live_lead;
     for (i = n; sampled && i-- > 0;) {
         const kvb__meta *m = &p->meta[idx[i]];
+        uint64_t key;
         if (!(m->flags & KVB__F_SAMPLED)) continue;
-        for (k = 0; k < KVB__TUNE_K; k++)
-            kvb__tune_insert(p, &t->sh[k], kvb__mix(&m->hash), now, (uint32_t)i, i == tail ? kind : 0);
+        key = kvb__mix(&m->hash);
+        for (k = 0; k < KVB__TUNE_K; k++) kvb__tune_insert(p, &t->sh[k], key, now, (uint32_t)i, i == tail ? kind : 0);
     }
     return sampled;
 }
