@@ -38,8 +38,9 @@
  * swapped. Each step, within the budgets (default 8192 tokens, 256 sequences): running decodes (one
  * token each) first, then running prefills (chunked when the prompt exceeds what is left), then swapped
  * requests (swap in), then waiting ones. Admission matches the device prefix cache first, then asks the
- * connector for lower-tier hits: those blocks are onboarded (asynchronously) before the request
- * prefills. When blocks run out, the victim is the running request of lowest priority, latest
+ * connector for lower-tier hits among the full blocks before the last token's (that token is always
+ * computed, for its logits, so its block is too): those blocks are onboarded (asynchronously) before the
+ * request prefills. When blocks run out, the victim is the running request of lowest priority, latest
  * arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it; KVS_PREEMPT_SWAP offloads its blocks
  * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
  * strictly lower priority. The engine reports sampled tokens with kvs_sched_append; a request ends at
@@ -3587,11 +3588,13 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
     }
 }
 
-/* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads. */
+/* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads.
+ * Only the blocks admission can match are asked for: those before the last token's (kvs__admit computes
+ * that token, so a prompt that fills its last block recomputes that block; loading it would be wasted). */
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
-    size_t nh = r->len / s->block_tokens, dev = 0, ext = 0;
+    size_t nh = r->len ? (r->len - 1) / s->block_tokens : 0, dev = 0, ext = 0;
     int async = 0;
     r->lower_hit = 0;
     if (!s->conn || !nh) return 0;
@@ -3651,8 +3654,8 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
     r->computed = (uint32_t)cached;
     r->cached = cached;
-    if (r->lower_hit > cached) r->lower_hit = cached; /* loaded blocks the match does not reach: the last
-                                                        * token's (always computed), any after a gap */
+    if (r->lower_hit > cached) r->lower_hit = cached; /* loaded blocks the match does not reach: evicted
+                                                        * once unpinned, or after a gap */
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;

@@ -1156,7 +1156,8 @@ static void test_append_beyond_step_budget(void)
 
 /* A slot's lower-tier hits are part of its cached tokens ("cached: device + lower tiers"), and so in the
  * counters: a prompt of exactly 4 blocks found in the host caches 48 tokens (the last token, in the 4th
- * block, is always computed), so at most 48 of them came from the host, though 4 blocks were loaded. */
+ * block, is always computed), so at most 48 of them came from the host (3 blocks are loaded:
+ * test_onboard_skips_last_token_block). */
 static void test_lower_hits_within_cached(void)
 {
     sf_env e;
@@ -1184,6 +1185,73 @@ static void test_lower_hits_within_cached(void)
     KVT_EQ(iq.num_lower_hit_tokens, 48);
     KVT_EQ(sf_stats(&e).lower_hit_tokens, 48);
     sf_close(&e);
+}
+
+/* Blocks loaded from the host for request q, from the scheduler's log of planned loads. */
+static size_t loaded_blocks_of(const sf_env *e, uint64_t q)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < e->nloads; i++)
+        if (e->loads[i].request == q) n += e->loads[i].num_blocks;
+    return n;
+}
+
+/* A prompt whose last token ends a block: admission never matches that block (the last token is always
+ * computed, for its logits), so onboarding must not load it. A 64-token prompt, all 4 blocks on the host
+ * and none on the device: 3 blocks come up, the 4th is computed. A 56-token prompt (3 full blocks and 8
+ * tokens) still gets all 3 of its full blocks. */
+static void onboard_all_on_host(size_t len, size_t expect_loaded)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t b[64];
+    kvb_hash h[4];
+    kvo_manager_stats m0, m1;
+    size_t full = len / 16;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    sf_open(&e, &o);
+    sf_tokens(72, b, len);
+    hashes_of(b, len, h, 4, full);
+    uint64_t a = sf_add(&e, b, len, 1, 0);
+    sf_run(&e, 10);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(lookup(e.host, h, full), full);
+    KVT_EQ(sf_release(&e, a), KVS_OK);
+    KVT_EQ(kvb_pool_reset(e.dev), KVB_OK);
+    KVT_EQ(kvo_manager_get_stats(e.m, &m0), KVO_OK);
+    uint64_t q = sf_add(&e, b, len, 1, 0);
+    kvs_step st;
+    int pre = 0;
+    const kvs_sched_item *it = NULL;
+    for (int i = 0; i < 10 && !it; i++) { /* onboard, then the step that admits q */
+        sf_turn(&e, &st);
+        it = sf_item(&st, q, &pre);
+    }
+    KVT_CHECK(it != NULL && pre);
+    if (it) {
+        KVT_EQ(it->num_computed, expect_loaded * 16);
+        KVT_EQ(it->num_new, len - expect_loaded * 16);
+    }
+    sf_run(&e, 10);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(kvo_manager_get_stats(e.m, &m1), KVO_OK);
+    KVT_EQ(loaded_blocks_of(&e, q), expect_loaded);
+    KVT_EQ(m1.up[1].transferred - m0.up[1].transferred, expect_loaded); /* what actually moved */
+    kvs_slot_info iq = sf_slot(&e, q);
+    KVT_EQ(iq.num_cached, expect_loaded * 16);
+    KVT_EQ(iq.num_lower_hit_tokens, expect_loaded * 16);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, expect_loaded * 16);
+    KVT_EQ(lookup(e.dev, h, full), full); /* the computed last block is registered as usual */
+    sf_close(&e);
+}
+
+static void test_onboard_skips_last_token_block(void)
+{
+    onboard_all_on_host(64, 3);
+    onboard_all_on_host(56, 3);
 }
 
 static void test_bad_input(void)
@@ -1511,6 +1579,7 @@ int main(void)
     KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
     KVT_RUN(test_append_beyond_step_budget);
     KVT_RUN(test_lower_hits_within_cached);
+    KVT_RUN(test_onboard_skips_last_token_block);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
