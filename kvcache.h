@@ -12864,6 +12864,7 @@ typedef union kvs__req_slot {
     unsigned char lines[5 * 64];
 } kvs__req_slot;
 typedef char kvs__req_fits_its_slot[sizeof(kvs__req) <= 5 * 64 ? 1 : -1];
+#define KVS__CLASSES 33        /* a request's token buffer holds 2^c tokens (UINT32_MAX in class 32) */
 
 struct kvs_sched {
     kvs_sched_config cfg;
@@ -12872,7 +12873,8 @@ struct kvs_sched {
     uint32_t block_tokens, device_blocks;
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
-    kvs__req **spare;          /* stb_ds: released requests, kept with their token buffers for the next */
+    kvs__req **spare[KVS__CLASSES]; /* stb_ds: released requests, kept with their token buffers and
+                                * sequences for the next, by the class of their buffer (kvs__spare_for) */
     void **slabs;              /* stb_ds: where the requests live, KVS__SLAB to a slab */
     kvs__req_slot *slab_next;
     size_t slab_left;
@@ -13132,29 +13134,53 @@ static void kvs__req_free(kvs__req *r)
     KVB_FREE(r->tokens);
 }
 
-/* Room for `need` tokens in r->tokens (at least doubling). 0 when out of memory (nothing changed). */
+/* The class of a buffer of n tokens: the c with 2^(c-1) < n <= 2^c (0 for n <= 1). */
+static unsigned kvs__class(size_t n)
+{
+    unsigned c = 0;
+    while (c < KVS__CLASSES - 1 && ((size_t)1 << c) < n) c++;
+    return c;
+}
+
+/* Room for `need` tokens in r->tokens: the whole of need's class (a power of two, so at least doubling).
+ * 0 when out of memory (nothing changed). */
 static int kvs__reserve(kvs__req *r, size_t need)
 {
     uint32_t *t;
-    size_t cap = (size_t)r->cap * 2 > need ? (size_t)r->cap * 2 : need;
+    unsigned c = kvs__class(need);
+    size_t cap = c < KVS__CLASSES - 1 ? (size_t)1 << c : UINT32_MAX;
     if (need <= r->cap) return 1;
-    if (cap > UINT32_MAX) cap = UINT32_MAX;
     if (!(t = (uint32_t *)KVB_REALLOC(r->tokens, cap * sizeof *t))) return 0;
     r->tokens = t;
     r->cap = (uint32_t)cap;
     return 1;
 }
 
-/* A request struct, aligned to a cache line: a released one (its token buffer and sequence kept) or a
- * new one from the current slab. */
-static kvs__req *kvs__req_new(kvs_sched *s)
+/* A released request goes to the spares of its buffer's class. */
+static void kvs__req_spare(kvs_sched *s, kvs__req *r)
+{
+    stbds_arrput(s->spare[kvs__class(r->cap)], r);
+}
+
+/* A released request whose buffer is of need's class, or NULL. Only that class, so that which spare a
+ * request gets never decides what a later one allocates: each class keeps as many structs as it had
+ * requests at once, and the same traffic again allocates nothing. (Taken last in, first out whatever
+ * their size, every spare had to meet the largest request before the steady state came.) */
+static kvs__req *kvs__spare_for(kvs_sched *s, size_t need)
+{
+    unsigned c = kvs__class(need);
+    return stbds_arrlen(s->spare[c]) ? stbds_arrpop(s->spare[c]) : NULL;
+}
+
+/* A request struct for `need` tokens, aligned to a cache line: a released one (its token buffer and
+ * sequence kept) or a new one from the current slab. */
+static kvs__req *kvs__req_new(kvs_sched *s, size_t need)
 {
     kvs__req *r;
-    if (stbds_arrlen(s->spare)) {
+    if ((r = kvs__spare_for(s, need)) != NULL) {
         uint32_t *tokens;
         uint32_t cap;
         kvb_seq *kept;
-        r = stbds_arrpop(s->spare);
         tokens = r->tokens;
         cap = r->cap;
         kept = r->kept_seq;
@@ -13194,8 +13220,10 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     }
     kvs__id_free(&sched->reqs);
     stbds_arrfree(sched->all);
-    while (stbds_arrlen(sched->spare)) kvs__req_free(stbds_arrpop(sched->spare));
-    stbds_arrfree(sched->spare);
+    for (i = 0; i < KVS__CLASSES; i++) {
+        while (stbds_arrlen(sched->spare[i])) kvs__req_free(stbds_arrpop(sched->spare[i]));
+        stbds_arrfree(sched->spare[i]);
+    }
     for (i = 0; i < stbds_arrlenu(sched->slabs); i++) KVB_FREE(sched->slabs[i]);
     stbds_arrfree(sched->slabs);
     stbds_arrfree(sched->order);
@@ -13249,7 +13277,7 @@ static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
 static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
 {
     kvs__req *r;
-    size_t need;
+    size_t need, room;
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
@@ -13257,12 +13285,12 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
         return KVS_ETOOBIG; /* before the event: it would name an id the next add takes */
     if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
-    if (!(r = kvs__req_new(sched))) return KVS_ENOMEM;
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */
-    if (!kvs__reserve(r, request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096
-                                                    ? request->max_new_tokens : 256))) {
-        stbds_arrput(sched->spare, r); /* not freed: the last step's items may still name it */
+    room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
+    if (!(r = kvs__req_new(sched, room))) return KVS_ENOMEM;
+    if (!kvs__reserve(r, room)) {
+        kvs__req_spare(sched, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;
     }
     r->id = sched->next_id++;
@@ -13279,7 +13307,7 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (!kvs__id_put(&sched->reqs, r->id, r)) {
         sched->next_id--;
         sched->next_arrival--;
-        stbds_arrput(sched->spare, r);
+        kvs__req_spare(sched, r);
         return KVS_ENOMEM;
     }
     r->at = stbds_arrlenu(sched->all);
@@ -13898,7 +13926,7 @@ static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
                 kvs__drop_blocks(sched, r);
                 if (r->released) {
                     r->id = 0;
-                    stbds_arrput(sched->spare, r);
+                    kvs__req_spare(sched, r);
                 }
             }
         }
@@ -14013,7 +14041,7 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
         r->released = 1; /* the engine holds its block table until the step completes */
     } else {
         r->id = 0;
-        stbds_arrput(sched->spare, r);
+        kvs__req_spare(sched, r);
     }
     return KVS_OK;
 }
