@@ -12118,6 +12118,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     int async;                 /* the offer had blocks to load (*out_async = 1) */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
     uint32_t loads_active;
+    size_t room;               /* blocks each of its arrays has room for (kvs__plan_new); 0: not sized */
 } kvs__plan;
 
 /* A map from a 64-bit id (request, transfer) to a pointer, NULL = absent: open addressing on a
@@ -12234,7 +12235,16 @@ static kvs__plan *kvs__plan_of(kvs_connector *c, uint64_t request)
     return NULL;
 }
 
-/* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new). Locked. */
+static void kvs__plan_free(kvs__plan *p)
+{
+    stbds_arrfree(p->loaded);
+    stbds_arrfree(p->hashes);
+    stbds_arrfree(p->runs);
+    stbds_arrfree(p->built);
+}
+
+/* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new), unless
+ * they could not be given their room. Locked. */
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
@@ -12243,18 +12253,34 @@ static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
     KVB__ARR_SHRINK(p->hashes, 0);
     KVB__ARR_SHRINK(p->runs, 0);
     KVB__ARR_SHRINK(p->built, 0);
-    stbds_arrput(c->spare_plans, *p);
+    if (p->room) stbds_arrput(c->spare_plans, *p);
+    else kvs__plan_free(p);
     stbds_arrdelswap(c->plans, at);
 }
 
-/* An empty plan for `request` (the arrays of a dropped one when there is one), not yet in c->plans. */
-static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
+/* An empty plan for `request` and n block hashes, not yet in c->plans, with room for n blocks in each
+ * array (runs, built and loaded never hold more than its hashes): a dropped plan of n's class (room, a
+ * power of two), else a new one. By class, as requests are (kvs__spare_for): which spare a plan gets never
+ * decides what a later plan allocates (taken last in, first out, each spare grew as its own loads came
+ * in, and had to meet the longest prompt before the steady state). Locked. */
+static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request, size_t n)
 {
     kvs__plan p;
-    if (stbds_arrlen(c->spare_plans)) {
-        p = stbds_arrpop(c->spare_plans);
+    size_t i, room = 4;
+    while (room < n) room *= 2;
+    for (i = stbds_arrlenu(c->spare_plans); i-- > 0;)
+        if (c->spare_plans[i].room == room) break;
+    if (i != SIZE_MAX) {
+        p = c->spare_plans[i];
+        stbds_arrdelswap(c->spare_plans, i);
     } else {
+        void *h = NULL, *runs = NULL, *built = NULL, *loaded = NULL;
         memset(&p, 0, sizeof p);
+        /* out of memory: the arrays grow as they fill, and the plan is no spare of any class */
+        if (kvb__arr_room(&h, sizeof *p.hashes, room) && kvb__arr_room(&runs, sizeof *p.runs, room) &&
+            kvb__arr_room(&built, sizeof *p.built, room) && kvb__arr_room(&loaded, sizeof *p.loaded, room))
+            p.room = room;
+        p.hashes = (kvb_hash *)h, p.runs = (kvs_load *)runs, p.built = (kvs_load *)built, p.loaded = (kvb_block *)loaded;
     }
     p.request = request;
     p.accepted = 0;
@@ -12263,14 +12289,6 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request)
     p.async = 0;
     p.loads_active = 0;
     return p;
-}
-
-static void kvs__plan_free(kvs__plan *p)
-{
-    stbds_arrfree(p->loaded);
-    stbds_arrfree(p->hashes);
-    stbds_arrfree(p->runs);
-    stbds_arrfree(p->built);
 }
 
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
@@ -12391,7 +12409,7 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         kvs__plan_drop(c, p); /* a new question replaces the plan */
     }
     if (found > first) {
-        fresh = kvs__plan_new(c, request);
+        fresh = kvs__plan_new(c, request, num_hashes);
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
         for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
             kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
