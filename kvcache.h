@@ -8050,14 +8050,18 @@ KVO_API kvo_result kvo_redis_lookup(kvo_backend *redis, const kvb_hash *hashes, 
  * then each block's parent is the previous hash (the first's is the root). Blocks already in the pool
  * stay as they are (in a pool short of room the new ones may take the place of some). KVO_EINVAL for a
  * pool with storage (the import copies no bytes). *out_n = length of the prefix the pool holds after
- * the import. Thread safety: any thread. */
+ * the import. A server that cannot be asked ends the prefix there, as in kvo_redis_lookup: what was
+ * found before it is imported (*out_n counts it) and the server's error is returned (KVO_EIO,
+ * KVO_EREMOTE...), so a result other than KVO_OK with *out_n > 0 is a prefix that may be short.
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const kvb_hash *hashes,
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
 /* kvo_manager_lookup that includes what Redis holds: the hashes past the local prefix are imported
  * (kvo_redis_import into the backend's pool, which must be one of the manager's tiers), then the
- * manager looks again. An unreachable Redis leaves the local answer (KVO_OK; counted in
- * lookup_errors). Thread safety: any thread. */
+ * manager looks again. An unreachable Redis leaves the local answer, one reachable in part adds what
+ * it found before the server it could not ask (KVO_OK; counted in lookup_errors). Thread safety: any
+ * thread. */
 KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *redis, const kvb_hash *hashes,
                                             size_t n, uint8_t *tier_of, size_t *out_n);
 /* The same with the backend as user data first: the shape of kvsched.h's kvs_lookup_fn, so a connector
@@ -9863,14 +9867,14 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
     kvb_hash *mh = NULL, *mp = NULL;
     kvb_block *blocks = NULL;
     kvb_pool_config pc;
-    kvo_result e;
+    kvo_result e, looked;
     kvo_redis_stats delta;
     if (out_n) *out_n = 0;
     if (!r || !g4_pool || !out_n || (n && !hashes) || kvb_pool_get_config(g4_pool, &pc) != KVB_OK ||
         pc.storage != KVB_STORAGE_NONE) /* a pool with storage would serve bytes nobody copied */
         return KVO_EINVAL;
-    e = kvo_redis_lookup(redis, hashes, n, &prefix);
-    if (!prefix) return e;
+    looked = kvo_redis_lookup(redis, hashes, n, &prefix);
+    if (!prefix) return looked;
     present = (uint8_t *)KVO__RALLOC(prefix);
     mh = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mh);
     mp = (kvb_hash *)KVO__RALLOC(prefix * sizeof *mp);
@@ -9904,6 +9908,7 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
     for (i = 0; i < prefix && present[i]; i++) {
     }
     *out_n = i;
+    e = looked; /* a server not asked: the prefix found before it is imported, and may be short */
 out:
     memset(&delta, 0, sizeof delta);
     delta.imported = done;

@@ -4,7 +4,8 @@
  *   prefix in Redis (kvo_redis_manager_lookup), onboards it, and its bytes equal A's;
  * - a 3-node Redis Cluster: blocks spread over the nodes (routing checked against CLUSTER KEYSLOT), all
  *   read back; a slot resharded by hand is followed through ASK (while migrating) and MOVED (after);
- *   slots assigned after the backend read the map are found (their keys failed for good before);
+ *   slots assigned after the backend read the map are found (their keys failed for good before); an
+ *   import with a node lost imports the prefix found before it and returns the node's error;
  * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
@@ -679,6 +680,60 @@ out:
     kvo_backend_destroy(b);
     kvb_pool_destroy(g1);
     kvb_pool_destroy(g4);
+    for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+}
+
+/* A cluster node lost while a conversation's blocks are imported: the blocks found on the nodes still
+ * up before the first one it held are imported, and the import says the answer may be short (the lost
+ * node's KVO_EIO, as kvo_redis_lookup does), with *out_n counting what it imported. It used to return
+ * KVO_OK whenever some prefix was found, so a caller could not tell "Redis has only these" from "Redis
+ * could not be asked about the rest". */
+static void test_cluster_import_node_lost(void)
+{
+    rf_server n[3];
+    char seeds[96], key[KVO_REDIS_KEY_MAX];
+    kvb_hash h[CHAIN_LEN];
+    int owner[CHAIN_LEN];
+    size_t k = 0, prefix = 99, known = 99;
+    memset(n, 0, sizeof n);
+    if (!rf_cluster_start(n)) {
+        KVT_CHECK(!"the 3-node cluster did not come up");
+        for (int i = 0; i < 3; i++) rf_stop(&n[i]);
+        return;
+    }
+    snprintf(seeds, sizeof seeds, "127.0.0.1:%d,127.0.0.1:%d,127.0.0.1:%d", n[0].port, n[1].port, n[2].port);
+    kvb_pool *g1 = of_mem_pool(CHAIN_LEN, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16);
+    kvb_pool *fresh = of_meta_pool(16);
+    kvo_backend *b = redis_open(seeds, g4, 0);
+    if (!b) goto out;
+    of_chain(51, CHAIN_LEN, h);
+    of_register(g1, h, CHAIN_LEN, NULL, NULL);
+    KVT_EQ(offload(g1, g4, b, h, CHAIN_LEN).status, KVO_STATUS_COMPLETE);
+    /* the first block held by another node than block 0's: its node goes */
+    for (size_t i = 0; i < CHAIN_LEN; i++) {
+        kvo_redis_key(b, &h[i], key, sizeof key);
+        owner[i] = -1;
+        for (int j = 0; j < 3; j++)
+            if (rf_int(n[j].port, NULL, "EXISTS %s", key) == 1) owner[i] = j;
+        KVT_CHECK(owner[i] >= 0);
+        if (!k && owner[i] != owner[0]) k = i;
+    }
+    KVT_CHECK(k > 0);
+    if (!k) goto out;
+    rf_kill(&n[owner[k]]);
+
+    KVT_EQ(kvo_redis_lookup(b, h, CHAIN_LEN, &prefix), KVO_EIO);
+    KVT_EQ(prefix, k);
+    KVT_EQ(kvo_redis_import(b, fresh, h, NULL, CHAIN_LEN, &known), KVO_EIO);
+    KVT_EQ(known, k);
+    KVT_EQ(of_present(fresh, h, CHAIN_LEN), k);
+    KVT_EQ(rstats(b).imported, k);
+    OF_CHECK_POOL(fresh);
+out:
+    kvo_backend_destroy(b);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    kvb_pool_destroy(fresh);
     for (int i = 0; i < 3; i++) rf_stop(&n[i]);
 }
 
@@ -1659,6 +1714,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_cluster);
     KVT_RUN(test_cluster_slots_assigned_later);
     KVT_RUN(test_cluster_unreachable_worker);
+    KVT_RUN(test_cluster_import_node_lost);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
