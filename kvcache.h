@@ -7918,10 +7918,12 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * server (config.cluster: 0 detect, 1 require a cluster, -1 never). In a cluster each key goes to the
  * node owning its hash slot (CRC16/XMODEM of the key, or of its {hash tag}, mod 16384; see
  * kvo_redis_key_slot), a batch is split per node (one pipeline each, all nodes written before any is
- * read), MOVED updates the slot and refreshes the whole map (CLUSTER SLOTS), ASK sends ASKING then the
- * command to the node named, without changing the map. A key whose slot the map gives no node asks for
- * the map again (once a batch) and fails with KVO_EREMOTE only if no node serves it still. A key
- * redirected more than max_redirects times fails with KVO_EREMOTE.
+ * read), MOVED gives the slot to the node named at once, then asks that node first for the whole map
+ * (CLUSTER SLOTS: another node may not know of the move yet; the keys redirected go to the node named
+ * whatever map comes back), ASK sends ASKING then the command to the node named, without changing the
+ * map. A key whose slot the map gives no node asks for the map again (once a batch) and fails with
+ * KVO_EREMOTE only if no node serves it still. A key redirected more than max_redirects times fails
+ * with KVO_EREMOTE.
  *
  * 5. SECURITY
  * AUTH with `password` (and `username` for an ACL user), or with the value of the environment variable
@@ -8329,6 +8331,7 @@ typedef struct kvo__ritem {
     int ask;           /* node to send ASKING to, -1 = none */
     int node;          /* node of the current round */
     uint32_t redirects;
+    int moved;         /* node this round's MOVED named, -1 = none */
     uint32_t block;    /* memory block (SET: source, GET: destination) */
     int corrupt;       /* a damaged value (not one of another layout): deleted after the batch */
 } kvo__ritem;
@@ -8342,7 +8345,8 @@ typedef struct kvo__rop {
     const kvb_hash *hashes;
     kvo__rgeom mem;
     uint64_t bytes;
-    int need_refresh, tryagain;
+    int moved_to;          /* node the round's last MOVED named (the map is asked of it), -1 = none */
+    int tryagain;
     int asked_unserved;    /* the map was asked again for a slot it gave no node */
     char msg[KVO__R_MSG];  /* the first failure */
     kvo_redis_stats delta; /* counted under stats_lock at the end */
@@ -8843,19 +8847,21 @@ static int kvo__rmap_from(kvo__rclient *cl, const redisReply *reply, size_t from
     return 1;
 }
 
-/* Ask CLUSTER SLOTS of the first node that answers (connected ones first). 1 when the map was filled, 0
- * when a node answered without one, -1 when none could be asked (why: the last node's reason). */
-static int kvo__rrefresh(kvo__redis *r, kvo__rclient *cl, kvo_redis_stats *delta, char *why, size_t why_size)
+/* Ask CLUSTER SLOTS of the first node that answers: `first` (-1 = none), then connected ones, then the
+ * others. 1 when the map was filled, 0 when a node answered without one, -1 when none could be asked
+ * (why: the last node's reason). */
+static int kvo__rrefresh(kvo__redis *r, kvo__rclient *cl, int first, kvo_redis_stats *delta, char *why,
+                         size_t why_size)
 {
     int pass, answered = 0;
     size_t i;
     const char *argv[2] = {"CLUSTER", "SLOTS"};
     char msg[KVO__R_MSG] = "no node known";
-    for (pass = 0; pass < 2; pass++)
+    for (pass = 0; pass < 3; pass++)
         for (i = 0; i < cl->n_nodes; i++) {
             redisReply *reply = NULL;
             int ok;
-            if ((pass == 0) != (cl->nodes[i].c != NULL)) continue;
+            if (pass != ((int)i == first ? 0 : cl->nodes[i].c ? 1 : 2)) continue;
             if (kvo__rconnect(r, cl, i, msg, sizeof msg, delta) != KVO_OK) continue;
             if (kvo__rcall(r, cl, &cl->nodes[i], 2, argv, &reply, msg, sizeof msg, delta) != KVO_OK) continue;
             delta->slot_refreshes++;
@@ -9041,9 +9047,9 @@ static void kvo__rreply(kvo__rop *op, size_t k, size_t i, redisReply *reply)
             int node = kvo__rredirect_node(op->cl, k, reply->str, reply->len);
             if (node >= 0 && it->redirects < r->cfg.max_redirects) {
                 it->redirects++;
-                if (moved) {
+                if (moved) { /* the slot's owner at once; the whole map after the round */
                     op->cl->slot_node[it->slot] = (uint16_t)node;
-                    op->need_refresh = 1;
+                    it->moved = op->moved_to = node;
                     op->delta.moved++;
                     it->ask = -1;
                 } else {
@@ -9326,11 +9332,11 @@ static void kvo__rop_run(kvo__rop *op)
         }
         if (op->tryagain) kvo__rsleep_ms(10u * (++tryagains < 10 ? tryagains : 10));
         op->tryagain = 0;
-        op->need_refresh = 0;
+        op->moved_to = -1;
         /* route; a node gets at most `window` items a round, the others wait for the next */
         unreached = 0;
         if (r->cluster && !cl->have_map) {
-            unreached = kvo__rrefresh(r, cl, &op->delta, why, sizeof why) < 0;
+            unreached = kvo__rrefresh(r, cl, -1, &op->delta, why, sizeof why) < 0;
         } else if (r->cluster && !op->asked_unserved) {
             /* a slot the map gives no node may have been assigned since it was read (a cluster still
              * being set up, a slot moved by hand): ask again, once a batch, before failing its keys;
@@ -9341,7 +9347,7 @@ static void kvo__rop_run(kvo__rop *op)
                     break;
             if (i < op->n) {
                 op->asked_unserved = 1;
-                unreached = kvo__rrefresh(r, cl, &op->delta, why, sizeof why) < 0;
+                unreached = kvo__rrefresh(r, cl, -1, &op->delta, why, sizeof why) < 0;
             }
         }
         KVO__RFREE(sent);
@@ -9352,6 +9358,7 @@ static void kvo__rop_run(kvo__rop *op)
         for (i = 0; taken && i < op->n; i++) {
             kvo__ritem *it = &op->items[i];
             if (it->result != KVO__R_PENDING) continue;
+            it->moved = -1;
             if (it->ask >= 0) it->node = it->ask;
             else if (!r->cluster) it->node = 0;
             else if (cl->slot_node[it->slot] != KVO__R_NO_NODE) it->node = cl->slot_node[it->slot];
@@ -9437,8 +9444,14 @@ static void kvo__rop_run(kvo__rop *op)
                 kvo__rdrop(r, &cl->nodes[k], "unexpected bytes after the replies", &op->delta);
             cl->rpos = cl->rlen = 0;
         }
-        if (op->need_refresh && kvo__rrefresh(r, cl, &op->delta, why, sizeof why) > 0) {
-            /* the map is fresh; items redirected by MOVED follow it next round */
+        if (op->moved_to >= 0) {
+            /* asked of the new owner first: another node may not know yet, and its map would send the
+             * keys back to the old owner (MOVED again, until too many redirects); so whichever node
+             * answers, this round's MOVEDs stand */
+            kvo__rrefresh(r, cl, op->moved_to, &op->delta, why, sizeof why);
+            for (i = 0; i < op->n; i++)
+                if (op->items[i].result == KVO__R_PENDING && op->items[i].moved >= 0)
+                    cl->slot_node[op->items[i].slot] = (uint16_t)op->items[i].moved;
         }
     }
     KVO__RFREE(sent);
@@ -9485,6 +9498,7 @@ static kvo__ritem *kvo__ritems(kvo__redis *r, const kvb_hash *hashes, size_t n)
         it->ask = -1;
         it->node = -1;
         it->redirects = 0;
+        it->moved = -1;
         it->block = 0;
         it->corrupt = 0;
     }

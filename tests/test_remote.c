@@ -5,7 +5,8 @@
  * - a 3-node Redis Cluster: blocks spread over the nodes (routing checked against CLUSTER KEYSLOT), all
  *   read back; a slot resharded by hand is followed through ASK (while migrating) and MOVED (after);
  *   slots assigned after the backend read the map are found (their keys failed for good before); an
- *   import with a node lost imports the prefix found before it and returns the node's error;
+ *   import with a node lost imports the prefix found before it and returns the node's error; a MOVED
+ *   is followed though the node the map is asked of still names the old owner (scripted nodes);
  * - the server killed mid-batch: the transfer Fails with a clear message, nothing hangs, local tiers
  *   keep working; after a restart transfers resume;
  * - values corrupted with redis-cli (data and header) are misses with checksum errors, never wrong
@@ -1151,21 +1152,34 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
     return w.result;
 }
 
-/* ---- a server out of step: a scripted one on a thread ------------------------------------------------ */
+/* ---- scripted servers: one connection at a time, on a thread ---------------------------------------- */
 
-/* Answers each command of one connection at a time as a Redis with a full memory would (SET -> -OOM,
- * GET -> nil, GETRANGE -> an empty string), but sends one reply nobody asked for after the first
- * GETRANGE, in the same write: the client then holds it in its reader, behind the answer it wanted. */
-typedef struct stray_server { int listen_fd, port; pthread_t thread; } stray_server;
+typedef struct script_server script_server;
+/* The reply to one command (name upper-cased, key its first argument); out is room to write it in. */
+typedef const char *(*script_fn)(script_server *sv, const char *name, const char *key, char *out, size_t size);
 
-static int stray_command(int fd, char *buf, size_t *len, char *name, size_t name_size)
+struct script_server {
+    int listen_fd, port;
+    pthread_t thread;
+    script_fn answer;
+    int getranges;             /* GETRANGEs answered */
+    int sets;                  /* SETs stored (read after script_stop) */
+    int map_port, moved_port;  /* cluster nodes: the owner CLUSTER SLOTS names (0: itself, -1: none);
+                                  MOVED's target (0: none) */
+    char buf[65536];
+};
+
+static int script_command(script_server *sv, int fd, size_t *len, char *name, size_t name_size, char *key,
+                          size_t key_size)
 {
-    for (;;) { /* one RESP array of bulk strings: name = its first, upper-cased */
+    char *buf = sv->buf;
+    for (;;) { /* one RESP array of bulk strings: name = its first, upper-cased; key = its second */
         size_t pos = 0, n, i, k;
         char *end;
         if (*len && buf[0] == '*' && (end = memchr(buf, '\n', *len)) != NULL) {
             n = strtoul(buf + 1, NULL, 10);
             pos = (size_t)(end - buf) + 1;
+            key[0] = 0;
             for (i = 0; i < n && pos < *len; i++) {
                 char *e2 = memchr(buf + pos, '\n', *len - pos);
                 size_t l;
@@ -1174,6 +1188,8 @@ static int stray_command(int fd, char *buf, size_t *len, char *name, size_t name
                 if ((size_t)(e2 - buf) + 1 + l + 2 > *len) break;
                 if (i == 0)
                     for (k = 0; k < l && k + 1 < name_size; k++) name[k] = (char)toupper((unsigned char)e2[1 + k]), name[k + 1] = 0;
+                if (i == 1)
+                    for (k = 0; k < l && k + 1 < key_size; k++) key[k] = e2[1 + k], key[k + 1] = 0;
                 pos = (size_t)(e2 - buf) + 1 + l + 2;
             }
             if (i == n) {
@@ -1182,39 +1198,34 @@ static int stray_command(int fd, char *buf, size_t *len, char *name, size_t name
                 return 1;
             }
         }
-        ssize_t got = recv(fd, buf + *len, 65536 - *len, 0);
+        ssize_t got = recv(fd, buf + *len, sizeof sv->buf - *len, 0);
         if (got <= 0) return 0;
         *len += (size_t)got;
     }
 }
 
-static void *stray_serve(void *arg)
+static void *script_serve(void *arg)
 {
-    stray_server *sv = (stray_server *)arg;
-    int getranges = 0, fd;
-    static char buf[65536];
+    script_server *sv = (script_server *)arg;
+    int fd;
     while ((fd = accept(sv->listen_fd, NULL, NULL)) >= 0) {
         size_t len = 0;
-        char name[32] = "";
-        while (stray_command(fd, buf, &len, name, sizeof name)) {
-            const char *out = "-ERR unknown\r\n";
-            if (!strcmp(name, "PING")) out = "+PONG\r\n";
-            else if (!strcmp(name, "CLUSTER")) out = "-ERR This instance has cluster support disabled\r\n";
-            else if (!strcmp(name, "GETRANGE")) out = getranges++ ? "$0\r\n\r\n" : "$0\r\n\r\n+OK\r\n";
-            else if (!strcmp(name, "SET")) out = "-OOM command not allowed when used memory > 'maxmemory'.\r\n";
-            else if (!strcmp(name, "GET")) out = "$-1\r\n";
-            if (send(fd, out, strlen(out), MSG_NOSIGNAL) < 0) break;
+        char name[32] = "", key[256] = "", out[256];
+        while (script_command(sv, fd, &len, name, sizeof name, key, sizeof key)) {
+            const char *reply = sv->answer(sv, name, key, out, sizeof out);
+            if (send(fd, reply, strlen(reply), MSG_NOSIGNAL) < 0) break;
         }
         close(fd);
     }
     return NULL;
 }
 
-static int stray_start(stray_server *sv)
+static int script_start(script_server *sv, script_fn answer)
 {
     struct sockaddr_in a;
     socklen_t al = sizeof a;
     int one = 1;
+    sv->answer = answer;
     memset(&a, 0, sizeof a);
     a.sin_family = AF_INET;
     a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
@@ -1226,14 +1237,56 @@ static int stray_start(stray_server *sv)
         return 0;
     }
     sv->port = ntohs(a.sin_port);
-    return pthread_create(&sv->thread, NULL, stray_serve, sv) == 0;
+    return pthread_create(&sv->thread, NULL, script_serve, sv) == 0;
 }
 
-static void stray_stop(stray_server *sv)
+static void script_stop(script_server *sv)
 {
     shutdown(sv->listen_fd, SHUT_RDWR);
     close(sv->listen_fd);
     pthread_join(sv->thread, NULL);
+}
+
+/* A Redis out of step: answers as one with a full memory would (SET -> -OOM, GET -> nil, GETRANGE -> an
+ * empty string), but sends one reply nobody asked for after the first GETRANGE, in the same write: the
+ * client then holds it in its reader, behind the answer it wanted. */
+static const char *stray_answer(script_server *sv, const char *name, const char *key, char *out, size_t size)
+{
+    (void)key;
+    (void)out;
+    (void)size;
+    if (!strcmp(name, "PING")) return "+PONG\r\n";
+    if (!strcmp(name, "CLUSTER")) return "-ERR This instance has cluster support disabled\r\n";
+    if (!strcmp(name, "GETRANGE")) return sv->getranges++ ? "$0\r\n\r\n" : "$0\r\n\r\n+OK\r\n";
+    if (!strcmp(name, "SET")) return "-OOM command not allowed when used memory > 'maxmemory'.\r\n";
+    if (!strcmp(name, "GET")) return "$-1\r\n";
+    return "-ERR unknown\r\n";
+}
+
+/* A node of a scripted cluster: CLUSTER SLOTS gives every slot to map_port (0: to itself; -1: an error
+ * instead); with moved_port set, every key is answered MOVED there; without, SETs are stored and reads
+ * miss. */
+static const char *cluster_node_answer(script_server *sv, const char *name, const char *key, char *out, size_t size)
+{
+    if (!strcmp(name, "PING")) return "+PONG\r\n";
+    if (!strcmp(name, "CLUSTER") && sv->map_port < 0) return "-ERR no map here\r\n";
+    if (!strcmp(name, "CLUSTER")) {
+        snprintf(out, size, "*1\r\n*3\r\n:0\r\n:16383\r\n*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n",
+                 sv->map_port ? sv->map_port : sv->port);
+        return out;
+    }
+    if (sv->moved_port) {
+        snprintf(out, size, "-MOVED %u 127.0.0.1:%d\r\n", (unsigned)kvo_redis_key_slot(key, strlen(key)),
+                 sv->moved_port);
+        return out;
+    }
+    if (!strcmp(name, "SET")) {
+        sv->sets++;
+        return "+OK\r\n";
+    }
+    if (!strcmp(name, "GETRANGE")) return "$0\r\n\r\n";
+    if (!strcmp(name, "GET")) return "$-1\r\n";
+    return "-ERR unknown\r\n";
 }
 
 /* A reply left over in the client's reader is not taken for the next command's: the connection is
@@ -1241,9 +1294,10 @@ static void stray_stop(stray_server *sv)
  * stored, from the stray +OK). */
 static void test_stray_reply(void)
 {
-    stray_server sv;
+    script_server sv;
     char addr[64];
-    if (!stray_start(&sv)) {
+    memset(&sv, 0, sizeof sv);
+    if (!script_start(&sv, stray_answer)) {
         KVT_CHECK(!"the scripted server did not start");
         return;
     }
@@ -1271,7 +1325,59 @@ static void test_stray_reply(void)
     }
     kvb_pool_destroy(mem);
     kvb_pool_destroy(g4);
-    stray_stop(&sv);
+    script_stop(&sv);
+}
+
+/* A MOVED is not undone by a stale map. After a MOVED the map is asked again; it used to be asked of the
+ * first connected node, which may not know the new owner yet: its answer put the slot back on the old
+ * owner, which answered MOVED again, until the copy failed with "too many redirects". Scripted nodes: C,
+ * the seed, still gives every slot to A; A has handed them to B and answers MOVED B; B serves them. The
+ * copy goes A, MOVED, B (one redirect). The map is asked of B first: a key of another slot then goes
+ * straight to B. When B gives no map (owner_maps = 0) C's stale one comes back, and the redirected key
+ * still goes to B; a key of another slot then takes a MOVED of its own. */
+static void moved_with_stale_map(int owner_maps)
+{
+    script_server *nd = (script_server *)calloc(3, sizeof *nd), *c = &nd[0], *a = &nd[1], *bn = &nd[2];
+    char seeds[64], key[2][KVO_REDIS_KEY_MAX];
+    kvb_hash h[2] = {{7001, 77}, {7002, 77}};
+    uint32_t idx[1] = {0};
+    int results[1] = {1};
+    bn->map_port = owner_maps ? 0 : -1;
+    int up = script_start(bn, cluster_node_answer);
+    a->map_port = a->moved_port = bn->port;
+    up = up && script_start(a, cluster_node_answer);
+    c->map_port = c->moved_port = a->port;
+    up = up && script_start(c, cluster_node_answer);
+    KVT_CHECK(up);
+    if (!up) return; /* a hung thread would be the watchdog's */
+    server_addr(c->port, seeds, sizeof seeds);
+    kvb_pool *mem = of_mem_pool(2, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
+    kvb_block bl[2];
+    KVT_EQ(kvb_alloc(mem, 2, bl), KVB_OK);
+    kvo_backend *b = redis_open(seeds, g4, 0);
+    if (b) {
+        KVT_EQ(rstats(b).cluster, 1);
+        for (int i = 0; i < 2; i++) kvo_redis_key(b, &h[i], key[i], sizeof key[i]);
+        KVT_CHECK(kvo_redis_key_slot(key[0], strlen(key[0])) != kvo_redis_key_slot(key[1], strlen(key[1])));
+        KVT_EQ(run_job(b, mem, g4, idx, idx, &h[0], 1, results), KVO_OK);
+        if (results[0] != KVO_OK) fprintf(stderr, "  copy: %s\n", kvo_redis_result_string(results[0]));
+        KVT_EQ(rstats(b).moved, 1);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, &h[1], 1, results), KVO_OK);
+        KVT_EQ(rstats(b).moved, owner_maps ? 1 : 2);
+        kvo_backend_destroy(b);
+    }
+    for (int i = 0; i < 3; i++) script_stop(&nd[i]);
+    KVT_EQ(bn->sets, 2);
+    KVT_EQ(a->sets + c->sets, 0);
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    free(nd);
+}
+
+static void test_cluster_moved_stale_map(void)
+{
+    moved_with_stale_map(1);
+    moved_with_stale_map(0);
 }
 
 /* A log callback that reads the backend's statistics, as a reporter might: the loss of a connection is
@@ -1715,6 +1821,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_cluster_slots_assigned_later);
     KVT_RUN(test_cluster_unreachable_worker);
     KVT_RUN(test_cluster_import_node_lost);
+    KVT_RUN(test_cluster_moved_stale_map);
     KVT_RUN(test_kill_and_restart);
     KVT_RUN(test_corrupt_and_tenants);
     KVT_RUN(test_other_format_version);
