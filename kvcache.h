@@ -10108,7 +10108,9 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * log header, the live slots, the last step and tier events, the recent history, then every event as
  * it happens (records as in the log); it sends command lines: pause, resume, break state NAME,
  * break request ID, break call NAME, clear. A client more than 4 MiB behind skips events until it
- * catches up (the engine never waits for it): the gap in seq says how many it lost.
+ * catches up (the engine never waits for it): the gap in seq says how many it lost. A client the console
+ * cannot accept (the process out of file descriptors) waits in the socket's queue: it is tried again
+ * about every 100 ms, the clients attached served meanwhile.
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
@@ -11867,12 +11869,14 @@ typedef struct kvs__client {
 typedef struct kvs__slot_last { uint64_t key; kvs_event value; } kvs__slot_last;
 
 #define KVS__CLIENT_BACKLOG (4u << 20) /* a client further behind than this skips events (seq shows the gap) */
+#define KVS__ACCEPT_RETRY_US 100000    /* after a failed accept (out of descriptors): the next try */
 
 struct kvs_console {
     kvs_bus *bus;
     kvs_reader *reader;
     char *path;
     int listen_fd, wake[2];
+    uint64_t accept_after_us;    /* no accept before this (kvo__mono_us) */
     pthread_t thread;
     kvs__client *clients;        /* stb_ds */
     kvs__ring history;           /* the last cfg.history events */
@@ -12028,7 +12032,7 @@ static void *kvs__console_main(void *arg)
         p.events = POLLIN;
         p.revents = 0;
         stbds_arrput(fds, p);
-        p.fd = k->listen_fd;
+        p.fd = kvo__mono_us() < k->accept_after_us ? -1 : k->listen_fd; /* -1: poll skips it */
         stbds_arrput(fds, p);
         for (i = 0; i < stbds_arrlenu(k->clients); i++) {
             p.fd = k->clients[i].fd;
@@ -12049,6 +12053,10 @@ static void *kvs__console_main(void *arg)
                 fcntl(fd, F_SETFD, FD_CLOEXEC);
                 kvs__client_welcome(k, &c);
                 stbds_arrput(k->clients, c);
+            } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
+                /* out of descriptors or memory: the client stays queued, so the socket stays readable
+                 * and trying again at once would spin; the clients attached are served meanwhile */
+                k->accept_after_us = kvo__mono_us() + KVS__ACCEPT_RETRY_US;
             }
         }
         stbds_arrfree(fds);

@@ -14,6 +14,8 @@
  *   every entry point twice (will / finished).
  * - kvs_metrics_write is valid Prometheus text exposition (checked line by line here) whose numbers are
  *   the scheduler's and the pool's; the text is whole, of the length said, when counters move meanwhile.
+ * - The console drops an overlong command line whole; out of file descriptors it does not spin, keeps
+ *   serving its clients, and accepts the waiting one once descriptors are free.
  * - NULL arguments are KVS_EINVAL everywhere. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
@@ -29,7 +31,11 @@ static void metrics_between_passes(void);
 #include <fcntl.h>
 #include <math.h>
 #include <stdatomic.h>
+#include <poll.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 
 /* ---- helpers ------------------------------------------------------------------------------------------ */
 
@@ -2619,6 +2625,97 @@ static void console_drops_an_overlong_line_whole(void)
     kvs_bus_destroy(bus);
 }
 
+/* n bytes from a socket within timeout_ms; 1 when they all came. */
+static int recv_within(int fd, unsigned char *buf, size_t n, int timeout_ms)
+{
+    size_t got = 0;
+    uint64_t end = of_now_us() + (uint64_t)timeout_ms * 1000u;
+    while (got < n && of_now_us() < end) {
+        struct pollfd p = {fd, POLLIN, 0};
+        ssize_t r;
+        if (poll(&p, 1, 10) <= 0) continue;
+        r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
+        if (r == 0) return 0;
+        if (r > 0) got += (size_t)r;
+    }
+    return got == n;
+}
+
+static int connect_console(int fd, const char *path)
+{
+    struct sockaddr_un addr;
+    memset(&addr, 0, sizeof addr);
+    addr.sun_family = AF_UNIX;
+    memcpy(addr.sun_path, path, strlen(path));
+    return connect(fd, (struct sockaddr *)&addr, sizeof addr);
+}
+
+static double process_cpu_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A console that cannot accept (the process is out of file descriptors, EMFILE) does not spin: the
+ * client waiting to be accepted made its listening socket readable at every poll, and the thread tried
+ * again at once, a core's worth of CPU. Now it waits between tries: a second of it costs little CPU, a
+ * client already attached still gets every event, and once descriptors are free the waiting client is
+ * served. */
+static void console_out_of_descriptors_backs_off(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    kvs_event ev = sample_event(KVS_EV_SLOT), got;
+    struct rlimit saved, low;
+    unsigned char head[KVS_LOG_HEADER_BYTES], rec[KVS_RECORD_BYTES];
+    char path[64];
+    int attached, waiting, probe, fill[64], filled = 0, i;
+    double cpu;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_emfile_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    attached = socket(AF_UNIX, SOCK_STREAM, 0);
+    waiting = socket(AF_UNIX, SOCK_STREAM, 0); /* made now: later there is no descriptor for it */
+    KVT_EQ(connect_console(attached, path), 0);
+    KVT_CHECK(recv_within(attached, head, sizeof head, 5000));
+
+    /* every descriptor below a lowered limit taken, then a client knocks */
+    KVT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    probe = open("/dev/null", O_RDONLY); /* the lowest free descriptor */
+    KVT_CHECK(probe >= 0);
+    low = saved;
+    low.rlim_cur = (rlim_t)probe + 32;
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    while (filled < 64 && (fill[filled] = dup(probe)) >= 0) filled++;
+    KVT_CHECK(filled < 64 && errno == EMFILE);
+    KVT_EQ(connect_console(waiting, path), 0); /* queued: the console cannot accept it */
+
+    cpu = process_cpu_s();
+    of_sleep_us(1000000);
+    cpu = process_cpu_s() - cpu;
+    if (cpu >= 0.2) fprintf(stderr, "  %.3f s of CPU in a second without descriptors\n", cpu);
+    KVT_CHECK(cpu < 0.2);
+    KVT_EQ(kvs_bus_publish(bus, &ev), KVS_OK);
+    KVT_CHECK(recv_within(attached, rec, sizeof rec, 5000));
+    KVT_EQ(kvs_event_decode(rec, &got), KVS_OK);
+    KVT_EQ(got.kind, KVS_EV_SLOT);
+    KVT_EQ(got.request, ev.request);
+
+    /* descriptors free again: the waiting client gets its welcome */
+    for (i = 0; i < filled; i++) close(fill[i]);
+    close(probe);
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    KVT_CHECK(recv_within(waiting, head, sizeof head, 5000));
+    close(attached);
+    close(waiting);
+    kvs_console_stop(con);
+    kvs_bus_destroy(bus);
+}
+
 static void null_arguments_are_invalid(void)
 {
     kvs_bus *bus = new_bus();
@@ -2779,6 +2876,7 @@ int main(void)
     KVT_RUN(metrics_text_is_whole_while_another_thread_counts);
     /* 7 */
     KVT_RUN(console_drops_an_overlong_line_whole);
+    KVT_RUN(console_out_of_descriptors_backs_off);
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);
     return kvt_summary();
