@@ -96,9 +96,10 @@
  * 6. THREAD SAFETY — queues, tokens, events, pipelines and managers are safe from any thread. Completion
  * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
  * call back into the pipeline, waits and drains included (on the coordinator thread these run the stages
- * themselves; a drain does not wait for the callbacks its own thread is delivering). A backend worker
- * that runs a callback is busy meanwhile: a wait there for a copy only that worker could make (a backend
- * with one worker) times out.
+ * themselves; a drain does not wait for the callbacks its own thread is delivering, nor, from on_done,
+ * for those of another thread that drains from on_done too). A backend worker that runs a callback is
+ * busy meanwhile: a wait there for a copy only that worker could make (a backend with one worker) times
+ * out.
  *
  * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
  * from the pools. kvo_result_string names both. A failed call changes nothing.
@@ -420,7 +421,8 @@ KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
 /* Push everything pending through regardless of min batch and flush interval, and wait (poll mode:
  * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT.
  * From on_done it waits for everything but the callbacks its own thread is delivering (that one and
- * those queued after it). */
+ * those queued after it) and those of other threads that drain from on_done too (each would wait for the
+ * other). */
 KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us);
 /* Frequency policy: count uses of blocks (e.g. prefix hits) without offering them. */
 KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n);
@@ -1638,6 +1640,7 @@ typedef struct kvo__note {
 /* A thread delivering on_done callbacks (on its stack, in kvo_pipeline.delivering while it does). */
 typedef struct kvo__delivery {
     pthread_t thread;
+    uint32_t draining;  /* its thread drains the pipeline from one of these callbacks (kvo__others_delivering) */
     struct kvo__delivery *next;
 } kvo__delivery;
 
@@ -1961,6 +1964,7 @@ static void kvo__unlock(kvo_pipeline *pl)
     }
     pl->notes = NULL;
     me.thread = pthread_self(); /* a drain waits for callbacks in progress: they may start follow-up work */
+    me.draining = 0;
     me.next = pl->delivering;
     pl->delivering = &me;
     pthread_mutex_unlock(&pl->lock);
@@ -2577,13 +2581,27 @@ static int kvo__step(kvo_pipeline *pl)
 }
 
 /* Callbacks delivered by other threads than the caller: a drain from on_done cannot wait for its own
- * (nor for the ones its thread delivers after it), which would never end. */
+ * (nor for the ones its thread delivers after it), which would never end; nor, when the caller delivers
+ * callbacks itself, for those of a thread that drains from one of them: that one waits for the caller's,
+ * and each drain would end only by its timeout. */
 static int kvo__others_delivering(const kvo_pipeline *pl)
 {
     const kvo__delivery *d;
+    pthread_t self = pthread_self();
+    int mine = 0;
+    for (d = pl->delivering; d && !mine; d = d->next) mine = pthread_equal(d->thread, self);
     for (d = pl->delivering; d; d = d->next)
-        if (!pthread_equal(d->thread, pthread_self())) return 1;
+        if (!pthread_equal(d->thread, self) && !(mine && d->draining)) return 1;
     return 0;
+}
+
+/* The caller's deliveries in progress say it drains (delta 1) or no longer does (-1). Locked. */
+static void kvo__mark_draining(kvo_pipeline *pl, int delta)
+{
+    kvo__delivery *d;
+    pthread_t self = pthread_self();
+    for (d = pl->delivering; d; d = d->next)
+        if (pthread_equal(d->thread, self)) d->draining = (uint32_t)((int)d->draining + delta);
 }
 
 static int kvo__idle(kvo_pipeline *pl)
@@ -2908,7 +2926,10 @@ KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us
     if (!pipeline) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     pipeline->draining++;
+    kvo__mark_draining(pipeline, 1); /* from on_done: another callback's drain need not wait for this one */
+    pthread_cond_broadcast(&pipeline->cond);
     ok = kvo__wait_until(pipeline, kvo__is_idle, NULL, timeout_us);
+    kvo__mark_draining(pipeline, -1);
     pipeline->draining--;
     kvo__unlock(pipeline);
     return ok ? KVO_OK : KVO_ETIMEDOUT;

@@ -1484,6 +1484,68 @@ static void test_drain_from_on_done(void)
     drain_from_on_done(KVO_MODE_THREADS, 2); /* on a worker of the backend */
 }
 
+/* Two backend workers each deliver the on_done of their own job, and both callbacks drain at once.
+ * Neither may wait for the other's callback to end: the other waits too, so each drain would only end
+ * by its timeout (never with a negative one). Nothing else is pending: both drains return KVO_OK at
+ * once. */
+typedef struct two_drains_ctx {
+    kvo_pipeline *p;
+    atomic_int entered, finished;
+    int result[2];
+    uint64_t waited_us[2];
+} two_drains_ctx;
+
+static void drain_in_both_dones(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst,
+                                size_t n)
+{
+    two_drains_ctx *d = (two_drains_ctx *)user;
+    int me = atomic_fetch_add(&d->entered, 1);
+    uint64_t t0 = of_now_us(), end = t0 + 5000000;
+    (void)t;
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (me > 1) return;
+    while (atomic_load(&d->entered) < 2 && of_now_us() < end) of_sleep_us(200); /* both in their callback */
+    t0 = of_now_us();
+    d->result[me] = kvo_pipeline_drain(d->p, 2000000);
+    d->waited_us[me] = of_now_us() - t0;
+    atomic_fetch_add(&d->finished, 1);
+}
+
+static void test_drains_from_two_on_dones_at_once(void)
+{
+    rig r;
+    two_drains_ctx d;
+    memset(&d, 0, sizeof d);
+    rig_pools(&r, SRC_BLOCKS, 2);
+    kvo_backend_destroy(of_backend_iface(r.w));
+    kvo_backend_destroy(r.mem);
+    KVT_EQ(kvo_memcpy_backend_create(2, &r.mem), KVO_OK);
+    r.w = of_backend_wrap(r.mem);
+    kvo_pipeline_config pc = of_config(r.src, r.dst, of_backend_iface(r.w), KVO_MODE_THREADS, NULL);
+    pc.on_done = drain_in_both_dones;
+    pc.done_user = &d;
+    pc.min_batch = 1;
+    pc.max_batch = 1;      /* one job per transfer */
+    pc.max_concurrent = 2; /* both with the backend at once: one on each worker */
+    rig_start(&r, &pc);
+    d.p = r.p;
+    kvo_transfer a = of_enqueue(r.p, &r.weak[0], 1, NULL), b = of_enqueue(r.p, &r.weak[1], 1, NULL);
+    uint64_t end = of_now_us() + 15000000;
+    while (atomic_load(&d.finished) < 2 && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(atomic_load(&d.entered), 2);
+    KVT_EQ(atomic_load(&d.finished), 2);
+    for (int i = 0; i < 2; i++) {
+        KVT_EQ(d.result[i], KVO_OK);
+        KVT_CHECK(d.waited_us[i] < 1000000);
+    }
+    KVT_EQ(of_holds_all(r.dst, r.h, 2), 2);
+    KVT_EQ(kvo_transfer_release(r.p, a), KVO_OK);
+    KVT_EQ(kvo_transfer_release(r.p, b), KVO_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1523,5 +1585,6 @@ int main(void)
     KVT_RUN(test_wait_and_cancel_while_on_done_releases);
     KVT_RUN(test_wait_from_on_done_in_threads_mode);
     KVT_RUN(test_drain_from_on_done);
+    KVT_RUN(test_drains_from_two_on_dones_at_once);
     return kvt_summary();
 }
