@@ -12918,6 +12918,7 @@ typedef struct kvs__req {
     size_t num_extra;
     int swapped, drop_after_step;
     int released;              /* by kvs_sched_release while its blocks wait for the step to complete */
+    uint32_t spare_class;      /* the class of the buffer it was given (kvs__spare_for): its spares' */
     uint64_t preempted_in;     /* the step that preempted it: not resumed in that same step */
     size_t at;                 /* its place in kvs_sched.all */
 } kvs__req;
@@ -12940,7 +12941,7 @@ struct kvs_sched {
     kvs__idmap reqs;           /* id -> request */
     kvs__req **all;            /* stb_ds: every request, in the order they came (a removal moves the last) */
     kvs__req **spare[KVS__CLASSES]; /* stb_ds: released requests, kept with their token buffers and
-                                * sequences for the next, by the class of their buffer (kvs__spare_for) */
+                                * sequences for the next, by the class their buffer was given (kvs__spare_for) */
     void **slabs;              /* stb_ds: where the requests live, KVS__SLAB to a slab */
     kvs__req_slot *slab_next;
     size_t slab_left;
@@ -13222,13 +13223,17 @@ static int kvs__reserve(kvs__req *r, size_t need)
     return 1;
 }
 
-/* A released request goes to the spares of its buffer's class. */
+/* A released request goes back to the spares of the class it was given at its add, however its buffer
+ * grew since (kvs_sched_append): by the class of its buffer, a request that outgrew its class would leave
+ * it for a larger one, and every such request would take a new struct and buffer, the larger class
+ * keeping each of them for ever. */
 static void kvs__req_spare(kvs_sched *s, kvs__req *r)
 {
-    stbds_arrput(s->spare[kvs__class(r->cap)], r);
+    stbds_arrput(s->spare[r->spare_class], r);
 }
 
-/* A released request whose buffer is of need's class, or NULL. Only that class, so that which spare a
+/* A released request given need's class, or NULL (its buffer holds that class, or more when it grew,
+ * or less after an out-of-memory: kvs__reserve sees to it). Only that class, so that which spare a
  * request gets never decides what a later one allocates: each class keeps as many structs as it had
  * requests at once, and the same traffic again allocates nothing. (Taken last in, first out whatever
  * their size, every spare had to meet the largest request before the steady state came.) */
@@ -13355,6 +13360,7 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
      * does not reallocate step after step */
     room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
     if (!(r = kvs__req_new(sched, room))) return KVS_ENOMEM;
+    r->spare_class = kvs__class(room);
     if (!kvs__reserve(r, room)) {
         kvs__req_spare(sched, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;

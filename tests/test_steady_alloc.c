@@ -373,6 +373,81 @@ static void test_sched_steps_lazy(void) { sched_steps(KVO_OFFLOAD_LAZY, KVS_PREE
 /* A device too small for the running requests: some are preempted, swapped out to the host and back. */
 static void test_sched_steps_swap(void) { sched_steps(KVO_OFFLOAD_EAGER, KVS_PREEMPT_SWAP, 300, "swap preemption"); }
 
+/* Requests without max_new_tokens get a token buffer for their prompt and 256 more; these generate
+ * 600 at once, so their buffers grow past the size they were given. Released, their structs must serve
+ * the next such requests: OUTGROW of them live at a time, the same traffic again allocates nothing
+ * (and the scheduler keeps no more released requests than it ever had live). */
+enum { OUTGROW = 4, OUTGROW_PROMPT = 20, OUTGROW_MORE = 600 };
+
+static void outgrow_cycle(kvs_sched *s, kvb_pool *device, uint32_t round)
+{
+    static uint32_t more[OUTGROW_MORE];
+    uint32_t prompt[OUTGROW_PROMPT];
+    uint64_t id[OUTGROW];
+    int grown[OUTGROW] = {0}, finished = 0;
+    kvs_request rq;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = OUTGROW_PROMPT;
+    rq.max_new_tokens = 0; /* no limit: the engine says when it ends */
+    for (int k = 0; k < OUTGROW; k++) {
+        for (uint32_t i = 0; i < OUTGROW_PROMPT; i++) prompt[i] = round * 100000u + (uint32_t)k * 1000u + i;
+        KVT_EQ(kvs_sched_add(s, &rq, &id[k]), KVS_OK);
+    }
+    for (uint32_t i = 0; i < OUTGROW_MORE; i++) more[i] = 7u + i;
+    for (int step = 0; step < 100 && finished < OUTGROW; step++) {
+        kvs_step st;
+        KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+        KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+        for (size_t i = 0; i < st.num_prefill + st.num_decode; i++) {
+            const kvs_sched_item *it = i < st.num_prefill ? &st.prefill[i] : &st.decode[i - st.num_prefill];
+            int k = 0;
+            if (it->num_computed + it->num_new < it->num_tokens) continue;
+            while (k < OUTGROW && id[k] != it->request) k++;
+            if (k == OUTGROW) continue;
+            if (!grown[k]) {
+                KVT_EQ(kvs_sched_append(s, it->request, more, OUTGROW_MORE), KVS_OK);
+                grown[k] = 1;
+            } else {
+                KVT_EQ(kvs_sched_finish(s, it->request), KVS_OK);
+                finished++;
+            }
+        }
+    }
+    KVT_EQ(finished, OUTGROW);
+    for (int k = 0; k < OUTGROW; k++) KVT_EQ(kvs_sched_release(s, id[k]), KVS_OK);
+    for (int i = 0; i < 3; i++) { /* released requests whose blocks the last step still named */
+        kvs_step st;
+        KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+        KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+    }
+    KVT_CHECK(kvs_sched_idle(s));
+    KVT_EQ(kvb_pool_reset(device), KVB_OK); /* the next cycle starts where this one did */
+}
+
+static void test_sched_requests_outgrow_their_buffers(void)
+{
+    kvb_pool *device = eng_pool(512, 0);
+    kvs_sched *s;
+    kvs_sched_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.device = device;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    outgrow_cycle(s, device, 0);
+    outgrow_cycle(s, device, 1);
+    for (uint32_t round = 2; round < 6; round++) {
+        size_t before = calls();
+        armed = getenv("ARM") && !strcmp(getenv("ARM"), "outgrow");
+        outgrow_cycle(s, device, round);
+        armed = 0;
+        if (calls() != before) fprintf(stderr, "  outgrowing requests: %zu allocator calls in round %u\n", calls() - before, round);
+        KVT_EQ(calls() - before, 0);
+    }
+    kvs_sched_destroy(s);
+    KVT_EQ(kvb_pool_check(device, NULL, 0), KVB_OK);
+    kvb_pool_destroy(device);
+}
+
 int main(void)
 {
     KVT_RUN(test_replay_lru);
@@ -384,5 +459,6 @@ int main(void)
     KVT_RUN(test_sched_steps_eager);
     KVT_RUN(test_sched_steps_lazy);
     KVT_RUN(test_sched_steps_swap);
+    KVT_RUN(test_sched_requests_outgrow_their_buffers);
     return kvt_summary();
 }
