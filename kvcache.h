@@ -4523,8 +4523,9 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * 4. BACKENDS — struct kvo_backend: submit a job of (src block, dst block) copies, get one completion
  * call with a result per copy. A copy that fails because the source tier's entry is damaged
  * (KVO_ECHECKSUM) or gone (KVO_ENOTFOUND: e.g. Redis evicted it) is a miss, and once the job is done the
- * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next offer
- * stores it again. Built in:
+ * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next copy of
+ * it down into that tier stores it again (the tier manager copies a block down when it lands in the tier
+ * above, section 5: while that tier still holds it, offers stop there and do not). Built in:
  *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
  *           kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
@@ -7905,8 +7906,8 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * Capacity and eviction are Redis's own (maxmemory with allkeys-lru): an entry Redis evicted stays
  * known in the G4 pool until a read finds it gone; that read fails the copy with KVO_ENOTFOUND, a miss
  * like any other, and the pipeline drops the block from the G4 pool (kvoffload.h, section 4), so
- * lookups stop finding it there and the next offer stores it again. kvo_redis_lookup always asks the
- * servers.
+ * lookups stop finding it there; it is stored again when it next lands in the tier G4 is fed from (an
+ * offer of a block that tier still holds stops there). kvo_redis_lookup always asks the servers.
  * Every batch is one round trip: the commands of a job go out pipelined (to each node its share), then
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight

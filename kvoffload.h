@@ -60,8 +60,9 @@
  * 4. BACKENDS — struct kvo_backend: submit a job of (src block, dst block) copies, get one completion
  * call with a result per copy. A copy that fails because the source tier's entry is damaged
  * (KVO_ECHECKSUM) or gone (KVO_ENOTFOUND: e.g. Redis evicted it) is a miss, and once the job is done the
- * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next offer
- * stores it again. Built in:
+ * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next copy of
+ * it down into that tier stores it again (the tier manager copies a block down when it lands in the tier
+ * above, section 5: while that tier still holds it, offers stop there and do not). Built in:
  *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
  *           kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only

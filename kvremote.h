@@ -38,8 +38,8 @@
  * Capacity and eviction are Redis's own (maxmemory with allkeys-lru): an entry Redis evicted stays
  * known in the G4 pool until a read finds it gone; that read fails the copy with KVO_ENOTFOUND, a miss
  * like any other, and the pipeline drops the block from the G4 pool (kvoffload.h, section 4), so
- * lookups stop finding it there and the next offer stores it again. kvo_redis_lookup always asks the
- * servers.
+ * lookups stop finding it there; it is stored again when it next lands in the tier G4 is fed from (an
+ * offer of a block that tier still holds stops there). kvo_redis_lookup always asks the servers.
  * Every batch is one round trip: the commands of a job go out pipelined (to each node its share), then
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight

@@ -2,7 +2,8 @@
  * offered blocks all the way down; kvo_manager_lookup tells for a prefix which tier holds each block
  * after G1 evicted some (and after G2 lost everything); blocks come back from G3 with
  * kvo_manager_onboard; a full G2 makes the offload fail quietly and a later offer succeeds; a failed
- * G2 -> G3 hop is tried again by the next offer of blocks G2 already holds; lazy mode
+ * G2 -> G3 hop is tried again by the next offer of blocks G2 already holds; a block a load finds gone
+ * from G3 is dropped there and stored again once it lands in G2 again; lazy mode
  * offloads nothing until blocks come near eviction, then keeps the next candidates backed in G2.
  * A branch (branch_from 1): G1 -> G2 -> G3 (disk) and G2 -> G4 (a memory pool standing in for Redis):
  * offered blocks reach all four tiers, G4 gets them from G2 with the same bytes, lookup and onboarding
@@ -531,6 +532,71 @@ static void test_branch_lazy(void)
     kvb_pool_destroy(g4);
 }
 
+/* A block whose G3 entry a load finds gone (KVO_ENOTFOUND, e.g. Redis evicted it) is dropped from G3
+ * (section 4). It is stored there again when it next lands in G2, the tier G3 is fed from: an offer of
+ * it while G2 still holds it stops at G2 (no G2 -> G3 hop failed, so nothing is retried), and G3 stays
+ * without it; once G2 lost it too, the next offer lands it in G2 and from there in G3. */
+static void test_block_lost_below_is_stored_again_when_it_lands_above(void)
+{
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
+             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *mem;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    of_backend *w = of_backend_wrap(mem);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    mc.pools[0] = g1;
+    mc.pools[1] = g2;
+    mc.pools[2] = g3;
+    mc.down[0] = mem;
+    mc.down[1] = mem;
+    mc.up[1] = mem;
+    mc.up[2] = of_backend_iface(w);
+    mc.pipeline.mode = KVO_MODE_POLL;
+    kvo_manager *m;
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    kvb_hash h[2];
+    kvb_block b[2];
+    of_chain(91, 2, h);
+    of_register(g1, h, 2, b, NULL);
+    KVT_EQ(kvo_manager_offer(m, 0, b, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(of_present(g3, h, 2), 2);
+    KVT_EQ(kvb_release(g1, b, 2, NULL), KVB_OK);
+    KVT_EQ(kvb_pool_reset(g1), KVB_OK);
+
+    of_backend_set_fail(w, 1, KVO_ENOTFOUND); /* G3's entry of block 0 is gone */
+    kvo_transfer t;
+    kvo_transfer_info info;
+    kvo_pipeline *up = kvo_manager_pipeline(m, 2, 1);
+    KVT_EQ(kvo_manager_onboard(m, 2, h, 1, &t), KVO_OK);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(kvo_transfer_get_info(up, t, &info), KVO_OK);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.error, KVO_ENOTFOUND);
+    KVT_EQ(kvo_transfer_release(up, t), KVO_OK);
+    KVT_EQ(of_present(g3, h, 1), 0); /* dropped */
+
+    of_register(g1, h, 2, b, NULL); /* computed again and offered: it stops at G2 */
+    KVT_EQ(kvo_manager_offer(m, 0, b, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(g2, h, 2), 2);
+    KVT_EQ(of_present(g3, h, 1), 0);
+
+    KVT_EQ(kvb_pool_reset(g2), KVB_OK); /* G2 loses it too: the next offer lands it there, then in G3 */
+    KVT_EQ(kvo_manager_offer(m, 0, b, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(of_present(g3, h, 2), 2);
+    KVT_EQ(kvb_release(g1, b, 2, NULL), KVB_OK);
+    kvo_manager_destroy(m);
+    kvo_backend_destroy(of_backend_iface(w));
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    kvb_pool_destroy(g3);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -544,5 +610,6 @@ int main(void)
     KVT_RUN(test_eager_threaded);
     KVT_RUN(test_branch_four_tiers);
     KVT_RUN(test_branch_lazy);
+    KVT_RUN(test_block_lost_below_is_stored_again_when_it_lands_above);
     return kvt_summary();
 }
