@@ -333,7 +333,8 @@ typedef struct kvo_transfer_info {
     uint32_t failed;         /* the backend could not copy them */
     char message[128];       /* about its first failure: the backend's message when every failed copy of
                                 the backend job was this transfer's, else "<backend> backend: <error>"
-                                (a job mixes transfers, and its one message may be another's) */
+                                (a job mixes transfers, and its one message may be another's; a code
+                                kvo_result_string does not name, e.g. kvremote.h's, as "error <code>") */
 } kvo_transfer_info;
 
 /* Every change of a transfer's status (Evaluating, Queued, Transferring, then one final status), called
@@ -2447,6 +2448,18 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
     }
 }
 
+/* Whether kvo_result_string names the code (a kvo_result or kvb_result). */
+static int kvo__named(int result)
+{
+    switch (result) {
+#define KVO__NAMED_CASE(name, value, text) case value:
+        KVO__RESULTS(KVO__NAMED_CASE)
+#undef KVO__NAMED_CASE
+        return 1;
+    default: return result < 0 && result > KVB__RESULT_MIN; /* a kvb_result */
+    }
+}
+
 /* Block j of container c did not land: its destination block (never registered) goes back to free.
  * message: about this failure, or NULL, when the container's message names the backend and its error. */
 static void kvo__landing_failed(kvo_pipeline *pl, kvo__container *c, uint32_t j, kvb_block *dst, int err,
@@ -2459,8 +2472,12 @@ static void kvo__landing_failed(kvo_pipeline *pl, kvo__container *c, uint32_t j,
     if (!c->info.error) c->info.error = err;
     if (c->info.message[0]) return;
     if (message) snprintf(c->info.message, sizeof c->info.message, "%s", message);
-    else snprintf(c->info.message, sizeof c->info.message, "%s backend: %s",
-                  pl->cfg.backend->name ? pl->cfg.backend->name : "copy", kvo_result_string(c->info.error));
+    else if (kvo__named(c->info.error))
+        snprintf(c->info.message, sizeof c->info.message, "%s backend: %s",
+                 pl->cfg.backend->name ? pl->cfg.backend->name : "copy", kvo_result_string(c->info.error));
+    else /* another library's code (kvremote.h's, kvcuda.h's): its number, which that library names */
+        snprintf(c->info.message, sizeof c->info.message, "%s backend: error %d",
+                 pl->cfg.backend->name ? pl->cfg.backend->name : "copy", c->info.error);
 }
 
 /* The job's one message may be about any failed copy: it is a container's only when every failed copy

@@ -1094,6 +1094,46 @@ static void test_backend_refusal_reason_reported(void)
     rig_close(&r);
 }
 
+/* Two transfers whose copies fail in one backend job get a message of their own, "<backend> backend:
+ * <error>": for a code kvoffload.h does not name (another library's: kvremote.h's KVO_EREMOTE -124,
+ * kvcuda.h's -3xx), the code itself, not "unknown result". */
+enum { FOREIGN_ERROR = -124 };
+
+static int fail_all_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    (void)self;
+    for (size_t i = 0; i < job->n; i++) job->results[i] = FOREIGN_ERROR;
+    job->done(job, FOREIGN_ERROR, "remote: ERR the server said no");
+    return KVO_OK;
+}
+
+static void test_message_of_a_code_kvoffload_does_not_name(void)
+{
+    rig r;
+    kvo_backend fail_all = {fail_all_submit, NULL, "remote", NULL};
+    rig_pools(&r, SRC_BLOCKS, 2);
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.backend = &fail_all;
+    pc.min_batch = 2;
+    rig_start(&r, &pc);
+    kvo_transfer a = of_enqueue(r.p, &r.weak[0], 1, NULL), b = of_enqueue(r.p, &r.weak[1], 1, NULL);
+    KVT_EQ(kvo_pipeline_drain(r.p, 1000000), KVO_OK);
+    kvo_transfer t[2] = {a, b};
+    for (int i = 0; i < 2; i++) {
+        kvo_transfer_info info = of_info(r.p, t[i]);
+        KVT_EQ(info.status, KVO_STATUS_FAILED);
+        KVT_EQ(info.error, FOREIGN_ERROR);
+        KVT_CHECK(strstr(info.message, "remote backend") != NULL);
+        KVT_CHECK(strstr(info.message, "-124") != NULL);
+        KVT_CHECK(strstr(info.message, "unknown") == NULL);
+        if (strstr(info.message, "-124") == NULL) fprintf(stderr, "  message: \"%s\"\n", info.message);
+        KVT_EQ(kvo_transfer_release(r.p, t[i]), KVO_OK);
+    }
+    kvo_pipeline_destroy(r.p);
+    r.p = NULL;
+    rig_close(&r);
+}
+
 /* ---- priorities ---- */
 
 /* While the executor is busy, a low-priority and then a high-priority container are batched; the high
@@ -1580,6 +1620,7 @@ int main(void)
     KVT_RUN(test_dest_full_counts_transfers);
     KVT_RUN(test_in_flight_blocks_include_the_backends_jobs);
     KVT_RUN(test_backend_refusal_reason_reported);
+    KVT_RUN(test_message_of_a_code_kvoffload_does_not_name);
     KVT_RUN(test_priority_order);
     KVT_RUN(test_on_done_once_with_destination_handles);
     KVT_RUN(test_wait_and_cancel_while_on_done_releases);
