@@ -4626,7 +4626,7 @@ extern "C" {
 /* KVO_ENOTFOUND keeps the value it had when only kvremote.h (Redis, whose codes are -121 ..) used it. */
 
 #define KVO__ENUM_ITEM(name, value, text) name = value,
-typedef enum kvo_result { KVO__RESULTS(KVO__ENUM_ITEM) KVO__RESULT_MIN = -115 } kvo_result;
+typedef enum kvo_result { KVO__RESULTS(KVO__ENUM_ITEM) KVO__RESULT_MIN = -124 } kvo_result; /* MIN: below every code */
 #undef KVO__ENUM_ITEM
 
 /* Name of a kvo_result or kvb_result code. Thread safety: pure function. */
