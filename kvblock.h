@@ -239,7 +239,10 @@
  *
  * 6. ERRORS
  * Every function returns a kvb_result: KVB_OK (0) or a negative code; kvb_result_string names it.
- * A call that fails changes nothing.
+ * A call that fails changes nothing. Out of memory (KVB_MALLOC / KVB_REALLOC returning NULL) included:
+ * the sequence calls and kvb_request_begin take the memory they need (arrays, mutable block states)
+ * before they change anything, and return KVB_ENOMEM
+ * (tests/test_oom.c fails each of their allocations in turn).
  */
 /* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
  * it reads its first header. A system header included earlier has fixed what it declares (glibc's
@@ -609,8 +612,9 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
  * blocks it did not match and kvb_register_hashed of them (each block's parent the hash before it, the
  * first one's the root) would do in a row. out_blocks gets all n blocks, each with a reference for the
  * caller (kvb_release them when the request ends); *out_cached = how many were matched. All or nothing:
- * KVB_ENOSPACE when the blocks not matched do not fit (nothing changed, no lookup counted); KVB_EINVAL
- * on NULL arguments and for KVB_EVICT_CUSTOM pools (their policy may refuse a victim halfway).
+ * KVB_ENOSPACE when the blocks not matched do not fit, KVB_ENOMEM out of memory (nothing changed, no
+ * lookup counted); KVB_EINVAL on NULL arguments and for KVB_EVICT_CUSTOM pools (their policy may refuse
+ * a victim halfway).
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                                      size_t *out_cached);
@@ -691,8 +695,8 @@ KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
 /* Append tokens. While every earlier block came from the cache, blocks that become full are looked up
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
- * written (the pool's copy_block). All or nothing: KVB_ENOSPACE and KVB_ECOPY change nothing.
- * Thread safety: one thread per sequence. */
+ * written (the pool's copy_block). All or nothing: KVB_ENOSPACE, KVB_ENOMEM and KVB_ECOPY change
+ * nothing. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
@@ -713,13 +717,13 @@ KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *con
 KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n);
 
 /* A new sequence sharing every block of seq (one more reference each), same tokens and salt.
- * Thread safety: one thread per sequence. */
+ * KVB_ENOMEM: nothing changed, *out not written. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out);
 
 /* Keep the first num_tokens tokens (e.g. rejected speculative tokens): blocks past the new end are
  * released; a kept last block that is now partial and shared or registered is replaced by a private
- * copy (the pool's copy_block). KVB_ERANGE past the end; KVB_ECOPY when the copy failed (see section
- * 2, Block copies). Thread safety: one thread per sequence. */
+ * copy (the pool's copy_block). KVB_ERANGE past the end; KVB_ENOMEM (nothing changed); KVB_ECOPY when
+ * the copy failed (see section 2, Block copies). Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens);
 
 /* The block table (valid until the next call that changes the sequence) and counts. */
@@ -836,6 +840,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
         __asm__ __volatile__("");        \
     } while (0)
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
+#define KVB__UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define KVB__NOINLINE __attribute__((noinline))
 /* v is computed here, in a register; no instruction. Without it GCC defers each product's fold in
  * kvb__hpair to the end of its group and holds four 128-bit products at once (spills, 15% slower). */
@@ -843,6 +848,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #else
 #define KVB__PREFETCH(p) ((void)(p))
 #define KVB__LIKELY(x) (x)
+#define KVB__UNLIKELY(x) (x)
 #define KVB__NOINLINE
 #define KVB__KEEP(v) ((void)0)
 #endif
@@ -1266,6 +1272,38 @@ static void kvb__mem_free(const kvb_allocator *a, void *p, size_t size)
     }
     memcpy(&raw, (unsigned char *)p - sizeof(void *), sizeof raw);
     KVB_FREE(raw);
+}
+
+/* Capacity for cap elements in the stb_ds array *a (stbds_arrsetcap would wrap elemsize * cap, and
+ * stb_ds's growth writes through a failed realloc): 0 when the memory is not there, *a unchanged. An
+ * array grows with these before anything changes, so that a call out of memory can change nothing;
+ * stbds_arrput and stbds_arraddnptr are used only within the capacity made so. */
+static int kvb__arr_room(void **a, size_t elemsize, size_t cap)
+{
+    stbds_array_header *h;
+    if (cap <= stbds_arrcap(*a)) return 1;
+    if (cap > (SIZE_MAX - sizeof *h) / elemsize) return 0;
+    h = (stbds_array_header *)KVB_REALLOC(*a ? stbds_header(*a) : NULL, elemsize * cap + sizeof *h);
+    if (!h) return 0;
+    if (!*a) {
+        h->length = 0;
+        h->hash_table = 0;
+        h->temp = 0;
+    }
+    h->capacity = cap;
+    *a = h + 1;
+    return 1;
+}
+
+/* The capacity an array that has `have` and needs cap grows to: at least doubled, as stb_ds grows it
+ * (amortised O(1) appends). */
+static size_t kvb__grown(size_t have, size_t cap) { return cap < 4 ? 4 : cap / 2 < have ? 2 * have : cap; }
+
+/* kvb__arr_room for an array that grows by appends. */
+static int kvb__arr_fit(void **a, size_t elemsize, size_t cap)
+{
+    size_t have = stbds_arrcap(*a);
+    return KVB__LIKELY(cap <= have) || kvb__arr_room(a, elemsize, kvb__grown(have, cap));
 }
 
 /* ---- handles ------------------------------------------------------------------------------------ */
@@ -2671,26 +2709,42 @@ static kvb__mut *kvb__mut_of(const kvb_pool *p, uint32_t idx)
     return p->mut_slot && p->mut_slot[idx] ? p->mut_buf[p->mut_slot[idx] - 1] : NULL;
 }
 
-/* A mutable state for block idx: a reused one, or a new one when every one made so far is in use. */
-static kvb__mut *kvb__mut_new(kvb_pool *p, uint32_t idx)
+/* Mutable states for n blocks about to be initialised, made (when every one made so far is in use) before
+ * anything changes, so that kvb__mut_take cannot fail after: 0 when out of memory (those made stay on the
+ * free list). The free list has room for every state, so giving one back never allocates. */
+static KVB__NOINLINE int kvb__mut_make(kvb_pool *p, size_t n)
 {
-    size_t bytes = sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens;
-    uint32_t e;
+    size_t bytes = sizeof(kvb__mut) + sizeof(uint32_t) * p->cfg.block_tokens, made, want;
+    void *buf = p->mut_buf, *fl = p->mut_free;
+    int ok;
     if (!p->mut_slot) {
         p->mut_slot = (uint32_t *)kvb__mem_alloc(&p->cfg.allocator, (size_t)p->cfg.num_blocks * sizeof(uint32_t), 64);
-        if (!p->mut_slot) return NULL;
+        if (!p->mut_slot) return 0;
         memset(p->mut_slot, 0, (size_t)p->cfg.num_blocks * sizeof(uint32_t));
     }
-    if (stbds_arrlen(p->mut_free)) {
-        e = stbds_arrpop(p->mut_free);
-    } else {
+    if (stbds_arrlenu(p->mut_free) >= n) return 1;
+    made = stbds_arrlenu(p->mut_buf);
+    want = made + n - stbds_arrlenu(p->mut_free);
+    ok = kvb__arr_fit(&buf, sizeof *p->mut_buf, want) && kvb__arr_fit(&fl, sizeof *p->mut_free, want);
+    p->mut_buf = (kvb__mut **)buf, p->mut_free = (uint32_t *)fl;
+    for (; ok && made < want; made++) {
         kvb__mut *mu = (kvb__mut *)KVB_MALLOC(bytes);
-        if (!mu) return NULL;
+        if (!mu) return 0;
         stbds_arrput(p->mut_buf, mu);
-        stbds_arrput(p->mut_free, 0); /* room on the free list for it, so giving it back never allocates */
-        (void)stbds_arrpop(p->mut_free);
-        e = (uint32_t)stbds_arrlenu(p->mut_buf) - 1;
+        stbds_arrput(p->mut_free, (uint32_t)made);
     }
+    return ok;
+}
+
+static inline int kvb__mut_reserve(kvb_pool *p, size_t n)
+{
+    return KVB__LIKELY(n <= stbds_arrlenu(p->mut_free)) || kvb__mut_make(p, n); /* free states: the table exists */
+}
+
+/* A reserved mutable state for block idx. */
+static kvb__mut *kvb__mut_take(kvb_pool *p, uint32_t idx)
+{
+    uint32_t e = stbds_arrpop(p->mut_free);
     p->mut_slot[idx] = e + 1;
     return p->mut_buf[e];
 }
@@ -2789,11 +2843,15 @@ static inline uint32_t kvb__alloc_one(kvb_pool *p)
     return idx;
 }
 
-/* Undo kvb__alloc_one for a block nobody saw: back on the free stack, generation unchanged. */
+/* Undo kvb__alloc_one (and an init) for a block nobody saw: back on the free stack as it was, generation
+ * unchanged. */
 static void kvb__unalloc(kvb_pool *p, uint32_t idx)
 {
-    p->meta[idx].state = KVB__S_FREE;
-    p->meta[idx].refs = 0;
+    kvb__meta *m = &p->meta[idx];
+    uint32_t gen = m->gen;
+    kvb__mut_drop(p, idx);
+    kvb__reset_meta(m);
+    m->gen = gen;
     p->free_stack[p->n_free++] = idx;
     p->n_active--;
     p->stats.allocations--;
@@ -3191,12 +3249,10 @@ static kvb_result kvb__strong_all(const kvb_pool *p, const kvb_block *blocks, si
 #define KVB__SCRATCH 64
 static uint32_t *kvb__scratch(kvb_pool *p, uint32_t *stack, size_t n)
 {
+    void *a = p->scratch;
     if (n <= KVB__SCRATCH) return stack;
-    if (n > stbds_arrcap(p->scratch)) {
-        void *grown = stbds_arrgrowf(p->scratch, sizeof *p->scratch, 0, n);
-        if (!grown) return NULL;
-        p->scratch = (uint32_t *)grown;
-    }
+    if (!kvb__arr_fit(&a, sizeof *p->scratch, n)) return NULL;
+    p->scratch = (uint32_t *)a;
     return p->scratch;
 }
 
@@ -3339,12 +3395,12 @@ static kvb_result kvb__lock_block(kvb_pool *p, kvb_block b, int state, uint32_t 
     return r;
 }
 
-static kvb_result kvb__init_block(kvb_pool *p, uint32_t idx, const kvb_hash *parent, uint64_t salt,
-                                  const uint64_t *extra, size_t n_extra)
+/* Empty -> Partial with a mutable state kvb__mut_reserve made. */
+static void kvb__init_reserved(kvb_pool *p, uint32_t idx, const kvb_hash *parent, uint64_t salt,
+                               const uint64_t *extra, size_t n_extra)
 {
-    kvb__mut *mu = kvb__mut_new(p, idx);
+    kvb__mut *mu = kvb__mut_take(p, idx);
     kvb__meta *m = &p->meta[idx];
-    if (!mu) return KVB_ENOMEM;
     memset(mu, 0, sizeof *mu);
     mu->salt = salt;
     mu->n_extra = (uint32_t)n_extra;
@@ -3353,7 +3409,6 @@ static kvb_result kvb__init_block(kvb_pool *p, uint32_t idx, const kvb_hash *par
     else memset(&m->parent, 0, sizeof m->parent);
     m->ntok = 0;
     m->state = KVB_STATE_PARTIAL;
-    return KVB_OK;
 }
 
 KVB_API kvb_result kvb_block_init(kvb_pool *pool, kvb_block block, const kvb_hash *parent, uint64_t salt,
@@ -3364,7 +3419,8 @@ KVB_API kvb_result kvb_block_init(kvb_pool *pool, kvb_block block, const kvb_has
     if (!pool || (!extra && n_extra)) return KVB_EINVAL;
     if (n_extra > KVB_MAX_EXTRA_KEYS) return KVB_ERANGE;
     if ((r = kvb__lock_block(pool, block, KVB_STATE_EMPTY, &idx)) != KVB_OK) return r;
-    r = kvb__init_block(pool, idx, parent, salt, extra, n_extra);
+    if (kvb__mut_reserve(pool, 1)) kvb__init_reserved(pool, idx, parent, salt, extra, n_extra);
+    else r = KVB_ENOMEM;
     kvb__unlock(pool);
     return r;
 }
@@ -3729,19 +3785,39 @@ KVB_API kvb_result kvb_block_data(kvb_pool *pool, kvb_block block, uint32_t laye
     return r;
 }
 
-/* Block src's bytes to block dst as spans (the whole block, or one per page): through the pool's
- * copy_block hook when it has one, else memcpy. KVB_ECOPY when the hook fails. Pool locked. */
-static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
+/* Spans of one block's bytes: the whole block, or one per (layer, part) page. */
+static size_t kvb__copy_span_count(const kvb_pool *p)
 {
-    enum { STACK = 64 };
-    void *stack[2 * STACK] = {0}, **span = stack; /* zeroed: -O2 cannot see that n >= 1 */
+    const kvb_layout *y = &p->cfg.layout;
+    return y->kind == KVB_LAYOUT_BLOCK_CONTIGUOUS ? 1 : (size_t)y->num_layers * y->num_parts;
+}
+
+/* Room for the spans of one block copy (dst spans, then src spans): `stack` (2 x KVB__COPY_STACK
+ * pointers) when they fit, else memory taken here, before the copy changes anything; NULL when it is
+ * not there. kvb__copy_spans_free gives it back. */
+#define KVB__COPY_STACK 64
+static void **kvb__copy_spans(const kvb_pool *p, void **stack)
+{
+    size_t n = kvb__copy_span_count(p);
+    if (!p->storage || n <= KVB__COPY_STACK) return stack;
+    return (void **)KVB_MALLOC(2 * n * sizeof *stack);
+}
+
+static void kvb__copy_spans_free(void **span, void **stack)
+{
+    if (span && span != stack) KVB_FREE(span);
+}
+
+/* Block src's bytes to block dst as spans (in `span`, from kvb__copy_spans): through the pool's
+ * copy_block hook when it has one, else memcpy. KVB_ECOPY when the hook fails. Pool locked. */
+static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src, void **span)
+{
     const kvb_layout *y = &p->cfg.layout;
     int whole = y->kind == KVB_LAYOUT_BLOCK_CONTIGUOUS;
-    size_t n = whole ? 1 : (size_t)y->num_layers * y->num_parts, i;
+    size_t n = kvb__copy_span_count(p), i;
     uint64_t bytes = whole ? p->block_bytes : y->page_bytes;
     kvb_result r = KVB_OK;
     if (!p->storage) return KVB_OK;
-    if (n > STACK && !(span = (void **)KVB_MALLOC(2 * n * sizeof *span))) return KVB_ENOMEM;
     for (i = 0; i < n; i++) { /* dst spans first, then src spans */
         span[i] = kvb__page(p, dst, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
         span[n + i] = kvb__page(p, src, (uint32_t)(i / y->num_parts), (uint32_t)(i % y->num_parts));
@@ -3750,7 +3826,6 @@ static kvb_result kvb__copy_bytes(kvb_pool *p, uint32_t dst, uint32_t src)
         r = p->cfg.copy_block(p->cfg.copy_user, span, (const void *const *)(span + n), n, bytes) == 0 ? KVB_OK : KVB_ECOPY;
     else
         for (i = 0; i < n; i++) memcpy(span[i], span[n + i], (size_t)bytes);
-    if (span != stack) KVB_FREE(span);
     return r;
 }
 
@@ -3937,8 +4012,8 @@ done:
 
 struct kvb_seq { /* what an append or a commit reads first (one cache line), the rest after */
     kvb_pool *pool;
-    uint32_t *tokens;  /* stb_ds arrays */
-    kvb_block *table;
+    uint32_t *tokens;  /* stb_ds arrays; the table and hashes have room for the blocks of as many tokens */
+    kvb_block *table;  /* as tokens has room for (kvb__seq_room) */
     kvb_hash *hashes;  /* one per full block */
     size_t computed, cached;
     size_t len0, nh0;  /* an append in progress: tokens and hashes before it */
@@ -3993,16 +4068,22 @@ static void kvb__seq_drop_tail(kvb_seq *s, size_t from, int touch)
     KVB__ARR_SHRINK(s->table, from);
 }
 
+/* The sequence's memory (its blocks released already). */
+static void kvb__seq_free(kvb_seq *s)
+{
+    stbds_arrfree(s->tokens);
+    stbds_arrfree(s->table);
+    stbds_arrfree(s->hashes);
+    KVB_FREE(s);
+}
+
 KVB_API void kvb_seq_destroy(kvb_seq *seq)
 {
     if (!seq) return;
     pthread_mutex_lock(&seq->pool->lock);
     kvb__seq_drop_tail(seq, 0, 1);
     kvb__unlock(seq->pool);
-    stbds_arrfree(seq->tokens);
-    stbds_arrfree(seq->table);
-    stbds_arrfree(seq->hashes);
-    KVB_FREE(seq);
+    kvb__seq_free(seq);
 }
 
 KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
@@ -4020,39 +4101,25 @@ KVB_API kvb_result kvb_seq_reset(kvb_seq *seq, const kvb_seq_config *config)
     return KVB_OK;
 }
 
-/* Capacity for cap elements in the stb_ds array *a (stbds_arrsetcap would wrap elemsize * cap and
- * write through a failed realloc): 0 when the memory is not there, *a unchanged. */
-static int kvb__arr_room(void **a, size_t elemsize, size_t cap)
+/* Room in the sequence's arrays for cap tokens with their hashes and blocks: the hashes and the table
+ * first, so that they always have room for the blocks of as many tokens as the tokens array has room for
+ * (an append then checks the tokens' room alone). 0 when the memory is not there (some room may be kept). */
+static int kvb__seq_room(kvb_seq *s, size_t cap)
 {
-    stbds_array_header *h;
-    if (cap <= stbds_arrcap(*a)) return 1;
-    if (cap > (SIZE_MAX - sizeof *h) / elemsize) return 0;
-    h = (stbds_array_header *)KVB_REALLOC(*a ? stbds_header(*a) : NULL, elemsize * cap + sizeof *h);
-    if (!h) return 0;
-    if (!*a) {
-        h->length = 0;
-        h->hash_table = 0;
-        h->temp = 0;
-    }
-    h->capacity = cap;
-    *a = h + 1;
-    return 1;
+    size_t bt = s->pool->cfg.block_tokens;
+    void *t = s->tokens, *h = s->hashes, *b = s->table;
+    int ok = kvb__arr_room(&h, sizeof *s->hashes, cap / bt) &&
+             kvb__arr_room(&b, sizeof *s->table, cap / bt + (cap % bt != 0)) &&
+             kvb__arr_room(&t, sizeof *s->tokens, cap);
+    s->tokens = (uint32_t *)t, s->hashes = (kvb_hash *)h, s->table = (kvb_block *)b;
+    return ok;
 }
 
 KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens)
 {
-    size_t bt;
-    void *tokens, *hashes, *table;
-    int ok;
     if (!seq) return KVB_EINVAL;
-    bt = seq->pool->cfg.block_tokens;
     if (num_tokens > SIZE_MAX / (2 * sizeof(kvb_hash))) return KVB_ERANGE; /* more than memory holds */
-    tokens = seq->tokens, hashes = seq->hashes, table = seq->table;
-    ok = kvb__arr_room(&tokens, sizeof *seq->tokens, num_tokens) &&
-         kvb__arr_room(&hashes, sizeof *seq->hashes, num_tokens / bt) &&
-         kvb__arr_room(&table, sizeof *seq->table, num_tokens / bt + (num_tokens % bt != 0));
-    seq->tokens = (uint32_t *)tokens, seq->hashes = (kvb_hash *)hashes, seq->table = (kvb_block *)table;
-    return ok ? KVB_OK : KVB_ENOMEM;
+    return kvb__seq_room(seq, num_tokens) ? KVB_OK : KVB_ENOMEM;
 }
 
 static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb_hash *fresh, size_t n_old)
@@ -4061,65 +4128,64 @@ static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb
     return block - 1 < n_old ? &s->hashes[block - 1] : &fresh[block - 1 - n_old];
 }
 
-/* A private copy of block `old` holding its first ntok tokens (copy-on-write); the old reference is
- * dropped. Pool locked, one block available. */
-static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok)
+/* A private copy of block b holding its first ntok tokens (copy-on-write); the old reference is
+ * dropped. Pool locked, everything ready: a block available, its mutable state reserved, the copy's
+ * spans (kvb__copy_spans). Fails only when the copy does (KVB_ECOPY):
+ * the new block goes back as it was (an eviction made for it stays) and the sequence keeps the shared
+ * one. */
+static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok, void **span)
 {
     kvb_pool *p = s->pool;
     uint32_t old = kvb_block_index(s->table[b].id), idx = kvb__alloc_one(p);
-    kvb_result r = kvb__init_block(p, idx, &p->meta[old].parent, s->salt, s->extra, s->n_extra);
-    if (r != KVB_OK) {
-        kvb__drop_ref(p, idx, 0);
-        return r;
-    }
+    kvb__init_reserved(p, idx, &p->meta[old].parent, s->salt, s->extra, s->n_extra);
     kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
     p->meta[idx].state = KVB_STATE_PARTIAL;
-    r = kvb__copy_bytes(p, idx, old);
-    if (r != KVB_OK) { /* the copy is dropped again: the sequence keeps the shared block */
-        kvb__drop_ref(p, idx, 0);
-        p->stats.allocations--; /* a block nobody saw (an eviction made for it stays counted) */
-        return r;
+    if (kvb__copy_bytes(p, idx, old, span) != KVB_OK) {
+        kvb__unalloc(p, idx);
+        return KVB_ECOPY;
     }
     kvb__drop_ref(p, old, 0);
     s->table[b] = kvb__block_of(p, idx);
     return KVB_OK;
 }
 
-/* Fill new blocks nb_from..nb_to with the tokens from the table's end on. Pool locked, space checked. */
-static kvb_result kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kvb_hash *fresh,
-                                    size_t n_old, size_t total)
+/* Fill new blocks nb_from..nb_to with the tokens from the table's end on. Pool locked, everything
+ * ready: the blocks available, their mutable states reserved, room in the table. */
+static void kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kvb_hash *fresh, size_t n_old,
+                              size_t total)
 {
     kvb_pool *p = s->pool;
     size_t b, bt = p->cfg.block_tokens;
     for (b = nb_from; b < nb_to; b++) {
         uint32_t idx = kvb__alloc_one(p);
         size_t end = (b + 1) * bt < total ? (b + 1) * bt : total;
-        kvb_result r = kvb__init_block(p, idx, kvb__seq_parent(s, b, fresh, n_old), s->salt, s->extra, s->n_extra);
-        if (r != KVB_OK) {
-            kvb__drop_ref(p, idx, 0);
-            return r;
-        }
+        kvb__init_reserved(p, idx, kvb__seq_parent(s, b, fresh, n_old), s->salt, s->extra, s->n_extra);
         kvb__add_tokens(p, idx, s->tokens + b * bt, end - b * bt, 0);
         stbds_arrput(s->table, kvb__block_of(p, idx));
     }
-    return KVB_OK;
 }
 
-/* Append, step 1 (pool not locked): the tokens and the hashes of the blocks they fill go on the
- * sequence's arrays tentatively (the old lengths in len0 and nh0 for kvb__seq_rollback). The hashes
- * are computed here, outside the pool's lock. */
-static void kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
+/* Append, step 1 (pool not locked): room in the sequence's arrays for the tokens, the hashes of the
+ * blocks they fill and the blocks (KVB_ENOMEM, nothing changed, when the memory is not there); then the
+ * tokens and hashes go on tentatively (the old lengths in len0 and nh0 for kvb__seq_rollback). The
+ * hashes are computed here, outside the pool's lock. */
+static kvb_result kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
 {
     kvb_pool *p = s->pool;
-    size_t bt = p->cfg.block_tokens, i, n_new;
-    s->len0 = stbds_arrlenu(s->tokens);
+    size_t bt = p->cfg.block_tokens, i, len = stbds_arrlenu(s->tokens), total = len + n, n_new;
+    s->len0 = len;
     s->nh0 = stbds_arrlenu(s->hashes);
-    if (!n) return;
-    memcpy(stbds_arraddnptr(s->tokens, n), tokens, n * sizeof *tokens);
-    n_new = stbds_arrlenu(s->tokens) / bt - s->nh0;
-    if (n_new) (void)stbds_arraddnptr(s->hashes, n_new);
+    if (!n) return KVB_OK;
+    if (KVB__UNLIKELY(total > stbds_arrcap(s->tokens)) &&
+        !kvb__seq_room(s, kvb__grown(stbds_arrcap(s->tokens), total)))
+        return KVB_ENOMEM;
+    memcpy(s->tokens + len, tokens, n * sizeof *tokens); /* within the room: hashes and table have theirs */
+    stbds_header(s->tokens)->length = total;
+    n_new = total / bt - s->nh0;
+    if (n_new) stbds_header(s->hashes)->length = s->nh0 + n_new;
     for (i = s->nh0; i < s->nh0 + n_new; i++)
         s->hashes[i] = kvb__hash(p, i ? &s->hashes[i - 1] : NULL, s->tokens + i * bt, bt, s->extra, s->n_extra, s->salt);
+    return KVB_OK;
 }
 
 static void kvb__seq_rollback(kvb_seq *s)
@@ -4128,8 +4194,18 @@ static void kvb__seq_rollback(kvb_seq *s)
     KVB__ARR_SHRINK(s->hashes, s->nh0);
 }
 
+/* A copy-on-write (kvb__seq_cow) with spans of its own, taken first. */
+static kvb_result kvb__seq_cow_alone(kvb_seq *s, size_t b, uint32_t ntok)
+{
+    void *stack[2 * KVB__COPY_STACK] = {0}, **span = kvb__copy_spans(s->pool, stack); /* zeroed: -O2 cannot see n >= 1 */
+    kvb_result r = span ? kvb__seq_cow(s, b, ntok, span) : KVB_ENOMEM;
+    kvb__copy_spans_free(span, stack);
+    return r;
+}
+
 /* Append, step 2 (pool locked): reuse cached blocks for the new full blocks while every earlier one was
- * cached, fill the partial last block (copied first when shared), allocate the rest. All or nothing. */
+ * cached, fill the partial last block (copied first when shared), allocate the rest. All or nothing:
+ * what can fail (space, memory, the copy) is done or checked before the rest changes anything. */
 static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
 {
     kvb_pool *p = s->pool;
@@ -4138,7 +4214,8 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     size_t nb_new = (total + bt - 1) / bt, k = 0, need, i, inactive_hit = 0, room;
     uint32_t stack[KVB__SCRATCH], *idx = stack, last = KVB__NIL;
     const kvb_hash *fresh = n_new ? s->hashes + n_old : NULL;
-    kvb_result r = KVB_OK;
+    kvb_result r;
+    int cow;
     if (!n) return KVB_OK;
     if (len % bt) { /* the partial last block takes tokens first: it must be writable */
         last = kvb_block_index(s->table[nb_old - 1].id);
@@ -4150,9 +4227,13 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     }
     for (i = 0; i < k; i++) inactive_hit += p->meta[idx[i]].refs++ == 0; /* each block once: a hash_fn */
     for (i = 0; i < k; i++) p->meta[idx[i]].refs--; /* that leaves out the parent can match one twice */
-    need = nb_new - nb_old - k + (last != KVB__NIL && p->meta[last].refs > 1);
+    cow = last != KVB__NIL && p->meta[last].refs > 1;
+    need = nb_new - nb_old - k + (size_t)cow;
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
     if (need > room) return KVB_ENOSPACE;
+    if (need && !kvb__mut_reserve(p, need)) return KVB_ENOMEM; /* the mutable state of every block it fills */
+    /* the copy first (never with matched blocks: those start on a block boundary) */
+    if (cow && (r = kvb__seq_cow_alone(s, nb_old - 1, (uint32_t)(len % bt))) != KVB_OK) return r;
     if (k) {
         kvb__take_matched(p, idx, k, n_new, NULL);
         for (i = 0; i < k; i++) stbds_arrput(s->table, kvb__block_of(p, idx[i]));
@@ -4161,11 +4242,9 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     }
     if (last != KVB__NIL) {
         size_t fill = bt - len % bt < n ? bt - len % bt : n;
-        if (p->meta[last].refs > 1) r = kvb__seq_cow(s, nb_old - 1, (uint32_t)(len % bt));
-        if (r == KVB_OK) kvb__add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), s->tokens + len, fill, 0);
+        kvb__add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), s->tokens + len, fill, 0);
     }
-    if (r == KVB_OK) r = kvb__seq_fill_new(s, nb_old + k, nb_new, fresh, n_old, total);
-    if (r != KVB_OK) return r; /* out of memory, or a failed block copy: the caller rolls back */
+    kvb__seq_fill_new(s, nb_old + k, nb_new, fresh, n_old, total);
     s->cached += k * bt;
     if (k) s->computed = s->cached;
     if (out_cached_tokens) *out_cached_tokens = k * bt;
@@ -4180,7 +4259,7 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     if (out_cached_tokens) *out_cached_tokens = 0;
     if (!n) return KVB_OK;
     p = seq->pool;
-    kvb__seq_prepare(seq, tokens, n);
+    if ((r = kvb__seq_prepare(seq, tokens, n)) != KVB_OK) return r;
     pthread_mutex_lock(&p->lock);
     r = kvb__seq_append_locked(seq, out_cached_tokens);
     kvb__unlock(p);
@@ -4234,8 +4313,8 @@ KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *con
                                        size_t n, size_t *out_done)
 {
     kvb_pool *p;
-    size_t i, done = 0;
-    kvb_result r = KVB_OK;
+    size_t i, ready, done = 0;
+    kvb_result r = KVB_OK, prepared = KVB_OK;
     if (!out_done || (n && (!seqs || !tokens || !counts))) return KVB_EINVAL;
     *out_done = 0;
     if (!n) return KVB_OK;
@@ -4243,19 +4322,19 @@ KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *con
     for (i = 0; i < n; i++)
         if (!tokens[i] && counts[i]) return KVB_EINVAL;
     p = seqs[0]->pool;
-    for (i = 0; i < n; i++) {
-        kvb__seq_prefetch(seqs, i, n, 0);
-        kvb__seq_prepare(seqs[i], tokens[i], counts[i]);
+    for (ready = 0; ready < n; ready++) { /* out of memory here: the ones before it are still appended */
+        kvb__seq_prefetch(seqs, ready, n, 0);
+        if ((prepared = kvb__seq_prepare(seqs[ready], tokens[ready], counts[ready])) != KVB_OK) break;
     }
     pthread_mutex_lock(&p->lock);
-    for (; done < n; done++) {
-        kvb__seq_prefetch(seqs, done, n, 1);
+    for (; done < ready; done++) {
+        kvb__seq_prefetch(seqs, done, ready, 1);
         if ((r = kvb__seq_append_locked(seqs[done], NULL)) != KVB_OK) break;
     }
     kvb__unlock(p);
-    for (i = done; i < n; i++) kvb__seq_rollback(seqs[i]);
+    for (i = done; i < ready; i++) kvb__seq_rollback(seqs[i]);
     *out_done = done;
-    return r;
+    return r != KVB_OK ? r : prepared;
 }
 
 /* Commit, pool locked (see kvb_seq_commit). */
@@ -4311,19 +4390,22 @@ KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_t
 KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out)
 {
     kvb_seq *c;
-    size_t i;
+    size_t i, nt, nh;
     kvb_result r;
     if (!seq || !out) return KVB_EINVAL;
     if ((r = kvb_seq_create(seq->pool, NULL, &c)) != KVB_OK) return r;
+    nt = stbds_arrlenu(seq->tokens), nh = stbds_arrlenu(seq->hashes);
+    if (!kvb__seq_room(c, nt)) { /* before a reference is taken: seq and the pool unchanged */
+        kvb__seq_free(c);
+        return KVB_ENOMEM;
+    }
     c->salt = seq->salt;
     c->n_extra = seq->n_extra;
     memcpy(c->extra, seq->extra, sizeof c->extra);
     c->computed = seq->computed;
     c->cached = seq->cached;
-    if (stbds_arrlenu(seq->tokens))
-        memcpy(stbds_arraddnptr(c->tokens, stbds_arrlenu(seq->tokens)), seq->tokens, stbds_arrlenu(seq->tokens) * sizeof *c->tokens);
-    if (stbds_arrlenu(seq->hashes))
-        memcpy(stbds_arraddnptr(c->hashes, stbds_arrlenu(seq->hashes)), seq->hashes, stbds_arrlenu(seq->hashes) * sizeof *c->hashes);
+    if (nt) memcpy(stbds_arraddnptr(c->tokens, nt), seq->tokens, nt * sizeof *c->tokens);
+    if (nh) memcpy(stbds_arraddnptr(c->hashes, nh), seq->hashes, nh * sizeof *c->hashes);
     pthread_mutex_lock(&seq->pool->lock);
     for (i = 0; i < stbds_arrlenu(seq->table); i++) {
         seq->pool->meta[kvb_block_index(seq->table[i].id)].refs++;
@@ -4332,6 +4414,50 @@ KVB_API kvb_result kvb_seq_fork(kvb_seq *seq, kvb_seq **out)
     pthread_mutex_unlock(&seq->pool->lock);
     *out = c;
     return KVB_OK;
+}
+
+/* Room in the eviction rings of level 0 for each registered block of blocks[0..n), should a release
+ * make it inactive: kvb__list_push then grows no ring. */
+static int kvb__rings_room(kvb_pool *p, const kvb_block *blocks, size_t n)
+{
+    size_t per[KVB__CLASSES] = {0}, i;
+    if (p->cfg.eviction == KVB_EVICT_CUSTOM) return 1;
+    for (i = 0; i < n; i++) {
+        const kvb__meta *m = &p->meta[kvb_block_index(blocks[i].id)];
+        per[m->cls] += m->state == KVB_STATE_REGISTERED;
+    }
+    for (i = 0; i < KVB__CLASSES; i++) {
+        kvb__ring *r = &p->rings[i];
+        void *a = r->e;
+        int ok = kvb__arr_fit(&a, sizeof *r->e, stbds_arrlenu(r->e) + per[i]);
+        r->e = (kvb__ring_entry *)a;
+        if (!ok) return 0;
+    }
+    return 1;
+}
+
+/* Truncate's copy of its kept last block (keep - 1, shared or registered, rem tokens kept) and the drop
+ * of the blocks past it. The copy goes first when a block is available, so that a failed copy changes
+ * nothing; else the tail goes first to make room, and a failed copy then ends the sequence at the block
+ * boundary below (*num_tokens). The memory is taken first (KVB_ENOMEM, nothing changed). Pool locked. */
+static kvb_result kvb__seq_truncate_cow(kvb_seq *s, size_t keep, uint32_t rem, size_t *num_tokens)
+{
+    kvb_pool *p = s->pool;
+    void *stack[2 * KVB__COPY_STACK] = {0}, **span = NULL; /* zeroed: -O2 cannot see n >= 1 */
+    kvb_result r;
+    if (!kvb__mut_reserve(p, 1) || !(span = kvb__copy_spans(p, stack)))
+        return KVB_ENOMEM;
+    if (kvb__available(p, 1)) {
+        if ((r = kvb__seq_cow(s, keep - 1, rem, span)) == KVB_OK) kvb__seq_drop_tail(s, keep, 0);
+    } else {
+        kvb__seq_drop_tail(s, keep, 0);
+        if ((r = kvb__seq_cow(s, keep - 1, rem, span)) != KVB_OK) {
+            kvb__seq_drop_tail(s, keep - 1, 0);
+            *num_tokens = (keep - 1) * p->cfg.block_tokens;
+        }
+    }
+    kvb__copy_spans_free(span, stack);
+    return r;
 }
 
 KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
@@ -4359,15 +4485,13 @@ KVB_API kvb_result kvb_seq_truncate(kvb_seq *seq, size_t num_tokens)
     }
     for (i = keep; i < nb; i++) freed += p->meta[kvb_block_index(seq->table[i].id)].refs == 1;
     if (r == KVB_OK && cow && !kvb__available(p, 1) && !freed) r = KVB_ENOSPACE;
-    if (r == KVB_OK && cow && kvb__available(p, 1)) { /* copy first: a failed copy changes nothing */
-        r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem);
-        if (r == KVB_OK) kvb__seq_drop_tail(seq, keep, 0);
-    } else if (r == KVB_OK) { /* the copy needs a block of the tail */
+    /* the blocks let go (the copied one too) may become inactive: their rings' room first */
+    if (r == KVB_OK && !kvb__rings_room(p, seq->table + (keep - (size_t)cow), nb - keep + (size_t)cow)) r = KVB_ENOMEM;
+    if (r == KVB_OK && cow) {
+        r = kvb__seq_truncate_cow(seq, keep, (uint32_t)rem, &num_tokens);
+    } else if (r == KVB_OK) {
         kvb__seq_drop_tail(seq, keep, 0);
-        if (cow && (r = kvb__seq_cow(seq, keep - 1, (uint32_t)rem)) != KVB_OK) {
-            kvb__seq_drop_tail(seq, keep - 1, 0); /* the tail is gone: end at the block boundary below */
-            num_tokens = (keep - 1) * bt;
-        } else if (!cow && last != KVB__NIL) {
+        if (last != KVB__NIL) {
             p->meta[last].ntok = (uint16_t)rem;
             p->meta[last].state = KVB_STATE_PARTIAL;
         }
