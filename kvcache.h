@@ -218,7 +218,8 @@
  * its tail to make room, and then ends at the block boundary below num_tokens.
  *
  * Events: with an event callback, the pool reports when a hash becomes present (STORED), stops being
- * present (REMOVED), or everything is dropped (CLEARED), in batches, once per public call.
+ * present (REMOVED), or everything is dropped (CLEARED), in batches, once per public call (in parts, none
+ * lost, where the memory for a batch ran out).
  *
  * 3. HASHING (fixed; another program can compute the same values)
  *
@@ -276,8 +277,8 @@
  * 6. ERRORS
  * Every function returns a kvb_result: KVB_OK (0) or a negative code; kvb_result_string names it.
  * A call that fails changes nothing. Out of memory (KVB_MALLOC / KVB_REALLOC returning NULL) included:
- * the sequence calls and kvb_request_begin take the memory they need (arrays, mutable block states)
- * before they change anything, and return KVB_ENOMEM
+ * the sequence calls and kvb_request_begin take the memory they need (arrays, mutable block states,
+ * room for their events) before they change anything, and return KVB_ENOMEM
  * (tests/test_oom.c fails each of their allocations in turn).
  */
 /* POSIX for the implementations (clock_gettime, preadv, sockets, O_DIRECT): asked of the C library before
@@ -434,7 +435,8 @@ typedef struct kvb_event {
     kvb_hash parent;
 } kvb_event;
 
-/* Receives events in batches, at most once per public call, with the pool's mutex held. */
+/* Receives events in batches, at most once per public call (more often only where the memory for the
+ * batch ran out: then it comes in parts, none lost), with the pool's mutex held. */
 typedef void (*kvb_event_fn)(const kvb_event *events, size_t n, void *user);
 
 /* Replacement block hash: must be deterministic and write *out. */
@@ -737,7 +739,8 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
 
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
  * ReadyForScheduling, Inflight, compute done; full ones are registered (a duplicate may be replaced by
- * the existing block). KVB_ERANGE past the appended tokens. Thread safety: one thread per sequence. */
+ * the existing block). KVB_ERANGE past the appended tokens; KVB_ENOMEM (nothing changed) when a pool
+ * with an event callback has no memory for the events. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens);
 
 /* Batches for an engine's step (e.g. one sampled token for each decoding request): the pool is locked
@@ -745,8 +748,8 @@ KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens);
  * kvb_seq_commit(seqs[i], num_tokens[i]) would do, in order. Every sequence must be on the same pool.
  * append_many stops at the first sequence whose append fails (its result is returned; it and the
  * ones after it are unchanged); *out_done = the sequences appended. commit_many checks every count
- * first (KVB_ERANGE, nothing changed). KVB_EINVAL on NULL arguments, sequences of different pools or a
- * sequence that comes twice.
+ * first (KVB_ERANGE, nothing changed), and the memory for its events (KVB_ENOMEM, nothing changed).
+ * KVB_EINVAL on NULL arguments, sequences of different pools or a sequence that comes twice.
  * Thread safety: one thread per sequence; the pool serialises the batch with its other calls. */
 KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *const *tokens, const size_t *counts,
                                        size_t n, size_t *out_done);
@@ -1391,6 +1394,29 @@ static kvb_block kvb__block_of(const kvb_pool *p, uint32_t idx)
 
 /* ---- events ------------------------------------------------------------------------------------- */
 
+static void kvb__flush_events(kvb_pool *p)
+{
+    if (stbds_arrlen(p->events) == 0) return;
+    p->cfg.on_events(p->events, stbds_arrlenu(p->events), p->cfg.event_user);
+    KVB__ARR_SHRINK(p->events, 0);
+}
+
+static KVB__NOINLINE int kvb__events_grow(kvb_pool *p, size_t n)
+{
+    void *a = p->events;
+    int ok = kvb__arr_fit(&a, sizeof *p->events, stbds_arrlenu(p->events) + n);
+    p->events = (kvb_event *)a;
+    return ok;
+}
+
+/* Room in the pending batch for n more events (always, for a pool without an event callback): the
+ * sequence calls make it before they change anything, so that they can fail with KVB_ENOMEM instead. */
+static inline int kvb__events_room(kvb_pool *p, size_t n)
+{
+    return KVB__LIKELY(!p->cfg.on_events || stbds_arrlenu(p->events) + n <= stbds_arrcap(p->events)) ||
+           kvb__events_grow(p, n);
+}
+
 static void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
 {
     kvb_event e;
@@ -1403,14 +1429,14 @@ static void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
         e.hash = m->hash;
         e.parent = m->parent;
     }
+    if (!kvb__events_room(p, 1)) { /* out of memory: the batch so far goes now, and this event alone */
+        kvb__flush_events(p);
+        if (!stbds_arrcap(p->events)) {
+            p->cfg.on_events(&e, 1, p->cfg.event_user);
+            return;
+        }
+    }
     stbds_arrput(p->events, e);
-}
-
-static void kvb__flush_events(kvb_pool *p)
-{
-    if (stbds_arrlen(p->events) == 0) return;
-    p->cfg.on_events(p->events, stbds_arrlenu(p->events), p->cfg.event_user);
-    KVB__ARR_SHRINK(p->events, 0);
 }
 
 static void kvb__unlock(kvb_pool *p)
@@ -3682,6 +3708,11 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOSPACE;
     }
+    /* each new block's event, and those of the evictions it makes */
+    if (!kvb__events_room(pool, 2 * (n - k) - (n - k < pool->n_free ? n - k : pool->n_free))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
     kvb__take_matched(pool, idx, k, n, out_blocks);
     for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
     for (i = k; i < n; i++)
@@ -4165,8 +4196,8 @@ static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb
 }
 
 /* A private copy of block b holding its first ntok tokens (copy-on-write); the old reference is
- * dropped. Pool locked, everything ready: a block available, its mutable state reserved, the copy's
- * spans (kvb__copy_spans). Fails only when the copy does (KVB_ECOPY):
+ * dropped. Pool locked, everything ready: a block available, its mutable state reserved, room for the
+ * event of an eviction, the copy's spans (kvb__copy_spans). Fails only when the copy does (KVB_ECOPY):
  * the new block goes back as it was (an eviction made for it stays) and the sequence keeps the shared
  * one. */
 static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok, void **span)
@@ -4267,7 +4298,9 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     need = nb_new - nb_old - k + (size_t)cow;
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
     if (need > room) return KVB_ENOSPACE;
-    if (need && !kvb__mut_reserve(p, need)) return KVB_ENOMEM; /* the mutable state of every block it fills */
+    /* the mutable state of every block this call fills, and the events of the evictions it makes */
+    if (need && (!kvb__mut_reserve(p, need) || !kvb__events_room(p, need > p->n_free ? need - p->n_free : 0)))
+        return KVB_ENOMEM;
     /* the copy first (never with matched blocks: those start on a block boundary) */
     if (cow && (r = kvb__seq_cow_alone(s, nb_old - 1, (uint32_t)(len % bt))) != KVB_OK) return r;
     if (k) {
@@ -4396,14 +4429,25 @@ static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
     if (num_tokens > seq->computed) seq->computed = num_tokens;
 }
 
+/* The blocks a commit up to num_tokens may register: a STORED event each at most. */
+static size_t kvb__seq_commit_blocks(const kvb_seq *seq, size_t num_tokens)
+{
+    size_t bt = seq->pool->cfg.block_tokens, from = seq->computed / bt, to = num_tokens / bt;
+    return to > from ? to - from : 0;
+}
+
 KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
 {
+    kvb_result r = KVB_OK;
     if (!seq) return KVB_EINVAL;
     if (num_tokens > stbds_arrlenu(seq->tokens)) return KVB_ERANGE;
     pthread_mutex_lock(&seq->pool->lock);
-    kvb__seq_commit_locked(seq, num_tokens);
+    if (seq->pool->cfg.on_events && !kvb__events_room(seq->pool, kvb__seq_commit_blocks(seq, num_tokens)))
+        r = KVB_ENOMEM;
+    else
+        kvb__seq_commit_locked(seq, num_tokens);
     kvb__unlock(seq->pool);
-    return KVB_OK;
+    return r;
 }
 
 KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_tokens, size_t n)
@@ -4415,6 +4459,14 @@ KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_t
     for (i = 0; i < n; i++)
         if (num_tokens[i] > stbds_arrlenu(seqs[i]->tokens)) return KVB_ERANGE;
     pthread_mutex_lock(&seqs[0]->pool->lock);
+    if (seqs[0]->pool->cfg.on_events) {
+        size_t events = 0;
+        for (i = 0; i < n; i++) events += kvb__seq_commit_blocks(seqs[i], num_tokens[i]);
+        if (!kvb__events_room(seqs[0]->pool, events)) {
+            pthread_mutex_unlock(&seqs[0]->pool->lock);
+            return KVB_ENOMEM;
+        }
+    }
     for (i = 0; i < n; i++) {
         kvb__seq_prefetch(seqs, i, n, 2);
         kvb__seq_commit_locked(seqs[i], num_tokens[i]);
@@ -4481,7 +4533,7 @@ static kvb_result kvb__seq_truncate_cow(kvb_seq *s, size_t keep, uint32_t rem, s
     kvb_pool *p = s->pool;
     void *stack[2 * KVB__COPY_STACK] = {0}, **span = NULL; /* zeroed: -O2 cannot see n >= 1 */
     kvb_result r;
-    if (!kvb__mut_reserve(p, 1) || !(span = kvb__copy_spans(p, stack)))
+    if (!kvb__mut_reserve(p, 1) || !kvb__events_room(p, !p->n_free) || !(span = kvb__copy_spans(p, stack)))
         return KVB_ENOMEM;
     if (kvb__available(p, 1)) {
         if ((r = kvb__seq_cow(s, keep - 1, rem, span)) == KVB_OK) kvb__seq_drop_tail(s, keep, 0);

@@ -1,17 +1,19 @@
 /* Out of memory in the sequence calls of kvblock.h: every allocation a call makes is made to fail in
- * turn. KVB_MALLOC and KVB_REALLOC (stb_ds arrays, mutable block states, the pool's scratch, the spans
- * of a block copy) fail at the Nth call made during the call under test, once or from then on, for
- * N = 0, 1, .. until the call makes no Nth. Each time the call must return KVB_ENOMEM without crashing,
- * the pool must pass kvb_pool_check, and the sequences, the blocks they hold and the pool's counters must
- * be exactly as before (block handles included, so nothing was allocated and given back either); the
- * same call with the memory there must then succeed and leave everything as a run that never failed,
- * and releasing everything must leave no block referenced. (append_many stops at the first sequence
- * that fails: the ones before it are appended, it and the ones after it are as before.) Scenarios: an
- * append that fills the partial last block and several new ones; one that matches more cached blocks
- * than the stack scratch holds and then evicts for the rest; one into a partial block shared with a
- * fork (copy-on-write through more page spans than the stack holds); append_many over three
- * sequences; fork; request_begin; truncate into a shared block, and one that releases registered
- * blocks; block_init. */
+ * turn. KVB_MALLOC and KVB_REALLOC (stb_ds arrays, mutable block states, the pool's scratch, the
+ * pending events, the spans of a block copy) fail at the Nth call made during the call under test, once
+ * or from then on, for N = 0, 1, .. until the call makes no Nth. Each time the call must return
+ * KVB_ENOMEM without crashing, the pool must pass kvb_pool_check, and the sequences, the blocks they
+ * hold and the pool's counters must be exactly as before (block handles included, so nothing was
+ * allocated and given back either); the same call with the memory there must then succeed and leave
+ * everything as a run that never failed, and releasing everything must leave no block referenced.
+ * (append_many stops at the first sequence that fails: the ones before it are appended, it and the ones
+ * after it are as before.) Scenarios: an append that fills the partial last block and several new ones;
+ * one that matches more cached blocks than the stack scratch holds and then evicts for the rest; one
+ * into a partial block shared with a fork (copy-on-write through more page spans than the stack holds);
+ * append_many over three sequences; fork; request_begin, without and with events; commit and
+ * commit_many with events; truncate into a shared block, and one that releases registered blocks;
+ * block_init. Last, events that find no memory for their batch (calls that reserve none) arrive in
+ * parts, none lost. */
 #include <stdlib.h>
 static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
 static int oom_sticky;   /* every allocation from oom_at on fails too */
@@ -360,11 +362,27 @@ static void setup_request_in(world *w, int events)
     fx_events_clear(&w->events);
 }
 static void setup_request(world *w) { setup_request_in(w, 0); }
+static void setup_request_events(world *w) { setup_request_in(w, 1); }
 static kvb_result act_request(world *w)
 {
     kvb_result r = kvb_request_begin(w->pool, req_hashes, 70, w->held, &w->out);
     if (r == KVB_OK) w->n_held = 70;
     return r;
+}
+
+/* 5 full blocks and 2 tokens appended, nothing committed; the commit registers the 5 (events: the
+ * pool's first, so its event array grows). commit_many: the same over two sequences. */
+static void setup_commit(world *w)
+{
+    w->pool = pool_of(32, 1, w);
+    seq_with(w, 100, 22, 0);
+    seq_with(w, 200, 12, 0);
+}
+static kvb_result act_commit(world *w) { return kvb_seq_commit(w->seq[0], 22); }
+static kvb_result act_commit_many(world *w)
+{
+    size_t counts[2] = {22, 12};
+    return kvb_seq_commit_many(w->seq, counts, 2);
 }
 
 /* A fork truncated inside a block it shares: the kept partial block is copied (80 page spans), the
@@ -401,6 +419,9 @@ static const scenario scenarios[] = {
     {"append_many: three sequences", setup_many, act_many},
     {"fork", setup_fork, act_fork},
     {"request_begin: 20 matched, 50 new", setup_request, act_request},
+    {"request_begin: the same, with events", setup_request_events, act_request},
+    {"commit: 5 blocks registered, events", setup_commit, act_commit},
+    {"commit_many: 8 blocks registered, events", setup_commit, act_commit_many},
     {"truncate: a fork into its shared block", setup_shared_paged, act_truncate_shared},
     {"truncate: registered blocks released", setup_truncate_registered, act_truncate_registered},
     {"block_init: the pool's first mutable state", setup_block_init, act_block_init},
@@ -421,11 +442,47 @@ static void run_all(int sticky)
 static void test_each_allocation_failing_once_changes_nothing(void) { run_all(0); }
 static void test_allocations_failing_from_n_on_change_nothing(void) { run_all(1); }
 
+/* Calls that do not reserve room for their events (kvb_register_hashed here) still deliver every event,
+ * in order, when the pending batch cannot grow: the batch so far goes early, then each event alone. */
+static void test_events_without_memory_come_in_parts(void)
+{
+    enum { N = 10 };
+    kvb_hash h[N];
+    for (size_t i = 0; i < N; i++) h[i] = fx_hash(i + 1, 99);
+    for (int warm = 0; warm < 2; warm++) { /* an empty batch array, then one with room for 4 */
+        world w;
+        kvb_block b[N], out[N];
+        memset(&w, 0, sizeof w);
+        w.pool = pool_of(16, 1, &w);
+        if (warm) {
+            KVT_EQ(kvb_alloc(w.pool, 2, b), KVB_OK);
+            KVT_EQ(kvb_register_hashed(w.pool, b, 2, h + N - 2, NULL, out), KVB_OK); /* room for 4 */
+            KVT_EQ(kvb_release(w.pool, out, 2, NULL), KVB_OK);
+            fx_events_clear(&w.events);
+        }
+        KVT_EQ(kvb_alloc(w.pool, N - 2, b), KVB_OK);
+        oom_arm(0, 1);
+        KVT_EQ(kvb_register_hashed(w.pool, b, N - 2, h, NULL, out), KVB_OK);
+        oom_disarm();
+        KVT_CHECK(oom_fired);
+        KVT_EQ(w.events.n, N - 2);
+        for (size_t i = 0; i < w.events.n; i++) {
+            KVT_EQ(w.events.ev[i].kind, KVB_EVENT_STORED);
+            FX_HASH_EQ(w.events.ev[i].hash, h[i]);
+        }
+        KVT_EQ(w.events.calls, warm ? 2 : N - 2); /* 4 + 4, or each alone */
+        FX_CHECK_POOL(w.pool);
+        KVT_EQ(kvb_release(w.pool, out, N - 2, NULL), KVB_OK);
+        world_free(&w);
+    }
+}
+
 int main(int argc, char **argv)
 {
     only = argc > 1 ? argv[1] : NULL;
     fx_watchdog(120);
     KVT_RUN(test_each_allocation_failing_once_changes_nothing);
     KVT_RUN(test_allocations_failing_from_n_on_change_nothing);
+    KVT_RUN(test_events_without_memory_come_in_parts);
     return kvt_summary();
 }
