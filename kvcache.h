@@ -1842,6 +1842,24 @@ static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
     r->held = (uint32_t)(w - r->live);
 }
 
+/* One more entry's room in a full ring, grown: 0 when the memory is not there. */
+static KVB__NOINLINE int kvb__ring_grow(kvb__ring *r)
+{
+    void *a = r->e;
+    int ok = kvb__arr_fit(&a, sizeof *r->e, stbds_arrlenu(r->e) + 1);
+    r->e = (kvb__ring_entry *)a;
+    return ok;
+}
+
+static KVB__NOINLINE int kvb__ring_room(kvb_pool *p, kvb__ring *r);
+
+/* Room for one more entry in ring r (kvb__ring_room when it is full). */
+static inline int kvb__ring_has_room(kvb_pool *p, kvb__ring *r)
+{
+    return KVB__LIKELY(stbds_arrlenu(r->e) < stbds_arrcap(r->e)) || kvb__ring_room(p, r);
+}
+
+/* An inactive block onto the tail of its ring, which has room (kvb__ring_has_room). */
 static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
@@ -1849,17 +1867,27 @@ static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
     kvb__ring_entry e;
     e.idx = idx;
     e.stamp = m->stamp = r->base + (uint32_t)stbds_arrlenu(r->e);
-    stbds_arrput(r->e, e);
+    r->e[stbds_header(r->e)->length++] = e;
     kvb__ring_gain(p, m);
     if (stbds_arrlenu(r->e) >= 2 * ((size_t)r->live + r->held) + 64) kvb__ring_compact(p, r);
 }
 
+static void kvb__make_free(kvb_pool *p, uint32_t idx);
+
 static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
+    int ring = !(m->flags & KVB__F_QUEUED) && p->cfg.eviction != KVB_EVICT_CUSTOM;
+    /* Room first, before the block is inactive (kvb__ring_room then neither keeps nor evicts an old entry
+     * of it). Where even an eviction gives none (out of memory), the block leaves the cache instead, as
+     * kvb_invalidate drops one: a release, which cannot fail, caches less rather than crash. */
+    if (KVB__LIKELY(ring) && !kvb__ring_has_room(p, &p->rings[kvb__ring_of(m)])) {
+        kvb__make_free(p, idx);
+        return;
+    }
     m->flags |= KVB__F_INACTIVE;
     p->n_inactive++;
-    if (KVB__LIKELY(!(m->flags & KVB__F_QUEUED) && p->cfg.eviction != KVB_EVICT_CUSTOM)) {
+    if (KVB__LIKELY(ring)) {
         kvb__ring_push(p, idx);
     } else if (p->cfg.eviction == KVB_EVICT_CUSTOM) {
         p->cfg.custom_eviction.on_inactive(p->cfg.custom_eviction.user, idx, m->prio);
@@ -2606,6 +2634,9 @@ static void kvb__set_cls(kvb_pool *p, uint32_t idx, uint32_t c)
 {
     kvb__meta *m = &p->meta[idx];
     if (m->cls == c) return;
+    /* out of memory for the ring it would go to, an inactive block stays in its class */
+    if ((m->flags & KVB__F_INACTIVE) && !kvb__ring_has_room(p, &p->rings[(uint32_t)m->prio * KVB__CLASSES + c]))
+        return;
     p->n_cls[m->cls]--;
     p->n_cls[c]++;
     if (m->flags & KVB__F_INACTIVE) {
@@ -2709,9 +2740,10 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
             }
             if (cls == KVB__T2 && m->cnt) { /* hit in the main queue: round again */
                 m->cnt--;
-                kvb__ring_lose(p, m);
-                kvb__ring_push(p, v); /* may compact this very ring: scan again from its head */
-                r = &p->rings[rid];
+                if (stbds_arrlenu(r->e) >= stbds_arrcap(r->e) && !kvb__ring_grow(r)) continue; /* out of memory: */
+                kvb__ring_lose(p, m);                                   /* it keeps its place */
+                kvb__ring_push(p, v);
+                r = &p->rings[rid]; /* the push may have compacted this very ring: scan again from its head */
                 i = r->head;
                 i--;
                 continue;
@@ -2877,18 +2909,41 @@ static void kvb__make_free(kvb_pool *p, uint32_t idx)
     kvb__push_free(p, idx);
 }
 
-/* Evict the policy's victim: off its list, out of the index, reset as new. KVB__NIL when none. */
-static inline uint32_t kvb__evict_one(kvb_pool *p)
+/* Evict inactive block idx: off its list, out of the index, reset as new. */
+static inline void kvb__evict(kvb_pool *p, uint32_t idx)
 {
-    uint32_t idx = kvb__choose_victim(p);
-    if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
     kvb__list_remove(p, idx);
     if (p->cfg.eviction == KVB_EVICT_FOL) kvb__fol_forget(p, &p->meta[idx]);
     else if (kvb__two_lists(p)) kvb__two_lists_evicted(p, &p->meta[idx]);
     kvb__forget(p, idx); /* inactive blocks are registered */
     kvb__reset_meta(&p->meta[idx]);
     p->stats.evictions++;
+}
+
+/* Evict the policy's victim. KVB__NIL when none. */
+static inline uint32_t kvb__evict_one(kvb_pool *p)
+{
+    uint32_t idx = kvb__choose_victim(p);
+    if (idx == KVB__NIL) return KVB__NIL; /* only a custom policy can refuse */
+    kvb__evict(p, idx);
     return idx;
+}
+
+/* Room for one more entry in a full ring: grown; out of memory, made by dropping its stale entries, else
+ * by evicting its oldest leaf to the free set (a leaf: no cached child loses its count), so that the
+ * ring then keeps no more blocks than it has room for. 0 when none of that gives it. */
+static KVB__NOINLINE int kvb__ring_room(kvb_pool *p, kvb__ring *r)
+{
+    uint32_t v;
+    if (kvb__ring_grow(r)) return 1;
+    if (!stbds_arrlenu(r->e)) return 0;
+    kvb__ring_compact(p, r);
+    if (stbds_arrlenu(r->e) < stbds_arrcap(r->e)) return 1;
+    if ((v = kvb__ring_victim(p, r->id, 1)) == KVB__NIL) return 0;
+    kvb__evict(p, v);
+    p->free_stack[p->n_free++] = v;
+    kvb__ring_compact(p, r);
+    return stbds_arrlenu(r->e) < stbds_arrcap(r->e);
 }
 
 static inline uint32_t kvb__alloc_one(kvb_pool *p)

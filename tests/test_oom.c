@@ -13,7 +13,8 @@
  * append_many over three sequences; fork; request_begin, without and with events; commit and
  * commit_many with events; truncate into a shared block, and one that releases registered blocks;
  * block_init. Last, events that find no memory for their batch (calls that reserve none) arrive in
- * parts, none lost. */
+ * parts, none lost, and releases that find no memory for the eviction rings cache less, under every
+ * policy. */
 #include <stdlib.h>
 static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
 static int oom_sticky;   /* every allocation from oom_at on fails too */
@@ -477,6 +478,102 @@ static void test_events_without_memory_come_in_parts(void)
     }
 }
 
+/* Releases cannot fail: a block whose last reference goes and whose eviction ring cannot grow takes the
+ * place of the ring's stale entries, or, when it has none, leaves the cache (as kvb_invalidate drops
+ * one) instead of crashing in stb_ds. */
+static void test_releases_without_ring_memory_cache_less(void)
+{
+    world w;
+    kvb_hash h[4];
+    kvb_block b[4];
+    size_t cached = 0;
+    kvb_pool_stats st;
+
+    memset(&w, 0, sizeof w); /* a sequence of 6 registered blocks, the pool's rings not made yet */
+    w.pool = pool_of(16, 1, &w);
+    kvb_seq *s = seq_with(&w, 100, 6 * BT, 6 * BT);
+    fx_events_clear(&w.events);
+    oom_arm(0, 1);
+    kvb_seq_destroy(s);
+    oom_disarm();
+    w.n_seq = 0;
+    KVT_CHECK(oom_fired);
+    st = fx_stats(w.pool);
+    KVT_EQ(st.active_blocks, 0);
+    KVT_EQ(st.inactive_blocks, 0);
+    KVT_EQ(st.cached_hashes, 0);
+    KVT_EQ(st.free_blocks, 16);
+    KVT_EQ(fx_events_count(&w.events, KVB_EVENT_REMOVED), 6);
+    world_free(&w);
+
+    memset(&w, 0, sizeof w); /* a ring full of stale entries: room enough */
+    w.pool = pool_of(16, 0, &w);
+    for (size_t i = 0; i < 4; i++) h[i] = fx_hash(i + 1, 5);
+    KVT_EQ(kvb_request_begin(w.pool, h, 4, b, &cached), KVB_OK);
+    KVT_EQ(kvb_release(w.pool, b, 4, NULL), KVB_OK); /* 4 entries, room for 4 */
+    KVT_EQ(kvb_match(w.pool, h, 4, b, &cached), KVB_OK);
+    KVT_EQ(cached, 4); /* the 4 entries are stale */
+    oom_arm(0, 1);
+    KVT_EQ(kvb_release(w.pool, b, 4, NULL), KVB_OK);
+    oom_disarm();
+    KVT_CHECK(oom_fired);
+    st = fx_stats(w.pool);
+    KVT_EQ(st.inactive_blocks, 4);
+    KVT_EQ(st.cached_hashes, 4);
+    KVT_EQ(fx_lookup(w.pool, h, 4), 4);
+    world_free(&w);
+}
+
+/* Every policy: requests that share prefixes, a few with memory, then 600 more with every allocation
+ * failing, as the cached set grows past what the eviction rings had room for and fills the pool.
+ * Their releases and evictions (S3-FIFO requeues and promotes blocks while it chooses) must never
+ * crash, every request must still be served (request_begin needs no memory here) and the pool must
+ * stay consistent, but for one thing: a release that finds no room in its ring, no stale entry and no
+ * leaf to evict there drops its block, and when that block has cached children and the orphan table
+ * cannot grow either, their count is lost (kvb__orphans_add: a leaf-first preference, never a wrong
+ * answer to a lookup), which kvb_pool_check reports. (FOL and S3-FIFO reach that here.) */
+static void test_policies_keep_serving_without_memory(void)
+{
+    static const kvb_evict_policy policies[] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU, KVB_EVICT_FOL, KVB_EVICT_ARC,
+                                                KVB_EVICT_S3FIFO};
+    for (size_t pi = 0; pi < sizeof policies / sizeof policies[0]; pi++) {
+        kvb_pool_config cfg = fx_config(160);
+        kvb_pool *pool;
+        uint64_t rng = 12345;
+        int bad = 0, lost = 0;
+        cfg.eviction = policies[pi];
+        pool = fx_pool_from(&cfg);
+        for (int round = 0; round < 620 && !bad; round++) {
+            kvb_hash h[24];
+            kvb_block b[24];
+            size_t n, cached = 0, prompt;
+            char why[256] = "";
+            rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+            prompt = (size_t)(rng >> 40) % 48; /* 48 prompts: a shared head, then their own tails */
+            n = 4 + (size_t)(rng >> 33) % 20;
+            for (size_t i = 0; i < n; i++) h[i] = fx_hash(i < 3 ? i + 1 : prompt * 100 + i, 42);
+            if (round == 20) oom_arm(0, 1);
+            if (kvb_request_begin(pool, h, n, b, &cached) != KVB_OK) bad = 1;
+            else if (kvb_release(pool, b, n, NULL) != KVB_OK) bad = 2;
+            oom_disarm(); /* the pool check allocates */
+            if (kvb_pool_check(pool, why, sizeof why) == KVB_OK) {
+            } else if (strstr(why, "orphan count") || strstr(why, "child count")) {
+                lost++;
+            } else {
+                fprintf(stderr, "  policy %d, round %d: %s\n", (int)policies[pi], round, why);
+                bad = 3;
+            }
+            if (round >= 20) oom_arm(0, 1);
+        }
+        oom_disarm();
+        KVT_EQ(bad, 0);
+        KVT_EQ(fx_stats(pool).active_blocks, 0);
+        printf("     policy %d: %llu evictions, %d rounds with a child count lost\n", (int)policies[pi],
+               (unsigned long long)fx_stats(pool).evictions, lost);
+        kvb_pool_destroy(pool);
+    }
+}
+
 int main(int argc, char **argv)
 {
     only = argc > 1 ? argv[1] : NULL;
@@ -484,5 +581,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_each_allocation_failing_once_changes_nothing);
     KVT_RUN(test_allocations_failing_from_n_on_change_nothing);
     KVT_RUN(test_events_without_memory_come_in_parts);
+    KVT_RUN(test_releases_without_ring_memory_cache_less);
+    KVT_RUN(test_policies_keep_serving_without_memory);
     return kvt_summary();
 }
