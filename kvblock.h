@@ -845,6 +845,8 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__LIKELY(x) __builtin_expect(!!(x), 1)
 #define KVB__UNLIKELY(x) __builtin_expect(!!(x), 0)
 #define KVB__NOINLINE __attribute__((noinline))
+#define KVB__ALWAYS_INLINE inline __attribute__((always_inline)) /* per block on a hot path, grown past */
+                                                                /* what GCC inlines by itself */
 /* v is computed here, in a register; no instruction. Without it GCC defers each product's fold in
  * kvb__hpair to the end of its group and holds four 128-bit products at once (spills, 15% slower). */
 #define KVB__KEEP(v) __asm__("" : "+r"(v))
@@ -853,6 +855,7 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__LIKELY(x) (x)
 #define KVB__UNLIKELY(x) (x)
 #define KVB__NOINLINE
+#define KVB__ALWAYS_INLINE inline
 #define KVB__KEEP(v) ((void)0)
 #endif
 
@@ -1838,6 +1841,10 @@ static inline void kvb__ring_push(kvb_pool *p, uint32_t idx)
 
 static void kvb__make_free(kvb_pool *p, uint32_t idx);
 
+/* A released block its ring has no room for (out of memory): out of the cache. Kept out of line, so
+ * that the release path it hangs off stays small enough to inline. */
+static KVB__NOINLINE void kvb__free_for_want_of_room(kvb_pool *p, uint32_t idx) { kvb__make_free(p, idx); }
+
 static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
 {
     kvb__meta *m = &p->meta[idx];
@@ -1846,7 +1853,7 @@ static inline void kvb__list_push(kvb_pool *p, uint32_t idx)
      * of it). Where even an eviction gives none (out of memory), the block leaves the cache instead, as
      * kvb_invalidate drops one: a release, which cannot fail, caches less rather than crash. */
     if (KVB__LIKELY(ring) && !kvb__ring_has_room(p, &p->rings[kvb__ring_of(m)])) {
-        kvb__make_free(p, idx);
+        kvb__free_for_want_of_room(p, idx);
         return;
     }
     m->flags |= KVB__F_INACTIVE;
@@ -2951,7 +2958,7 @@ static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
 }
 
 /* The last reference to a block went: it becomes inactive (registered) or free. */
-static inline void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
+static KVB__ALWAYS_INLINE void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
     p->n_active--;
