@@ -47,9 +47,11 @@
  * max_new_tokens or with kvs_sched_finish.
  *
  * 4. CONNECTOR (the shape of vLLM's KV connectors) — between the device pool and the tiers of a
- * kvo_manager. Scheduler side: get_num_new_matched_tokens (lower-tier hits after the device prefix),
- * update_state_after_alloc (how many of them the scheduler takes), build_meta (this step's loads and
- * stores, each with an event id), update_output (what the worker finished), request_finished. Worker
+ * kvo_manager. Scheduler side: get_num_new_matched_tokens (lower-tier hits after the device prefix,
+ * counted in tokens from num_computed, which need not be a whole number of blocks: the offer then ends on
+ * a block boundary and what is taken must too), update_state_after_alloc (how many of them the
+ * scheduler takes), build_meta (this step's loads and stores, each with an event id), update_output
+ * (what the worker finished), request_finished. Worker
  * side: bind_meta, start_loads (before the forward pass), start_stores (after it), get_finished.
  * Loads onboard into the device pool (allocating and registering the device blocks there), so the
  * request's own match then finds them. The lookup is kvo_manager_lookup over the manager's tiers, or
@@ -292,13 +294,16 @@ KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_
 KVS_API void kvs_connector_destroy(kvs_connector *connector);
 
 /* Scheduler side. Tokens the lower tiers hold right after the first num_computed tokens (whole blocks
- * of `hashes`, the request's full-block hashes); *out_async = 1 when they must be loaded first. */
+ * of `hashes`, the request's full-block hashes); *out_async = 1 when they must be loaded first. Counted
+ * from num_computed itself: num_computed + *out_tokens ends on a block boundary within the hashes, also
+ * when num_computed does not (the block it falls in is loaded whole). */
 KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, uint64_t request,
                                                             const kvb_hash *hashes, size_t num_hashes,
                                                             size_t num_computed, size_t *out_tokens,
                                                             int *out_async);
-/* The scheduler takes num_external_tokens of them (0 drops the plan): whole blocks, at most what was
- * offered (else KVS_EINVAL). Both calls return KVS_ESTATE while the request's loads are on their way. */
+/* The scheduler takes num_external_tokens of them (0 drops the plan): at most what was offered, and
+ * num_computed + num_external_tokens on a block boundary (else KVS_EINVAL). Both calls return
+ * KVS_ESTATE while the request's loads are on their way. */
 KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
                                                           size_t num_external_tokens);
 /* Device blocks of `request` newly registered by this step (eager stores). */
@@ -2162,7 +2167,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     kvs_load *built;           /* stb_ds: runs given by build_meta and not started yet (each build repeats
                                 * them, so a step's metadata never bound loses nothing) */
     int accepted;              /* update_state_after_alloc said how many */
-    size_t first;              /* the offer's first block (num_computed's), where runs may start later */
+    size_t computed;           /* num_computed of the question: the offer counts from it */
     size_t offered;            /* tokens get_num_new_matched_tokens offered */
     int async;                 /* the offer had blocks to load (*out_async = 1) */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
@@ -2333,7 +2338,7 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request, size_t n)
     }
     p.request = request;
     p.accepted = 0;
-    p.first = 0;
+    p.computed = 0;
     p.offered = 0;
     p.async = 0;
     p.loads_active = 0;
@@ -2475,8 +2480,8 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
                 stbds_arrput(fresh.runs, l);
             }
         }
-        fresh.first = first;
-        fresh.offered = (found - first) * c->block_tokens;
+        fresh.computed = num_computed;
+        fresh.offered = found * c->block_tokens - num_computed; /* from num_computed, not its block's start */
         fresh.async = stbds_arrlen(fresh.runs) > 0;
         stbds_arrput(c->plans, fresh);
         *out_tokens = fresh.offered;
@@ -2498,13 +2503,13 @@ static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t 
         r = num_external_tokens ? KVS_ENOTFOUND : KVS_OK;
     } else if (p->loads_active) { /* taken already, its loads on their way */
         r = KVS_ESTATE;
-    } else if (num_external_tokens % c->block_tokens || num_external_tokens > p->offered) {
-        r = KVS_EINVAL; /* whole blocks of what was offered */
     } else if (!num_external_tokens) {
         kvs__plan_drop(c, p);
+    } else if ((p->computed + num_external_tokens) % c->block_tokens || num_external_tokens > p->offered) {
+        r = KVS_EINVAL; /* up to a block boundary, within what was offered */
     } else {
-        /* the taken blocks count from the offer's first one (runs skip those on the device already) */
-        size_t keep_end = p->first + num_external_tokens / c->block_tokens, i, w = 0;
+        /* the taken blocks end where the taken tokens do (runs skip those on the device already) */
+        size_t keep_end = (p->computed + num_external_tokens) / c->block_tokens, i, w = 0;
         for (i = 0; i < stbds_arrlenu(p->runs); i++) { /* keep what lies before the accepted end */
             kvs_load *l = &p->runs[i];
             if (l->first_block >= keep_end) continue;

@@ -561,6 +561,41 @@ static void test_ask_again_past_the_hashes(void)
     rig_close(&r);
 }
 
+/* num_computed inside a block (20 of a 64-token prompt whose 4 blocks the host holds): the offer counts
+ * from num_computed itself, so num_computed + offer ends with the hashes (64), never past them; what is
+ * taken must end on a block boundary (whole blocks load: block 1, whose first 4 tokens were computed, is
+ * loaded whole). */
+static void test_offer_from_inside_a_block(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    size_t n = 0, tokens = 0;
+    int async = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 20, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 44); /* tokens 20 .. 63 */
+    KVT_EQ(async, 1);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 48), KVS_EINVAL); /* past the offer */
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 16), KVS_EINVAL); /* 36: inside block 2 */
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 12), KVS_OK);     /* up to 32: block 1 */
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    if (meta.num_loads == 1) {
+        KVT_EQ(meta.loads[0].first_block, 1);
+        KVT_EQ(meta.loads[0].num_blocks, 1);
+    }
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(of_present(r.e.dev, h, 4), 1); /* block 1 only */
+    KVT_EQ(of_has(r.e.dev, h[1]), 1);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    rig_close(&r);
+}
+
 /* A step's metadata never bound (the engine built it and dropped it), then the next one bound twice and
  * started twice: what the first one held is not lost (the next build repeats what was not started, so
  * the request's loads are still done and reported, and the stores still go down), and nothing is
@@ -802,6 +837,7 @@ int main(void)
     KVT_RUN(test_take_part_after_device_blocks);
     KVT_RUN(test_take_only_device_part_of_async_offer);
     KVT_RUN(test_ask_again_past_the_hashes);
+    KVT_RUN(test_offer_from_inside_a_block);
     KVT_RUN(test_meta_not_bound_then_bound_twice);
     KVT_RUN(test_destroy_with_stores_in_flight);
     KVT_RUN(test_other_offloads_do_not_pile_up);
