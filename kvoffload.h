@@ -52,7 +52,11 @@
  * with whatever else waits: a request is held up until it lands.
  * Two ways to run: KVO_MODE_THREADS (one coordinator thread per pipeline; backends may have workers),
  * or KVO_MODE_POLL (no threads: kvo_pipeline_poll runs each stage once; with a clock callback and an
- * inline backend the results are fully deterministic). Both run the same stage code.
+ * inline backend the results are fully deterministic). Both run the same stage code. The clock callback
+ * times every interval and timeout of the config (policy, precondition, flush, sweep); only the timeouts of
+ * the waits (drain, wait) are real time. So while a manual clock stands still, a policy answering "later"
+ * or a precondition never signalled holds kvo_pipeline_drain until its own timeout, and drain(-1) for ever:
+ * move the clock between bounded drains.
  * Policies: presence (skip blocks already in the destination or in flight; on by default), frequency
  * (offload only blocks offered at least N times), and a user callback that may answer "later"; the
  * evaluator gives up on a block after the policy timeout and counts it.
@@ -422,6 +426,8 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
 KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
 /* Push everything pending through regardless of min batch and flush interval, and wait (poll mode:
  * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT.
+ * timeout_us is real time; the policy and precondition timeouts follow the config's clock: with a manual
+ * clock that does not move, a "later" answer or an unsignalled precondition never ends (section 3).
  * From on_done it waits for everything but the callbacks its own thread is delivering (that one and
  * those queued after it) and those of other threads that drain from on_done too (each would wait for the
  * other). */

@@ -858,6 +858,46 @@ static void test_precondition_timeout_fails(void)
     rig_close(&r);
 }
 
+/* Poll mode with a manual clock: the policy and precondition timeouts follow that clock, the drain's own
+ * timeout the real one. While the clock stands still, a policy that answers "later" and a precondition
+ * never signalled hold the drain (20 ms of real time are far past both timeouts: KVO_ETIMEDOUT, both
+ * transfers still waiting; with -1 it would never return); once the clock passes the timeouts it ends. */
+static void test_drain_waits_for_a_manual_clock(void)
+{
+    rig r;
+    verdicts v;
+    kvo_event *ev = NULL;
+    kvo_enqueue_opts opts;
+    rig_pools(&r, SRC_BLOCKS, 4);
+    memset(&v, 0, sizeof v);
+    v.r = &r;
+    v.answer[0] = v.answer[1] = KVO_LATER;
+    v.answer[2] = v.answer[3] = KVO_OFFER;
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.policy = ask;
+    pc.policy_user = &v;
+    pc.policy_timeout_us = 1000;
+    pc.precondition_timeout_us = 1000;
+    rig_start(&r, &pc);
+    KVT_EQ(kvo_event_create(&ev), KVO_OK);
+    memset(&opts, 0, sizeof opts);
+    opts.precondition = ev;
+    kvo_transfer later = of_enqueue(r.p, r.weak, 2, NULL);
+    kvo_transfer gated = of_enqueue(r.p, r.weak + 2, 2, &opts);
+    KVT_EQ(kvo_pipeline_drain(r.p, 20000), KVO_ETIMEDOUT);
+    KVT_EQ(of_status(r.p, later), KVO_STATUS_EVALUATING);
+    KVT_CHECK(of_status(r.p, gated) != KVO_STATUS_COMPLETE && of_status(r.p, gated) != KVO_STATUS_FAILED);
+    r.clock.now += 2000; /* past both timeouts */
+    KVT_EQ(kvo_pipeline_drain(r.p, -1), KVO_OK);
+    KVT_EQ(of_info(r.p, later).timed_out, 2);
+    KVT_EQ(of_status(r.p, gated), KVO_STATUS_FAILED);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    kvo_event_release(ev);
+    kvo_transfer_release(r.p, later);
+    kvo_transfer_release(r.p, gated);
+    rig_close(&r);
+}
+
 typedef struct scripted_event {
     int calls, signal_after; /* answer 0 until signal_after calls, then `then` */
     int then;
@@ -1612,6 +1652,7 @@ int main(void)
     KVT_RUN(test_stale_weak_refs_are_dropped);
     KVT_RUN(test_precondition_gates_the_copy);
     KVT_RUN(test_precondition_timeout_fails);
+    KVT_RUN(test_drain_waits_for_a_manual_clock);
     KVT_RUN(test_custom_precondition_events);
     KVT_RUN(test_wait_on_custom_events);
     KVT_RUN(test_backend_failure_mid_batch);
