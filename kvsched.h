@@ -393,6 +393,10 @@ typedef struct kvs_slot_info {
 typedef struct kvs_sched_stats {
     uint64_t steps, admitted, finished, aborted, preempted_recompute, preempted_swap;
     uint64_t prompt_tokens, cached_tokens, lower_hit_tokens, computed_tokens;
+    uint64_t commits_deferred;      /* sequence commits the device pool had no event memory for (KVB_ENOMEM):
+                                       retried at each later complete and before the request's blocks go */
+    uint64_t blocks_not_registered; /* full blocks given back unregistered (not cached): even that last
+                                       retry found no memory */
     uint32_t waiting, running, swapped, onboarding;
 } kvs_sched_stats;
 
@@ -409,7 +413,10 @@ KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, u
  * step was not completed. */
 KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
- * eager mode, offered to the lower tiers), slots advance. */
+ * eager mode, offered to the lower tiers), slots advance. A device pool with an event callback that
+ * finds no memory for a commit's events registers nothing: the step completes all the same (KVS_OK), the
+ * commit is retried at each later complete and once more before the request's blocks go back, and
+ * kvs_sched_stats counts it (commits_deferred; blocks_not_registered when that last try fails too). */
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step);
 /* Tokens the engine sampled for a decoding request (appended to its sequence at the next step; the
  * device pool sees them when they fill a block or need a new one). A request that reaches max_new_tokens
@@ -2914,6 +2921,7 @@ typedef struct kvs__req {
     kvb_seq *seq;
     kvb_seq *kept_seq;         /* an empty sequence kept for the next admission (its memory reused) */
     size_t registered_blocks;
+    size_t owed;               /* tokens whose commit found no memory (kvs__commit_owed); 0: none */
     uint64_t arrival;
     int32_t priority;
     uint32_t preemptions;
@@ -2953,6 +2961,7 @@ struct kvs_sched {
     size_t slab_left;
     kvs__req **order;          /* stb_ds: scratch of kvs__schedule_running, kept between steps */
     size_t drops;              /* requests that give their blocks back when the step completes */
+    size_t owing;              /* requests with a commit owed (kvs__req.owed) */
     /* stb_ds scratch of one step's batches (kept between steps, so the steady state allocates nothing) */
     kvs__req **batch;
     kvb_seq **batch_seqs;
@@ -3192,9 +3201,34 @@ static void kvs__seq_close(kvs__req *r)
     r->seq = NULL;
 }
 
-/* Give back a request's device blocks and its connector state (its counts stay readable). */
+/* A commit of r's first `tokens` found no memory for the pool's events (nothing changed): r owes it. */
+static void kvs__owe(kvs_sched *s, kvs__req *r, size_t tokens)
+{
+    s->stats.commits_deferred++;
+    if (!r->owed) s->owing++;
+    if (tokens > r->owed) r->owed = tokens;
+}
+
+/* Commit what r owes: 1 when it is committed now (or nothing was owed), 0 when still out of memory. */
+static int kvs__repay(kvs_sched *s, kvs__req *r)
+{
+    if (!r->owed) return 1;
+    if (r->seq && kvb_seq_commit(r->seq, r->owed) == KVB_ENOMEM) return 0;
+    r->owed = 0;
+    s->owing--;
+    return 1;
+}
+
+/* Give back a request's device blocks and its connector state (its counts stay readable). A commit it
+ * still owes is tried a last time: failing that, its blocks go back uncached, and are counted. */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
+    if (!kvs__repay(s, r)) {
+        size_t full = r->owed / s->block_tokens;
+        s->stats.blocks_not_registered += full > r->registered_blocks ? full - r->registered_blocks : 0;
+        r->owed = 0;
+        s->owing--;
+    }
     kvs__seq_close(r);
     r->in_seq = r->num_blocks = 0;
     r->table = NULL;
@@ -3918,7 +3952,7 @@ static void kvs__committed(kvs_sched *s, kvs__req *r, size_t done)
         s->stats.computed_tokens += done - r->computed;
         r->computed = (uint32_t)done;
     }
-    if (r->computed / s->block_tokens > before) kvs__note_registered(s, r);
+    if (r->computed / s->block_tokens > before && !r->owed) kvs__note_registered(s, r); /* owed: when repaid */
     if (r->state == KVS_SLOT_PREFILLING && r->computed >= r->len) kvs__set_state(s, r, KVS_SLOT_DECODING);
 }
 
@@ -3950,10 +3984,36 @@ static void kvs__push_fills(kvs_sched *s)
     for (i = 0; i < done; i++) kvs__synced(s->batch[i]); /* one that failed is committed as far as its seq goes */
 }
 
+/* The batch of kvs__commit_items found no memory for its events (nothing committed): each sequence alone
+ * needs less; those that still find none owe their commit. */
+static KVB__NOINLINE void kvs__commit_apart(kvs_sched *s)
+{
+    size_t a, i, k = 0;
+    for (a = 0; a < 2; a++)
+        for (i = 0; i < stbds_arrlenu(s->commits[a]); i++) { /* the batch's requests, in its order */
+            kvs__req *r = kvs__item_req(s->commits[a][i]);
+            if (!r) continue;
+            if (kvb_seq_commit(s->batch_seqs[k], s->batch_counts[k]) == KVB_ENOMEM) kvs__owe(s, r, s->batch_counts[k]);
+            k++;
+        }
+}
+
+/* Every owed commit tried again; those that go through are noted to the connector now. */
+static KVB__NOINLINE void kvs__repay_all(kvs_sched *s)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(s->all) && s->owing; i++) {
+        kvs__req *r = s->all[i];
+        if (r->owed && kvs__repay(s, r)) kvs__note_registered(s, r);
+    }
+}
+
 /* Commit what the step's items computed: the sequences where a block filled (kvs_sched.commits; for the
  * others a commit would change nothing) in one batch, one lock of the device pool, in the step's order;
  * then the counts and connector notes of the prefills and of the decodes that filled a block, in the
- * step's order. The other decodes are not visited (kvs__unsettled); their tokens are counted at once. */
+ * step's order. The other decodes are not visited (kvs__unsettled); their tokens are counted at once.
+ * Commits that find no memory for the pool's events are owed, and tried again at each complete (a
+ * decode may not fill a block for many steps) and before the request's blocks go (kvs__drop_blocks). */
 static void kvs__commit_items(kvs_sched *s)
 {
     size_t a, i, k, n;
@@ -3968,7 +4028,7 @@ static void kvs__commit_items(kvs_sched *s)
             stbds_arrput(s->batch_counts, a ? r->in_seq : s->prefill[r->item].num_computed + s->prefill[r->item].num_new);
         }
     k = stbds_arrlenu(s->batch_seqs);
-    if (k) kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k);
+    if (k && kvb_seq_commit_many(s->batch_seqs, s->batch_counts, k) != KVB_OK) kvs__commit_apart(s);
     for (i = 0; i < stbds_arrlenu(s->prefill); i++) {
         kvs__req *r = kvs__item_req(s->planned[0][i]);
         if (r) kvs__committed(s, r, s->prefill[i].num_computed + s->prefill[i].num_new);
@@ -3979,6 +4039,7 @@ static void kvs__commit_items(kvs_sched *s)
     }
     s->stats.computed_tokens += s->decode_tokens;
     s->decode_tokens = 0;
+    if (KVB__UNLIKELY(s->owing)) kvs__repay_all(s);
 }
 
 static kvs_result kvs__sched_complete(kvs_sched *sched, const kvs_step *step)
