@@ -2318,7 +2318,7 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
 static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t tail, int kind)
 {
     kvb__tuner *t = &p->tune;
-    uint32_t k, now = p->clock, hit, live;
+    uint32_t k, now = p->clock, hit, diff, live;
     size_t i, sampled = 0;
     double live_lead = 0; /* the live pool's hits less LRU order's, in this request */
     kvb__tune_prefetch(p, idx, n);
@@ -2338,9 +2338,12 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
             kvb__tune_unlink(sh, x);
             kvb__tune_touch(p, sh, x, now, (uint32_t)i, i == tail ? kind : 0);
         }
-        for (k = 0; k < KVB__TUNE_K; k++) /* the paired comparison's noise: blocks where k and the current (the
-                                              probe: LRU order) differ */
-            t->sh[k].differ += (double)(((hit >> k) ^ (hit >> (k == KVB__TUNE_PROBE ? 0 : t->current))) & 1u);
+        /* the paired comparison's noise: blocks where k and the current (the probe: LRU order) differ; most
+         * blocks hit or miss everywhere, and adding nothing leaves a count as it was */
+        diff = (hit ^ (0u - ((hit >> t->current) & 1u))) & ((1u << KVB__TUNE_LADDER) - 1);
+        diff |= (hit ^ (hit << KVB__TUNE_PROBE)) & (1u << KVB__TUNE_PROBE);
+        for (k = 0; diff; k++, diff >>= 1)
+            if (diff & 1u) t->sh[k].differ += 1.0;
         live = m->cnt != 0; /* the live pool had it cached: touched before, not registered by this request */
         t->live += (double)live;
         live_lead += (double)live - (double)(hit & 1u);
