@@ -1033,13 +1033,18 @@ typedef struct kvb__tnode {
     uint32_t gpos;             /* ghosts: their place in the circle */
     uint8_t cnt, cls, depth, where;
 } kvb__tnode;
-typedef struct kvb__shadow {
+typedef struct kvb__shadow { /* what a victim search reads first */
     kvb__tnode *node;
     kvb__gslot *index;         /* open addressing on key: its low 32 bits (home and filter), node + 1 */
+    uint32_t classes;          /* bit c: class c's list is not empty */
+    uint32_t resident;
+    uint32_t head[KVB__CLASSES]; /* one LRU list per class, oldest at head */
+    uint32_t age_mask[KVB__CLASSES]; /* the victim's order of each class (kvb__tune_rank) */
+    uint64_t order[KVB__CLASSES];
+    uint32_t tail[KVB__CLASSES];
     uint32_t *ghost;           /* circle of evicted nodes, gcap long */
     uint32_t *free;            /* free node stack */
-    uint32_t nfree, gpos, resident;
-    uint32_t head[KVB__CLASSES], tail[KVB__CLASSES]; /* one LRU list per class, oldest at head */
+    uint32_t nfree, gpos;
     int64_t step;              /* this candidate's class step */
     int tails_first;           /* class 0 goes before every other class (else one step before class 1) */
     double score;              /* its hits, halved every KVB__TUNE_MEMORY turnovers */
@@ -2070,6 +2075,29 @@ static int64_t kvb__tune_ladder(uint32_t k, uint32_t num_blocks)
     return k == 0 ? 0 : s < 1 ? 1 : s > INT32_MAX ? INT32_MAX : s;
 }
 
+#define KVB__TUNE_RANK_FIRST (UINT64_C(1) << 36) /* a class that goes first */
+/* The victim's order of class c in shadow sh (kvb__tune_rank), from its step and rule for tails. */
+static uint64_t kvb__tune_order(const kvb__shadow *sh, uint32_t c)
+{
+    if (c == KVB__CLS_DEAD || (c == 0 && sh->tails_first)) return KVB__TUNE_RANK_FIRST;
+    return (uint64_t)((INT64_C(1) << 34) - ((int64_t)c - 1) * sh->step);
+}
+
+/* Every shadow's rule for tails (the ladder's is the tuner's, the probe's the other) and the victim order
+ * it and the shadow's step give. */
+static void kvb__tune_rule(kvb__tuner *t)
+{
+    uint32_t k, c;
+    for (k = 0; k < KVB__TUNE_K; k++) {
+        kvb__shadow *sh = &t->sh[k];
+        sh->tails_first = (k == KVB__TUNE_PROBE) != t->tails_first;
+        for (c = 0; c < KVB__CLASSES; c++) {
+            sh->order[c] = kvb__tune_order(sh, c);
+            sh->age_mask[c] = sh->order[c] == KVB__TUNE_RANK_FIRST ? 0 : UINT32_MAX;
+        }
+    }
+}
+
 static kvb_result kvb__tune_create(kvb_pool *p)
 {
     kvb__tuner *t = &p->tune;
@@ -2111,7 +2139,7 @@ static kvb_result kvb__tune_create(kvb_pool *p)
         sh->step = kvb__tune_ladder(k < KVB__TUNE_LADDER ? k : 0, p->cfg.num_blocks);
     }
     t->tails_first = KVB__TUNE_TAILS_START;
-    for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].tails_first = (k == KVB__TUNE_PROBE) != t->tails_first;
+    kvb__tune_rule(t);
     p->fol_tails_first = t->tails_first;
     t->current = KVB__TUNE_START;
     t->caution = t->tails_caution = 1.0;
@@ -2165,7 +2193,7 @@ static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
     if (n->prev != KVB__NIL) sh->node[n->prev].next = n->next;
     else sh->head[n->cls] = n->next;
     if (n->next != KVB__NIL) sh->node[n->next].prev = n->prev;
-    else sh->tail[n->cls] = n->prev;
+    else if ((sh->tail[n->cls] = n->prev) == KVB__NIL) sh->classes &= ~(1u << n->cls);
 }
 
 static void kvb__tune_push(kvb__shadow *sh, uint32_t x)
@@ -2174,31 +2202,34 @@ static void kvb__tune_push(kvb__shadow *sh, uint32_t x)
     n->prev = sh->tail[n->cls];
     n->next = KVB__NIL;
     if (n->prev != KVB__NIL) sh->node[n->prev].next = x;
-    else sh->head[n->cls] = x;
+    else {
+        sh->head[n->cls] = x;
+        sh->classes |= 1u << n->cls;
+    }
     sh->tail[n->cls] = x;
 }
 
-/* The shadow's victim: FOL's rule with its own step and rule for tails, over the class heads; blocks of
- * the request being released (last == now) only when nothing else is left, as the live pool holds them. */
+/* The shadow's victim: FOL's rule with its own step and rule for tails, over the class heads (the largest
+ * key = age - (c - 1) step, or a class that goes first; ties to the deeper block, then to the lower
+ * class); blocks of the request being released (last == now) only when nothing else is left, as the
+ * live pool holds them. One number ranks a head by all three, from a mask and an order per class:
+ * (last != now) << 52 | (key + 2^34, or 2^36 first) << 8 | depth (|step| < 2^31, age < 2^32). */
+static uint64_t kvb__tune_rank(const kvb__shadow *sh, uint32_t c, uint32_t now)
+{
+    const kvb__tnode *n = &sh->node[sh->head[c]];
+    uint32_t age = now - n->last;
+    uint64_t fresh = ((uint64_t)age + ((UINT64_C(1) << 52) - 1)) & (UINT64_C(1) << 52); /* age != 0, at bit 52 */
+    return fresh + ((((uint64_t)(age & sh->age_mask[c])) + sh->order[c]) << 8) + n->depth;
+}
+
 static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
 {
-    uint32_t c, best = KVB__NIL, pass;
-    int64_t best_key = 0;
-    for (pass = 0; pass < 2 && best == KVB__NIL; pass++)
-        for (c = 0; c < KVB__CLASSES; c++) {
-            uint32_t x = sh->head[c];
-            const kvb__tnode *n;
-            int64_t key;
-            if (x == KVB__NIL) continue;
-            n = &sh->node[x];
-            if (!pass && n->last == now) continue;
-            key = c == KVB__CLS_DEAD || (c == 0 && sh->tails_first)
-                      ? INT64_MAX
-                      : (int64_t)(uint32_t)(now - n->last) - ((int64_t)c - 1) * sh->step;
-            if (best == KVB__NIL || key > best_key || (key == best_key && n->depth > sh->node[best].depth)) {
-                best = x;
-                best_key = key;
-            }
+    uint32_t c, bits, best = KVB__NIL;
+    uint64_t best_rank = 0, rank; /* every rank is above 0 */
+    for (c = 0, bits = sh->classes; bits; c++, bits >>= 1)
+        if ((bits & 1u) && (rank = kvb__tune_rank(sh, c, now)) > best_rank) {
+            best_rank = rank;
+            best = sh->head[c];
         }
     return best;
 }
@@ -2219,8 +2250,9 @@ static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
         KVB__PREFETCH(&sh->index[sh->node[x].key & t->imask]);
 }
 
-/* Evict the shadow's victim into its ghost circle (the oldest ghost goes). */
-static void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
+/* Evict the shadow's victim into its ghost circle (the oldest ghost goes). A call: inlined into
+ * kvb__release_touch with the rest of the tuner, its victim search ran short of registers. */
+static KVB__NOINLINE void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
 {
     uint32_t v = kvb__tune_victim(sh, now), old;
     if (v == KVB__NIL) return;
@@ -2451,7 +2483,6 @@ static void kvb__tune_tails(kvb_pool *p, size_t sampled)
     kvb__tuner *t = &p->tune;
     kvb__shadow *probe = &t->sh[KVB__TUNE_PROBE], *lru = &t->sh[0], was;
     double dwell = t->tails_caution * KVB__TUNE_DWELL * (double)kvb__tune_turnover(t);
-    uint32_t k;
     if (!kvb__tune_clear_lead(probe->score, lru->score, probe->differ)) {
         t->tails_lead_for = 0;
         return;
@@ -2471,7 +2502,7 @@ static void kvb__tune_tails(kvb_pool *p, size_t sampled)
     *probe = was;
     probe->differ = 0;
     t->tails_first = !t->tails_first;
-    for (k = 0; k < KVB__TUNE_K; k++) t->sh[k].tails_first = (k == KVB__TUNE_PROBE) != t->tails_first;
+    kvb__tune_rule(t);
     t->tails_lead_for = 0;
     t->since_switch = 0; /* the live pool changes: judged against LRU order again a turnover on */
     t->tails_caution = t->tails_caution * KVB__TUNE_CAUTION < 16.0 ? t->tails_caution * KVB__TUNE_CAUTION : 16.0;
@@ -4003,6 +4034,9 @@ static kvb_result kvb__tune_check(const kvb_pool *pool, char *why, size_t why_si
                     KVB__FAIL("FOL shadow %u: node %u misplaced in class %u", k, x, c);
             }
             if (sh->tail[c] != prev) KVB__FAIL("FOL shadow %u: class %u tail", k, c);
+            if (!!(sh->classes & (1u << c)) != (prev != KVB__NIL)) KVB__FAIL("FOL shadow %u: class %u's bit", k, c);
+            if (sh->order[c] != kvb__tune_order(sh, c) || sh->age_mask[c] != (sh->order[c] == KVB__TUNE_RANK_FIRST ? 0 : UINT32_MAX))
+                KVB__FAIL("FOL shadow %u: class %u's victim order", k, c);
         }
         if (count != sh->resident) KVB__FAIL("FOL shadow %u: %u resident, counted %u", k, sh->resident, count);
     }
