@@ -2214,26 +2214,31 @@ static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
         KVB__PREFETCH(&sh->index[sh->node[x].key & t->imask]);
 }
 
-/* Evict the shadow's victim into its ghost circle (the oldest ghost goes). A call: inlined into
- * kvb__release_touch with the rest of the tuner, its victim search ran short of registers. */
-static KVB__NOINLINE void kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
+/* Evict the shadow's victim into its ghost circle (the oldest ghost goes). Returns whether a node was
+ * forgotten (index slots may have moved). A call: inlined into kvb__release_touch with the rest of the
+ * tuner, its victim search ran short of registers. */
+static KVB__NOINLINE int kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
 {
     uint32_t v = kvb__tune_victim(sh, now), old;
-    if (v == KVB__NIL) return;
+    int forgot = 0;
+    if (v == KVB__NIL) return 0;
     kvb__tune_unlink(sh, v);
     sh->resident--;
     if (!t->gcap) {
         kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[v].key));
-        return;
+        return 1;
     }
     old = sh->ghost[sh->gpos];
-    if (old != KVB__NIL && sh->node[old].where == 2 && sh->node[old].gpos == sh->gpos)
+    if (old != KVB__NIL && sh->node[old].where == 2 && sh->node[old].gpos == sh->gpos) {
         kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[old].key));
+        forgot = 1;
+    }
     sh->ghost[sh->gpos] = v;
     sh->node[v].gpos = sh->gpos;
     sh->node[v].where = 2;
     sh->gpos = sh->gpos + 1 < t->gcap ? sh->gpos + 1 : 0;
     kvb__tune_ghost_ahead(t, sh);
+    return forgot;
 }
 
 /* FOL's class of a block with count cnt; tail as kvb__fol_touch's: seen once, a request's tail is class 0,
@@ -2263,10 +2268,8 @@ static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, u
     uint64_t s = kvb__tune_slot(t, sh, key);
     uint32_t x;
     if (sh->index[s].ref && sh->node[sh->index[s].ref - 1].where == 1) return; /* a hash twice in one request */
-    if (sh->resident >= t->cap) {
-        kvb__tune_evict(t, sh, now);
-        s = kvb__tune_slot(t, sh, key); /* the eviction may have moved slots */
-    }
+    if (sh->resident >= t->cap && kvb__tune_evict(t, sh, now))
+        s = kvb__tune_slot(t, sh, key); /* the slots moved */
     if (sh->index[s].ref) {
         x = sh->index[s].ref - 1; /* a ghost: its count and last touch come back */
     } else {
