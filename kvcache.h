@@ -1035,7 +1035,8 @@ typedef struct kvb__tnode {
 } kvb__tnode;
 typedef struct kvb__shadow { /* what a victim search reads first */
     kvb__tnode *node;
-    kvb__gslot *index;         /* open addressing on key: its low 32 bits (home and filter), node + 1 */
+    kvb__gslot *index;         /* open addressing on key: its low 32 bits (home and filter), node + 1;
+                                  slot s at index[s * KVB__TUNE_K] (kvb__tuner.index) */
     uint32_t classes;          /* bit c: class c's list is not empty */
     uint32_t resident;
     uint32_t head[KVB__CLASSES]; /* one LRU list per class, oldest at head */
@@ -1053,6 +1054,8 @@ typedef struct kvb__shadow { /* what a victim search reads first */
 } kvb__shadow;
 typedef struct kvb__tuner {
     kvb__shadow sh[KVB__TUNE_K];
+    kvb__gslot *index;         /* the shadows' indexes interleaved: a key's slots in all of them are
+                                  side by side (two or three cache lines, not eleven); a column each */
     uint64_t imask, thresh;    /* index size - 1; a block is sampled when its mixed hash >> 32 < thresh */
     uint64_t seen;             /* sampled blocks since the scores were last halved */
     double live, live_differ;  /* the live pool's own hits on them; blocks where it and LRU order differ */
@@ -2066,8 +2069,10 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
 /* ---- FOL's self-tuning step: miniature simulation (section 2) ---------------------------------- */
 
 /* A shadow is a metadata-only FOL pool with one candidate step, fed the sampled blocks of every
- * request: nodes (resident or ghost) found through an open-addressing index on the hash, one LRU list
- * per class, and a circle of ghosts in eviction order. All of it is allocated when the pool is created. */
+ * request: nodes (resident or ghost) found through an open-addressing index on the hash (the shadows'
+ * indexes interleaved, so that a sampled block's slots in all of them share two or three cache lines), one LRU
+ * list per class, and a circle of ghosts in eviction order. All of it is allocated when the pool is
+ * created. */
 static int64_t kvb__tune_ladder(uint32_t k, uint32_t num_blocks)
 {
     int64_t c = (int64_t)num_blocks;
@@ -2102,7 +2107,7 @@ static kvb_result kvb__tune_create(kvb_pool *p)
 {
     kvb__tuner *t = &p->tune;
     uint64_t c = p->cfg.num_blocks, min = KVB_FOL_SHADOW_BLOCKS, slots = 1, rate_q32;
-    size_t per, bytes, off = 0;
+    size_t per, index, bytes, off = 0;
     uint32_t k, i;
     unsigned char *mem;
     rate_q32 = c <= min ? (UINT64_C(1) << 32) : (min << 32) / c; /* sampled fraction, 32-bit fixed point */
@@ -2113,22 +2118,23 @@ static kvb_result kvb__tune_create(kvb_pool *p)
     t->nodes = t->cap + t->gcap + 1;
     while (slots < 2 * (uint64_t)t->nodes) slots <<= 1;
     t->imask = slots - 1;
-    per = (size_t)t->nodes * sizeof(kvb__tnode) + (size_t)slots * sizeof(kvb__gslot) +
-          ((size_t)t->gcap + 1) * sizeof(uint32_t) + (size_t)t->nodes * sizeof(uint32_t);
+    per = (size_t)t->nodes * sizeof(kvb__tnode) + ((size_t)t->gcap + 1) * sizeof(uint32_t) +
+          (size_t)t->nodes * sizeof(uint32_t);
     per = (per + 63) & ~(size_t)63;
-    bytes = per * KVB__TUNE_K;
+    index = ((size_t)slots * KVB__TUNE_K * sizeof(kvb__gslot) + 63) & ~(size_t)63;
+    bytes = index + per * KVB__TUNE_K;
     mem = (unsigned char *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64);
     if (!mem) return KVB_ENOMEM;
     memset(mem, 0, bytes);
     t->mem = mem;
     t->mem_bytes = bytes;
+    t->index = (kvb__gslot *)mem;
     for (k = 0; k < KVB__TUNE_K; k++) {
         kvb__shadow *sh = &t->sh[k];
-        off = per * k;
+        sh->index = t->index + k;
+        off = index + per * k;
         sh->node = (kvb__tnode *)(mem + off);
         off += (size_t)t->nodes * sizeof(kvb__tnode);
-        sh->index = (kvb__gslot *)(mem + off);
-        off += (size_t)slots * sizeof(kvb__gslot);
         sh->ghost = (uint32_t *)(mem + off);
         off += ((size_t)t->gcap + 1) * sizeof(uint32_t);
         sh->free = (uint32_t *)(mem + off);
@@ -2153,38 +2159,45 @@ static void kvb__tune_free(kvb_pool *p)
     p->tune.mem = NULL;
 }
 
-/* Empty slot s of an open-addressing index of kvb__gslot (the shadows', the ghost sets'): backward-shift
- * deletion, each later entry of the run moving back unless its home (lo32) lies after the gap. */
-static void kvb__gslot_delete(kvb__gslot *index, uint64_t mask, uint64_t s)
+/* Empty slot s of an open-addressing index of kvb__gslot whose slot j is index[j * stride] (the ghost
+ * sets' 1, the shadows' KVB__TUNE_K): backward-shift deletion, each later entry of the run moving back
+ * unless its home (lo32) lies after the gap. */
+static inline void kvb__gslot_delete(kvb__gslot *index, size_t stride, uint64_t mask, uint64_t s)
 {
     uint64_t i = s, j = s, k;
     for (;;) {
         j = (j + 1) & mask;
-        if (!index[j].ref) break;
-        k = index[j].lo32 & mask;
+        if (!index[j * stride].ref) break;
+        k = index[j * stride].lo32 & mask;
         if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        index[i] = index[j];
+        index[i * stride] = index[j * stride];
         i = j;
     }
-    index[i].ref = 0;
+    index[i * stride].ref = 0;
 }
 
-/* The index slot naming key in shadow sh, or the empty slot where it would go. */
-static uint64_t kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key)
+/* Shadow sh's index slot s. */
+static inline kvb__gslot *kvb__tune_at(const kvb__shadow *sh, uint64_t s) { return &sh->index[s * KVB__TUNE_K]; }
+
+/* The index slot naming key in shadow sh, or the empty slot where it would go (its number in *at). */
+static inline kvb__gslot *kvb__tune_slot(const kvb__tuner *t, const kvb__shadow *sh, uint64_t key, uint64_t *at)
 {
     uint64_t s = key & t->imask;
-    while (sh->index[s].ref && (sh->index[s].lo32 != (uint32_t)key || sh->node[sh->index[s].ref - 1].key != key))
-        s = (s + 1) & t->imask;
-    return s;
+    kvb__gslot *e = kvb__tune_at(sh, s);
+    while (e->ref && (e->lo32 != (uint32_t)key || sh->node[e->ref - 1].key != key))
+        e = ++s <= t->imask ? e + KVB__TUNE_K : kvb__tune_at(sh, s = 0);
+    *at = s;
+    return e;
 }
 
-/* Forget the node named at slot s and put it back on the free stack (backward-shift deletion). */
-static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t s)
+/* Forget key's node (a ghost, or an unlinked resident) and put it back on the free stack. */
+static void kvb__tune_forget(const kvb__tuner *t, kvb__shadow *sh, uint64_t key)
 {
-    uint32_t node = sh->index[s].ref - 1;
+    uint64_t s;
+    uint32_t node = kvb__tune_slot(t, sh, key, &s)->ref - 1;
     sh->node[node].where = 0;
     sh->free[sh->nfree++] = node;
-    kvb__gslot_delete(sh->index, t->imask, s);
+    kvb__gslot_delete(sh->index, KVB__TUNE_K, t->imask, s);
 }
 
 static void kvb__tune_unlink(kvb__shadow *sh, uint32_t x)
@@ -2247,7 +2260,7 @@ static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
     far = far < t->gcap ? far : far - t->gcap;
     if ((x = sh->ghost[far]) != KVB__NIL) KVB__PREFETCH(&sh->node[x]);
     if ((x = sh->ghost[near]) != KVB__NIL && sh->node[x].where == 2 && sh->node[x].gpos == near)
-        KVB__PREFETCH(&sh->index[sh->node[x].key & t->imask]);
+        KVB__PREFETCH(kvb__tune_at(sh, sh->node[x].key & t->imask));
 }
 
 /* Evict the shadow's victim into its ghost circle (the oldest ghost goes). Returns whether a node was
@@ -2261,12 +2274,12 @@ static KVB__NOINLINE int kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, u
     kvb__tune_unlink(sh, v);
     sh->resident--;
     if (!t->gcap) {
-        kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[v].key));
+        kvb__tune_forget(t, sh, sh->node[v].key);
         return 1;
     }
     old = sh->ghost[sh->gpos];
     if (old != KVB__NIL && sh->node[old].where == 2 && sh->node[old].gpos == sh->gpos) {
-        kvb__tune_forget(t, sh, kvb__tune_slot(t, sh, sh->node[old].key));
+        kvb__tune_forget(t, sh, sh->node[old].key);
         forgot = 1;
     }
     sh->ghost[sh->gpos] = v;
@@ -2301,19 +2314,20 @@ static void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint
 static void kvb__tune_insert(const kvb_pool *p, kvb__shadow *sh, uint64_t key, uint32_t now, uint32_t depth, int tail)
 {
     const kvb__tuner *t = &p->tune;
-    uint64_t s = kvb__tune_slot(t, sh, key);
+    uint64_t s;
+    kvb__gslot *e = kvb__tune_slot(t, sh, key, &s);
     uint32_t x;
-    if (sh->index[s].ref && sh->node[sh->index[s].ref - 1].where == 1) return; /* a hash twice in one request */
+    if (e->ref && sh->node[e->ref - 1].where == 1) return; /* a hash twice in one request */
     if (sh->resident >= t->cap && kvb__tune_evict(t, sh, now))
-        s = kvb__tune_slot(t, sh, key); /* the slots moved */
-    if (sh->index[s].ref) {
-        x = sh->index[s].ref - 1; /* a ghost: its count and last touch come back */
+        e = kvb__tune_slot(t, sh, key, &s); /* the slots moved */
+    if (e->ref) {
+        x = e->ref - 1; /* a ghost: its count and last touch come back */
     } else {
         x = sh->free[--sh->nfree];
         memset(&sh->node[x], 0, sizeof sh->node[x]);
         sh->node[x].key = key;
-        sh->index[s].lo32 = (uint32_t)key;
-        sh->index[s].ref = x + 1;
+        e->lo32 = (uint32_t)key;
+        e->ref = x + 1;
     }
     sh->resident++;
     kvb__tune_touch(p, sh, x, now, depth, tail);
@@ -2328,9 +2342,9 @@ static int kvb__tune_sampled(const kvb__tuner *t, const kvb_hash *h)
 /* Every shadow sees the request's sampled blocks idx[0..n) (registered ones; tail = the deepest, `kind`
  * as kvb__fol_touch's tail): first the hits (counted, then touched, deepest first), then the misses
  * come in. Returns the blocks sampled. */
-/* Where the shadows keep the sampled blocks of a request: every shadow's index slot of each, then the
- * nodes those slots name, so the misses of the shadows overlap instead of following one another (in a
- * large pool the shadows are touched rarely and are out of cache). */
+/* Where the shadows keep the sampled blocks of a request: the index slots of each (all shadows' side by
+ * side), then the nodes those slots name, so the misses of the shadows overlap instead of following
+ * one another (in a large pool the shadows are touched rarely and are out of cache). */
 static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
 {
     const kvb__tuner *t = &p->tune;
@@ -2339,13 +2353,20 @@ static void kvb__tune_prefetch(const kvb_pool *p, const uint32_t *idx, size_t n)
         for (i = n, seen = 0; i-- > 0 && seen < 8;) {
             const kvb__meta *m = &p->meta[idx[i]];
             uint64_t key;
+            const kvb__gslot *row;
             if (!(m->flags & KVB__F_SAMPLED)) continue;
             seen++;
             key = kvb__mix(&m->hash);
-            for (k = 0; k < KVB__TUNE_K; k++) {
-                const kvb__gslot *slot = &t->sh[k].index[key & t->imask];
-                if (!pass) KVB__PREFETCH(slot);
-                else if (slot->ref && slot->lo32 == (uint32_t)key) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
+            row = &t->index[(key & t->imask) * KVB__TUNE_K];
+            if (!pass) {
+                KVB__PREFETCH(row); /* 88 bytes: two or three lines */
+                KVB__PREFETCH(row + KVB__TUNE_K / 2);
+                KVB__PREFETCH(row + KVB__TUNE_K - 1);
+            } else {
+                for (k = 0; k < KVB__TUNE_K; k++) {
+                    const kvb__gslot *slot = kvb__tune_at(&t->sh[k], key & t->imask);
+                    if (slot->ref && slot->lo32 == (uint32_t)key) KVB__PREFETCH(&t->sh[k].node[slot->ref - 1]);
+                }
             }
         }
 }
@@ -2365,8 +2386,9 @@ static size_t kvb__tune_feed(kvb_pool *p, const uint32_t *idx, size_t n, size_t 
         key = kvb__mix(&m->hash);
         for (hit = 0, k = 0; k < KVB__TUNE_K; k++) {
             kvb__shadow *sh = &t->sh[k];
-            uint64_t s = kvb__tune_slot(t, sh, key);
-            uint32_t x = sh->index[s].ref ? sh->index[s].ref - 1 : KVB__NIL;
+            uint64_t s;
+            const kvb__gslot *e = kvb__tune_slot(t, sh, key, &s);
+            uint32_t x = e->ref ? e->ref - 1 : KVB__NIL;
             if (x == KVB__NIL || sh->node[x].where != 1 || sh->node[x].last == now) continue;
             sh->score += 1.0;
             hit |= 1u << k;
@@ -2588,7 +2610,7 @@ static void kvb__gset_drop_slot(kvb__gset *g, uint64_t s)
 {
     g->e[g->index[s].ref - 1].live = 0;
     g->live--;
-    kvb__gslot_delete(g->index, g->mask, s);
+    kvb__gslot_delete(g->index, 1, g->mask, s);
 }
 
 /* Forget ghost e: its slot is the one on its probe path that names its circle position. */
@@ -4027,6 +4049,9 @@ static kvb_result kvb__tune_check(const kvb_pool *pool, char *why, size_t why_si
         if (sh->tails_first != ((k == KVB__TUNE_PROBE) != t->tails_first))
             KVB__FAIL("FOL shadow %u: rule for tails %d, tuner %d", k, sh->tails_first, t->tails_first);
         if (k == KVB__TUNE_PROBE && sh->step != t->sh[0].step) KVB__FAIL("FOL probe: step %lld", (long long)sh->step);
+        for (c = 0; c < k; c++) /* a column of the index each, a permutation (kvb__tune_tails trades two) */
+            if (sh->index == t->sh[c].index) KVB__FAIL("FOL shadows %u and %u: one index column", c, k);
+        if (sh->index < t->index || sh->index >= t->index + KVB__TUNE_K) KVB__FAIL("FOL shadow %u: index column", k);
         if (sh->resident > t->cap) KVB__FAIL("FOL shadow %u: %u resident, holds %u", k, sh->resident, t->cap);
         for (c = 0; c < KVB__CLASSES; c++) {
             uint32_t x = sh->head[c], prev = KVB__NIL;
