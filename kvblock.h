@@ -2262,8 +2262,9 @@ static uint8_t kvb__fol_class(uint8_t cnt, int tail)
     return cnt < 4 ? cnt : 4;
 }
 
-/* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown). */
-static void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint32_t now, uint32_t depth, int tail)
+/* One reference to a node: FOL's count, class and recency (kvb__fol_touch's rules, leaves unknown).
+ * Inline: every sampled block touches a node in every shadow. */
+static inline void kvb__tune_touch(const kvb_pool *p, kvb__shadow *sh, uint32_t x, uint32_t now, uint32_t depth, int tail)
 {
     kvb__tnode *n = &sh->node[x];
     n->cnt = (n->cnt && (uint32_t)(now - n->last) <= p->cfg.fol_horizon) ? (uint8_t)(n->cnt < 255 ? n->cnt + 1 : 255) : 1;
