@@ -2025,7 +2025,13 @@ static uint32_t kvb__fol_victim(kvb_pool *p, uint32_t lvl, int leaves_only)
             best_rid = rid;
         }
     }
-    if (best != KVB__NIL) kvb__fol_ring_advance(p, &p->rings[best_rid]); /* only its head moves on */
+    if (best != KVB__NIL) {
+        kvb__ring *r = &p->rings[best_rid];
+        /* the victim leaves: a leaf search that stopped at it goes on from the next entry, so the next
+         * eviction reads that one straight away (kvb__ring_leaf) instead of searching */
+        if (leaves_only && r->leafless_to < stbds_arrlenu(r->e) && r->e[r->leafless_to].idx == best) r->leafless_to++;
+        kvb__fol_ring_advance(p, r); /* only its head moves on */
+    }
     return best;
 }
 
