@@ -2131,7 +2131,7 @@ static kvb_result kvb__tune_create(kvb_pool *p)
     bytes = index + per * KVB__TUNE_K;
     mem = (unsigned char *)kvb__mem_alloc(&p->cfg.allocator, bytes, 64);
     if (!mem) return KVB_ENOMEM;
-    memset(mem, 0, bytes);
+    memset(mem, 0, index); /* empty slots; a node is set when it is taken, the circles and stacks below */
     t->mem = mem;
     t->mem_bytes = bytes;
     t->index = (kvb__gslot *)mem;
