@@ -14937,6 +14937,12 @@ static void kvs__sched_metrics(kvs__text *t, const kvs__metrics_snap *m)
     kvs__printf(t, "kvcache_requests{queue=\"waiting\"} %u\nkvcache_requests{queue=\"running\"} %u\n"
                    "kvcache_requests{queue=\"swapped\"} %u\nkvcache_requests{queue=\"onboarding\"} %u\n",
                 st->waiting, st->running, st->swapped, st->onboarding);
+    kvs__family(t, "commits_deferred_total", "counter",
+                "Sequence commits the device pool had no event memory for (retried at later steps).");
+    kvs__printf(t, "kvcache_commits_deferred_total %llu\n", (unsigned long long)st->commits_deferred);
+    kvs__family(t, "blocks_not_registered_total", "counter",
+                "Full blocks given back uncached because their commit never found memory.");
+    kvs__printf(t, "kvcache_blocks_not_registered_total %llu\n", (unsigned long long)st->blocks_not_registered);
     if (m->has_bus) {
         kvs__family(t, "events_total", "counter", "Events published on the scheduler's bus.");
         kvs__printf(t, "kvcache_events_total %llu\n", (unsigned long long)m->events);

@@ -147,6 +147,13 @@ static void test_commit_never_possible_is_counted(void)
     KVT_EQ(kvs_sched_get_stats(w.s, &ss), KVS_OK);
     KVT_EQ(ss.commits_deferred, 1);
     KVT_EQ(ss.blocks_not_registered, 32);
+    { /* the Prometheus text reports both */
+        static char text[16384];
+        size_t len = 0;
+        KVT_EQ(kvs_metrics_write(w.s, NULL, text, sizeof text, &len), KVS_OK);
+        KVT_CHECK(strstr(text, "\nkvcache_commits_deferred_total 1\n") != NULL);
+        KVT_CHECK(strstr(text, "\nkvcache_blocks_not_registered_total 32\n") != NULL);
+    }
     world_close(&w);
 }
 
