@@ -4909,10 +4909,10 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * 6. THREAD SAFETY — queues, tokens, events, pipelines and managers are safe from any thread. Completion
  * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
  * call back into the pipeline, waits and drains included (on the coordinator thread these run the stages
- * themselves; a drain does not wait for the callbacks its own thread is delivering, nor, from on_done,
- * for those of another thread that drains from on_done too). A backend worker that runs a callback is
- * busy meanwhile: a wait there for a copy only that worker could make (a backend with one worker) times
- * out.
+ * themselves; a drain does not wait for the callbacks its own thread is delivering, nor, from on_done of
+ * any pipeline, for those of another thread that drains from on_done too). A backend worker that runs a
+ * callback is busy meanwhile: a wait there for a copy only that worker could make (a backend with one
+ * worker) times out.
  *
  * 7. ERRORS — kvo_result: KVO_OK or a negative code; calls may also return kvb_result codes (-1..-99)
  * from the pools. kvo_result_string names both. A failed call changes nothing.
@@ -5236,9 +5236,9 @@ KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
  * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT.
  * timeout_us is real time; the policy and precondition timeouts follow the config's clock: with a manual
  * clock that does not move, a "later" answer or an unsignalled precondition never ends (section 3).
- * From on_done it waits for everything but the callbacks its own thread is delivering (that one and
- * those queued after it) and those of other threads that drain from on_done too (each would wait for the
- * other). */
+ * From on_done (of this or any other pipeline) it waits for everything but the callbacks its own thread
+ * is delivering (that one and those queued after it) and those of other threads that drain from on_done
+ * too, whichever pipeline they drain (each would wait for the other). */
 KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us);
 /* Frequency policy: count uses of blocks (e.g. prefix hits) without offering them. */
 KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n);
@@ -6456,9 +6456,23 @@ typedef struct kvo__note {
 /* A thread delivering on_done callbacks (on its stack, in kvo_pipeline.delivering while it does). */
 typedef struct kvo__delivery {
     pthread_t thread;
-    uint32_t draining;  /* its thread drains the pipeline from one of these callbacks (kvo__others_delivering) */
-    struct kvo__delivery *next;
+    uint32_t draining;  /* its thread drains a pipeline from one of these callbacks (kvo__others_delivering);
+                         * under pl's lock */
+    kvo_pipeline *pl;
+    struct kvo__delivery *next;  /* the pipeline's next delivery in progress */
+    struct kvo__delivery *outer; /* the thread's delivery this one runs inside (a callback that delivers) */
 } kvo__delivery;
+
+#ifdef __cplusplus
+#define KVO__THREAD_LOCAL thread_local
+#else
+#define KVO__THREAD_LOCAL _Thread_local
+#endif
+/* The calling thread's innermost delivery, of any pipeline: a drain from a callback marks the thread's
+ * deliveries as draining in their own pipelines, so that a callback of another pipeline that drains
+ * this thread's pipeline does not wait for them either (each would wait for the other). Per thread, so
+ * nothing is shared between pools or pipelines. */
+static KVO__THREAD_LOCAL kvo__delivery *kvo__current;
 
 typedef struct kvo__batch {
     kvo_pipeline *pl;
@@ -6781,11 +6795,15 @@ static void kvo__unlock(kvo_pipeline *pl)
     pl->notes = NULL;
     me.thread = pthread_self(); /* a drain waits for callbacks in progress: they may start follow-up work */
     me.draining = 0;
+    me.pl = pl;
     me.next = pl->delivering;
+    me.outer = kvo__current;
     pl->delivering = &me;
+    kvo__current = &me;
     pthread_mutex_unlock(&pl->lock);
     for (i = 0; i < stbds_arrlenu(notes); i++)
         pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
+    kvo__current = me.outer;
     pthread_mutex_lock(&pl->lock);
     kvo__notes_done(pl, notes);
     for (at = &pl->delivering; *at != &me; at = &(*at)->next) {
@@ -7413,27 +7431,31 @@ static int kvo__step(kvo_pipeline *pl)
 }
 
 /* Callbacks delivered by other threads than the caller: a drain from on_done cannot wait for its own
- * (nor for the ones its thread delivers after it), which would never end; nor, when the caller delivers
- * callbacks itself, for those of a thread that drains from one of them: that one waits for the caller's,
- * and each drain would end only by its timeout. */
+ * (nor for the ones its thread delivers after it), which would never end; nor, when the caller is inside
+ * a callback of any pipeline, for those of a thread that drains from one of them: that one may wait for
+ * the caller's, and each drain would end only by its timeout. */
 static int kvo__others_delivering(const kvo_pipeline *pl)
 {
     const kvo__delivery *d;
     pthread_t self = pthread_self();
-    int mine = 0;
-    for (d = pl->delivering; d && !mine; d = d->next) mine = pthread_equal(d->thread, self);
+    int inside = kvo__current != NULL;
     for (d = pl->delivering; d; d = d->next)
-        if (!pthread_equal(d->thread, self) && !(mine && d->draining)) return 1;
+        if (!pthread_equal(d->thread, self) && !(inside && d->draining)) return 1;
     return 0;
 }
 
-/* The caller's deliveries in progress say it drains (delta 1) or no longer does (-1). Locked. */
-static void kvo__mark_draining(kvo_pipeline *pl, int delta)
+/* The caller's deliveries in progress, of every pipeline, say it drains (delta 1) or no longer does (-1),
+ * each under its own pipeline's lock (taken one at a time: never two locks at once), waking that
+ * pipeline's drains to look again. Not locked. */
+static void kvo__mark_draining(int delta)
 {
     kvo__delivery *d;
-    pthread_t self = pthread_self();
-    for (d = pl->delivering; d; d = d->next)
-        if (pthread_equal(d->thread, self)) d->draining = (uint32_t)((int)d->draining + delta);
+    for (d = kvo__current; d; d = d->outer) {
+        pthread_mutex_lock(&d->pl->lock);
+        d->draining = (uint32_t)((int)d->draining + delta);
+        pthread_cond_broadcast(&d->pl->cond);
+        pthread_mutex_unlock(&d->pl->lock);
+    }
 }
 
 static int kvo__idle(kvo_pipeline *pl)
@@ -7756,14 +7778,14 @@ KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us
 {
     int ok;
     if (!pipeline) return KVO_EINVAL;
+    kvo__mark_draining(1); /* from on_done: another callback's drain need not wait for this one */
     pthread_mutex_lock(&pipeline->lock);
     pipeline->draining++;
-    kvo__mark_draining(pipeline, 1); /* from on_done: another callback's drain need not wait for this one */
     pthread_cond_broadcast(&pipeline->cond);
     ok = kvo__wait_until(pipeline, kvo__is_idle, NULL, timeout_us);
-    kvo__mark_draining(pipeline, -1);
     pipeline->draining--;
     kvo__unlock(pipeline);
+    kvo__mark_draining(-1);
     return ok ? KVO_OK : KVO_ETIMEDOUT;
 }
 

@@ -1626,6 +1626,69 @@ static void test_drains_from_two_on_dones_at_once(void)
     rig_close(&r);
 }
 
+/* Two pipelines whose on_done callbacks, running at once, each drain the other pipeline: each drain
+ * would wait for the other's callback, which waits for it. */
+typedef struct cross_drains_ctx {
+    kvo_pipeline *p[2];
+    atomic_int entered, finished;
+    int result[2];
+    uint64_t waited_us[2];
+} cross_drains_ctx;
+
+typedef struct cross_drain_side {
+    cross_drains_ctx *c;
+    int me;
+} cross_drain_side;
+
+static void drain_the_other_pipeline(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst,
+                                     size_t n)
+{
+    cross_drain_side *side = (cross_drain_side *)user;
+    cross_drains_ctx *c = side->c;
+    uint64_t t0 = of_now_us(), end = t0 + 5000000;
+    (void)t;
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (atomic_fetch_add(&c->entered, 1) > 1) return;
+    while (atomic_load(&c->entered) < 2 && of_now_us() < end) of_sleep_us(200); /* both in their callback */
+    t0 = of_now_us();
+    c->result[side->me] = kvo_pipeline_drain(c->p[1 - side->me], 2000000);
+    c->waited_us[side->me] = of_now_us() - t0;
+    atomic_fetch_add(&c->finished, 1);
+}
+
+static void test_two_pipelines_draining_each_other_from_on_done(void)
+{
+    rig r[2];
+    cross_drains_ctx c;
+    cross_drain_side side[2];
+    kvo_transfer t[2];
+    memset(&c, 0, sizeof c);
+    for (int i = 0; i < 2; i++) {
+        side[i] = (cross_drain_side){ &c, i };
+        rig_pools(&r[i], SRC_BLOCKS, 1);
+        kvo_pipeline_config pc = of_config(r[i].src, r[i].dst, of_backend_iface(r[i].w), KVO_MODE_THREADS, NULL);
+        pc.on_done = drain_the_other_pipeline;
+        pc.done_user = &side[i];
+        pc.min_batch = 1;
+        rig_start(&r[i], &pc);
+        c.p[i] = r[i].p;
+    }
+    for (int i = 0; i < 2; i++) t[i] = of_enqueue(r[i].p, &r[i].weak[0], 1, NULL);
+    uint64_t end = of_now_us() + 15000000;
+    while (atomic_load(&c.finished) < 2 && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(atomic_load(&c.entered), 2);
+    KVT_EQ(atomic_load(&c.finished), 2);
+    for (int i = 0; i < 2; i++) {
+        KVT_EQ(c.result[i], KVO_OK);
+        KVT_CHECK(c.waited_us[i] < 1000000);
+        KVT_EQ(of_holds_all(r[i].dst, r[i].h, 1), 1);
+        KVT_EQ(kvo_transfer_release(r[i].p, t[i]), KVO_OK);
+    }
+    for (int i = 0; i < 2; i++) rig_close(&r[i]);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1668,5 +1731,6 @@ int main(void)
     KVT_RUN(test_wait_from_on_done_in_threads_mode);
     KVT_RUN(test_drain_from_on_done);
     KVT_RUN(test_drains_from_two_on_dones_at_once);
+    KVT_RUN(test_two_pipelines_draining_each_other_from_on_done);
     return kvt_summary();
 }
