@@ -2002,6 +2002,20 @@ static inline uint32_t kvb__ring_victim(kvb_pool *p, uint32_t rid, int want_leaf
     return r->e[i].idx;
 }
 
+/* The victim kvb__ring_victim would find, when it is ring r's head (after kvb__ring_advance: a current
+ * entry), without its search: always for LRU; for leaves first, when no leaf is pending, no search stopped
+ * past the head, and the head is a leaf. KVB__NIL: search. */
+static inline uint32_t kvb__ring_head_victim(kvb_pool *p, kvb__ring *r, int want_leaf)
+{
+    uint32_t v;
+    if (r->head >= stbds_arrlenu(r->e)) return KVB__NIL;
+    v = r->e[r->head].idx;
+    if (!want_leaf) return v;
+    if (r->n_pending || r->leafless_to > r->head || !kvb__is_leaf(p, v)) return KVB__NIL;
+    r->leafless_to = r->head;
+    return v;
+}
+
 /* FOL, which looks at up to six rings per eviction and takes from one: a ring's oldest leaf, read straight
  * from the place its last search stopped while that entry is current and a leaf (every current entry
  * before it is a parent), else a search. */
@@ -2861,8 +2875,10 @@ static inline uint32_t kvb__choose_victim(kvb_pool *p)
     int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
     if (!lineage && p->cfg.eviction != KVB_EVICT_LRU) return kvb__policy_victim(p);
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
-        if (!p->rings[lvl * KVB__CLASSES].live) continue;
-        kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
+        kvb__ring *r = &p->rings[lvl * KVB__CLASSES];
+        if (!r->live) continue;
+        kvb__ring_advance(p, r); /* past the stale entries */
+        if ((i = kvb__ring_head_victim(p, r, lineage)) != KVB__NIL) return i;
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     return kvb__policy_victim(p); /* only inner blocks left */
