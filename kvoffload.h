@@ -2625,12 +2625,13 @@ static int kvo__step(kvo_pipeline *pl)
 /* Callbacks delivered by other threads than the caller: a drain from on_done cannot wait for its own
  * (nor for the ones its thread delivers after it), which would never end; nor, when the caller is inside
  * a callback of any pipeline, for those of a thread that drains from one of them: that one may wait for
- * the caller's, and each drain would end only by its timeout. */
-static int kvo__others_delivering(const kvo_pipeline *pl)
+ * the caller's, and each drain would end only by its timeout. `all`: those too (destroy frees what their
+ * deliveries still use). */
+static int kvo__others_delivering(const kvo_pipeline *pl, int all)
 {
     const kvo__delivery *d;
     pthread_t self = pthread_self();
-    int inside = kvo__current != NULL;
+    int inside = !all && kvo__current != NULL;
     for (d = pl->delivering; d; d = d->next)
         if (!pthread_equal(d->thread, self) && !(inside && d->draining)) return 1;
     return 0;
@@ -2650,11 +2651,11 @@ static void kvo__mark_draining(int delta)
     }
 }
 
-static int kvo__idle(kvo_pipeline *pl)
+static int kvo__idle(kvo_pipeline *pl, int all)
 {
     return !kvo_queue_len(pl->q_eval) && !kvo_queue_len(pl->q_pre) && !kvo_queue_len(pl->q_batch) &&
            !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing && !stbds_arrlen(pl->notes) &&
-           !kvo__others_delivering(pl);
+           !kvo__others_delivering(pl, all);
 }
 
 /* How long the coordinator may sleep: short while anything is polled (policies, events, batches). */
@@ -2731,7 +2732,14 @@ static int kvo__is_final(kvo_pipeline *pl, void *arg)
 static int kvo__is_idle(kvo_pipeline *pl, void *unused)
 {
     (void)unused;
-    return kvo__idle(pl);
+    return kvo__idle(pl, 0);
+}
+
+/* Idle, and no other thread inside a callback of the pipeline, not even one that drains: destroy. */
+static int kvo__is_quiet(kvo_pipeline *pl, void *unused)
+{
+    (void)unused;
+    return kvo__idle(pl, 1);
 }
 
 /* ---- pipeline: public ------------------------------------------------------------------------- */
@@ -2814,7 +2822,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     if (pipeline->has_thread) pthread_join(pipeline->thread, NULL);
     pipeline->has_thread = 0;
     pthread_mutex_lock(&pipeline->lock);
-    kvo__wait_until(pipeline, kvo__is_idle, NULL, -1); /* what was upgraded completes (P3) */
+    kvo__wait_until(pipeline, kvo__is_quiet, NULL, -1); /* what was upgraded completes (P3) */
     kvo__unlock(pipeline);
     for (i = 0; i < stbds_arrlenu(pipeline->slots); i++) {
         kvo__container *c = pipeline->slots[i].c;

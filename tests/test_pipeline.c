@@ -1689,6 +1689,80 @@ static void test_two_pipelines_draining_each_other_from_on_done(void)
     for (int i = 0; i < 2; i++) rig_close(&r[i]);
 }
 
+/* A pipeline destroyed from the on_done of another pipeline while a third thread is inside one of its
+ * own callbacks, draining from there: destroy frees what that callback's delivery still uses, so it waits
+ * for it whatever it does (a drain from on_done may pass over a callback that drains; destroy may not).
+ * P's callback runs on its backend's worker (destroy joins only P's coordinator) and drains Q; Q's
+ * callback, on Q's coordinator, destroys P. The drain waits for Q's callback, which waits for P's: it
+ * ends by its timeout, then P's callback, then the destroy. */
+typedef struct destroy_ctx {
+    kvo_pipeline *p, *q;
+    atomic_int p_in, q_in, p_done, q_done, p_done_when_destroyed;
+} destroy_ctx;
+
+static void drain_q_from_p(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    destroy_ctx *c = (destroy_ctx *)user;
+    uint64_t end = of_now_us() + 5000000;
+    (void)t;
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (atomic_fetch_add(&c->p_in, 1)) return;
+    while (!atomic_load(&c->q_in) && of_now_us() < end) of_sleep_us(200);
+    (void)kvo_pipeline_drain(c->q, 500000);
+    atomic_store(&c->p_done, 1);
+}
+
+static void destroy_p_from_q(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst,
+                             size_t n)
+{
+    destroy_ctx *c = (destroy_ctx *)user;
+    uint64_t end = of_now_us() + 5000000;
+    (void)t;
+    (void)info;
+    (void)dst;
+    (void)n;
+    if (atomic_fetch_add(&c->q_in, 1)) return;
+    while (!atomic_load(&c->p_in) && of_now_us() < end) of_sleep_us(200);
+    of_sleep_us(50000); /* P's callback is in its drain of Q */
+    kvo_pipeline_destroy(c->p);
+    atomic_store(&c->p_done_when_destroyed, atomic_load(&c->p_done));
+    atomic_store(&c->q_done, 1);
+}
+
+static void test_destroy_from_on_done_waits_for_a_draining_callback(void)
+{
+    rig r[2];
+    destroy_ctx c;
+    memset(&c, 0, sizeof c);
+    rig_pools(&r[0], SRC_BLOCKS, 1);
+    kvo_backend_destroy(of_backend_iface(r[0].w));
+    kvo_backend_destroy(r[0].mem);
+    KVT_EQ(kvo_memcpy_backend_create(1, &r[0].mem), KVO_OK); /* P's on_done on the backend's worker */
+    r[0].w = of_backend_wrap(r[0].mem);
+    rig_pools(&r[1], SRC_BLOCKS, 1);
+    for (int i = 0; i < 2; i++) {
+        kvo_pipeline_config pc = of_config(r[i].src, r[i].dst, of_backend_iface(r[i].w), KVO_MODE_THREADS, NULL);
+        pc.on_done = i ? destroy_p_from_q : drain_q_from_p;
+        pc.done_user = &c;
+        pc.min_batch = 1;
+        rig_start(&r[i], &pc);
+    }
+    c.p = r[0].p;
+    c.q = r[1].p;
+    (void)of_enqueue(r[0].p, &r[0].weak[0], 1, NULL); /* released by the destroy */
+    kvo_transfer tq = of_enqueue(r[1].p, &r[1].weak[0], 1, NULL);
+    uint64_t end = of_now_us() + 15000000;
+    while (!(atomic_load(&c.q_done) && atomic_load(&c.p_done)) && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(atomic_load(&c.q_done), 1);
+    KVT_EQ(atomic_load(&c.p_done), 1);
+    KVT_EQ(atomic_load(&c.p_done_when_destroyed), 1); /* destroy returned after P's callback, not before */
+    r[0].p = NULL; /* destroyed */
+    KVT_EQ(kvo_transfer_release(r[1].p, tq), KVO_OK);
+    for (int i = 0; i < 2; i++) rig_close(&r[i]);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1732,5 +1806,6 @@ int main(void)
     KVT_RUN(test_drain_from_on_done);
     KVT_RUN(test_drains_from_two_on_dones_at_once);
     KVT_RUN(test_two_pipelines_draining_each_other_from_on_done);
+    KVT_RUN(test_destroy_from_on_done_waits_for_a_draining_callback);
     return kvt_summary();
 }
