@@ -235,6 +235,7 @@
  *     KVB_NO_HUGE_PAGES       do not ask Linux for transparent huge pages (madvise) for the tables of
  *                             2 MiB or more the default allocator gives a pool (metadata, index,
  *                             storage); asked by default, it spares a cold lookup most of its TLB misses
+ *                             (never asked with KVB_MALLOC defined: that memory is not the C library's)
  *
  * 5. THREAD SAFETY
  * A pool is safe to use from any number of threads: one mutex per pool, taken once per call, so batch
