@@ -1849,18 +1849,20 @@ static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
 }
 
 /* One more entry's room in a full ring, grown: 0 when the memory is not there. */
-/* A ring that grows writes its new capacity at once: the pushes that fill it later, each under the lock
- * in a release, would otherwise take a page fault every 512 entries (with caches cold, several
- * microseconds: the most a cold release cost). */
-static KVB__NOINLINE int kvb__ring_grow(kvb__ring *r)
+/* Room for `need` entries in ring r. A ring that grows writes its new capacity at once: the pushes that
+ * fill it later, each under the lock in a release, would otherwise take a page fault every 512 entries
+ * (with caches cold, several microseconds: the most a cold release cost). */
+static int kvb__ring_fit(kvb__ring *r, size_t need)
 {
     void *a = r->e;
-    size_t len = stbds_arrlenu(r->e);
-    if (!kvb__arr_fit(&a, sizeof *r->e, len + 1)) return 0;
+    size_t len = stbds_arrlenu(r->e), cap = stbds_arrcap(r->e);
+    if (!kvb__arr_fit(&a, sizeof *r->e, need)) return 0;
     r->e = (kvb__ring_entry *)a;
-    memset(r->e + len, 0, (stbds_arrcap(r->e) - len) * sizeof *r->e);
+    if (stbds_arrcap(r->e) > cap) memset(r->e + len, 0, (stbds_arrcap(r->e) - len) * sizeof *r->e);
     return 1;
 }
+
+static KVB__NOINLINE int kvb__ring_grow(kvb__ring *r) { return kvb__ring_fit(r, stbds_arrlenu(r->e) + 1); }
 
 static KVB__NOINLINE int kvb__ring_room(kvb_pool *p, kvb__ring *r);
 
@@ -4664,13 +4666,8 @@ static int kvb__rings_room(kvb_pool *p, const kvb_block *blocks, size_t n)
         const kvb__meta *m = &p->meta[kvb_block_index(blocks[i].id)];
         per[m->cls] += m->state == KVB_STATE_REGISTERED;
     }
-    for (i = 0; i < KVB__CLASSES; i++) {
-        kvb__ring *r = &p->rings[i];
-        void *a = r->e;
-        int ok = kvb__arr_fit(&a, sizeof *r->e, stbds_arrlenu(r->e) + per[i]);
-        r->e = (kvb__ring_entry *)a;
-        if (!ok) return 0;
-    }
+    for (i = 0; i < KVB__CLASSES; i++)
+        if (!kvb__ring_fit(&p->rings[i], stbds_arrlenu(p->rings[i].e) + per[i])) return 0;
     return 1;
 }
 
