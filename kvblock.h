@@ -990,7 +990,7 @@ typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction or
 } kvb__gset;
 /* FOL's ghosts: sets of up to KVB__GWAYS words, one cache line each, newest first; a word is
  * (last << 32) | (tag << 9) | (age stamp << 3) | count (1..7), 0 = empty. */
-#define KVB__GWAYS 8
+#define KVB__GWAYS 8 /* kvb__gtab_way writes out a set of 8 */
 #define KVB__GCOUNT_MAX 7   /* counts above 4 all mean class 4 */
 #define KVB__GAGE_LIMIT 16  /* a ghost is remembered for 16 stamps of G / 16 puts each */
 typedef struct kvb__gtab {
@@ -1741,13 +1741,29 @@ static const uint64_t *kvb__gtab_line(const kvb__gtab *t, const kvb_hash *h)
     return kvb__gtab_set(t, kvb__mix(h));
 }
 
+/* Word w is a ghost with this tag (its count is never 0). The tag first: it nearly never matches. */
+#define KVB__GTAB_IS(w, tag) (((uint32_t)(w) & ~UINT32_C(0x1ff)) == (tag) && (uint8_t)(w))
+
+/* The way of the set that holds the tag, or t->ways. Sets of 8 (KVB__GWAYS: all but the smallest tables)
+ * are searched with the count written out, so that the search is 8 compares without a loop. */
+static uint32_t kvb__gtab_way(const kvb__gtab *t, const uint64_t *set, uint32_t tag)
+{
+    uint32_t i;
+    if (KVB__LIKELY(t->ways == 8)) {
+        return KVB__GTAB_IS(set[0], tag) ? 0 : KVB__GTAB_IS(set[1], tag) ? 1 : KVB__GTAB_IS(set[2], tag) ? 2 :
+               KVB__GTAB_IS(set[3], tag) ? 3 : KVB__GTAB_IS(set[4], tag) ? 4 : KVB__GTAB_IS(set[5], tag) ? 5 :
+               KVB__GTAB_IS(set[6], tag) ? 6 : KVB__GTAB_IS(set[7], tag) ? 7 : 8;
+    }
+    for (i = 0; i < t->ways && !KVB__GTAB_IS(set[i], tag); i++) {
+    }
+    return i;
+}
+
 /* The ghost of the hash mixed to `mix`, taken out of its set (it came back): its word, or 0. */
 static uint64_t kvb__gtab_take(kvb__gtab *t, uint64_t mix)
 {
     uint64_t *set = kvb__gtab_set(t, mix), word;
-    uint32_t i, tag = kvb__gtab_tag(mix);
-    for (i = 0; i < t->ways; i++)
-        if ((uint8_t)set[i] && ((uint32_t)set[i] & ~UINT32_C(0x1ff)) == tag) break;
+    uint32_t i = kvb__gtab_way(t, set, kvb__gtab_tag(mix));
     if (i == t->ways) return 0;
     word = set[i];
     set[i] = 0;
