@@ -1956,18 +1956,23 @@ static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
  * from one call to the next. (The head's update also keeps compilers from taking a helper that only
  * prefetches for one without effects, and dropping its calls.) */
 #define KVB__VICTIM_AHEAD 8
-static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r)
+static KVB__ALWAYS_INLINE void kvb__ring_advance_to(const kvb_pool *p, kvb__ring *r, int ghost)
 {
     size_t at, len = stbds_arrlenu(r->e);
     const kvb__meta *m;
+    uint64_t mix;
     kvb__ring_skip_stale(p, r);
     at = r->head + KVB__VICTIM_AHEAD;
     if (at + KVB__VICTIM_AHEAD < len) KVB__PREFETCH(&p->meta[r->e[at + KVB__VICTIM_AHEAD].idx]);
     if (at >= len) return;
     m = &p->meta[r->e[at].idx];
-    KVB__PREFETCH(kvb__home(p, &m->hash));
+    mix = kvb__mix(&m->hash);
+    KVB__PREFETCH(&p->slots[mix & p->slot_mask]);
+    if (ghost && p->fol_ghost.w) KVB__PREFETCH(kvb__gtab_set(&p->fol_ghost, mix));
     if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(kvb__home(p, &m->parent));
 }
+
+static inline void kvb__ring_advance(const kvb_pool *p, kvb__ring *r) { kvb__ring_advance_to(p, r, 0); }
 
 /* The oldest of ring r's pending leaves that is still current and a leaf, or KVB__NIL; the others are
  * forgotten (stale, or parents again: the search's place holds for them). */
@@ -2064,15 +2069,8 @@ static int kvb__fol_before(const kvb_pool *p, uint32_t a, int64_t ka, uint32_t b
 }
 
 /* FOL's rings roll their victim windows as LRU's do, and also fetch the ghost-index slot each coming
- * victim will take when it leaves (FOL remembers an evicted block's count). */
-static inline void kvb__fol_ring_advance(const kvb_pool *p, kvb__ring *r)
-{
-    size_t at;
-    kvb__ring_advance(p, r);
-    at = r->head + KVB__VICTIM_AHEAD;
-    if (p->fol_ghost.w && at < stbds_arrlenu(r->e))
-        KVB__PREFETCH(kvb__gtab_line(&p->fol_ghost, &p->meta[r->e[at].idx].hash));
-}
+ * victim will take when it leaves (FOL remembers an evicted block's count): one mix of its hash for both. */
+static inline void kvb__fol_ring_advance(const kvb_pool *p, kvb__ring *r) { kvb__ring_advance_to(p, r, 1); }
 
 /* FOL: of the oldest leaf of each class ring of one level, the one with the smallest last + W[class].
  * Only leaves: a parent whose count restarted may score below its children, and evicting it would
