@@ -1864,10 +1864,9 @@ static void kvb__ring_compact(kvb_pool *p, kvb__ring *r)
     r->held = (uint32_t)(w - r->live);
 }
 
-/* One more entry's room in a full ring, grown: 0 when the memory is not there. */
-/* Room for `need` entries in ring r. A ring that grows writes its new capacity at once: the pushes that
- * fill it later, each under the lock in a release, would otherwise take a page fault every 512 entries
- * (with caches cold, several microseconds: the most a cold release cost). */
+/* Room for `need` entries in ring r (0 when the memory is not there). A ring that grows writes its new
+ * capacity at once: the pushes that fill it later, each under the lock in a release, would otherwise take
+ * a page fault every 512 entries (with caches cold, several microseconds: the most a cold release cost). */
 static int kvb__ring_fit(kvb__ring *r, size_t need)
 {
     void *a = r->e;
@@ -1878,6 +1877,7 @@ static int kvb__ring_fit(kvb__ring *r, size_t need)
     return 1;
 }
 
+/* One more entry's room in a full ring, grown: 0 when the memory is not there. */
 static KVB__NOINLINE int kvb__ring_grow(kvb__ring *r) { return kvb__ring_fit(r, stbds_arrlenu(r->e) + 1); }
 
 static KVB__NOINLINE int kvb__ring_room(kvb_pool *p, kvb__ring *r);
