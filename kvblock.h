@@ -757,6 +757,9 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h> /* FOL's ghost sets are searched 4 tags at a time */
+#endif
 
 #if defined(KVB_MALLOC) || defined(KVB_REALLOC) || defined(KVB_FREE)
 #if !defined(KVB_MALLOC) || !defined(KVB_REALLOC) || !defined(KVB_FREE)
@@ -1744,15 +1747,37 @@ static const uint64_t *kvb__gtab_line(const kvb__gtab *t, const kvb_hash *h)
 /* Word w is a ghost with this tag (its count is never 0). The tag first: it nearly never matches. */
 #define KVB__GTAB_IS(w, tag) (((uint32_t)(w) & ~UINT32_C(0x1ff)) == (tag) && (uint8_t)(w))
 
+#if defined(__SSE2__)
+/* Ways 4q..4q+3 of a set of 8 whose tag bits equal tag's, as bits 0..3: the low halves of four words side
+ * by side, masked and compared at once. */
+static inline uint32_t kvb__gtab_tags4(const uint64_t *set, uint32_t q, __m128i tag)
+{
+    __m128 a = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(const void *)(set + 4 * q)));
+    __m128 b = _mm_castsi128_ps(_mm_loadu_si128((const __m128i *)(const void *)(set + 4 * q + 2)));
+    __m128i low = _mm_castps_si128(_mm_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)));
+    __m128i eq = _mm_cmpeq_epi32(_mm_and_si128(low, _mm_set1_epi32(-0x200)), tag); /* ~0x1ff */
+    return (uint32_t)_mm_movemask_ps(_mm_castsi128_ps(eq));
+}
+#endif
+
 /* The way of the set that holds the tag, or t->ways. Sets of 8 (KVB__GWAYS: all but the smallest tables)
- * are searched with the count written out, so that the search is 8 compares without a loop. */
+ * are searched without a loop: with SSE2, every tag at once and then the (nearly always no) candidates
+ * in full; else 8 compares written out. */
 static uint32_t kvb__gtab_way(const kvb__gtab *t, const uint64_t *set, uint32_t tag)
 {
     uint32_t i;
     if (KVB__LIKELY(t->ways == 8)) {
+#if defined(__SSE2__)
+        __m128i want = _mm_set1_epi32((int)tag);
+        uint32_t hits = kvb__gtab_tags4(set, 0, want) | kvb__gtab_tags4(set, 1, want) << 4;
+        for (; hits; hits &= hits - 1) /* an empty word (0) matches a tag of 0: its count tells */
+            if ((uint8_t)set[i = (uint32_t)__builtin_ctz(hits)]) return i;
+        return 8;
+#else
         return KVB__GTAB_IS(set[0], tag) ? 0 : KVB__GTAB_IS(set[1], tag) ? 1 : KVB__GTAB_IS(set[2], tag) ? 2 :
                KVB__GTAB_IS(set[3], tag) ? 3 : KVB__GTAB_IS(set[4], tag) ? 4 : KVB__GTAB_IS(set[5], tag) ? 5 :
                KVB__GTAB_IS(set[6], tag) ? 6 : KVB__GTAB_IS(set[7], tag) ? 7 : 8;
+#endif
     }
     for (i = 0; i < t->ways && !KVB__GTAB_IS(set[i], tag); i++) {
     }
@@ -1783,7 +1808,11 @@ static uint8_t kvb__gtab_count(const kvb__gtab *t, uint64_t word)
 static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t last)
 {
     uint64_t mix = kvb__mix(h), *set = kvb__gtab_set(t, mix);
-    if (t->live) kvb__gtab_take(t, mix);
+    uint32_t old = t->live ? kvb__gtab_way(t, set, kvb__gtab_tag(mix)) : t->ways;
+    if (old < t->ways) { /* kvb__gtab_take's work, on the set at hand */
+        set[old] = 0;
+        t->live--;
+    }
     t->live += !(uint8_t)set[t->ways - 1];
     memmove(set + 1, set, (t->ways - 1) * sizeof *set);
     set[0] = ((uint64_t)last << 32) | kvb__gtab_tag(mix) | t->stamp << 3 | (cnt < KVB__GCOUNT_MAX ? cnt : KVB__GCOUNT_MAX);
