@@ -2955,7 +2955,11 @@ static inline uint32_t kvb__choose_victim(kvb_pool *p)
 {
     uint32_t lvl, i;
     int lineage = p->cfg.eviction == KVB_EVICT_LINEAGE;
-    if (!lineage && p->cfg.eviction != KVB_EVICT_LRU) return kvb__policy_victim(p);
+    if (!lineage && p->cfg.eviction != KVB_EVICT_LRU) {
+        if (p->cfg.eviction == KVB_EVICT_FOL && (i = kvb__fol_victim(p, 0, 1)) != KVB__NIL)
+            return i; /* a leaf of the lowest level: kvb__policy_victim's first answer, one call sooner */
+        return kvb__policy_victim(p);
+    }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
         kvb__ring *r = &p->rings[lvl * KVB__CLASSES];
         if (!r->live) continue;
