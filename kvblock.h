@@ -1763,7 +1763,7 @@ static inline uint32_t kvb__gtab_tags4(const uint64_t *set, uint32_t q, __m128i 
 /* The way of the set that holds the tag, or t->ways. Sets of 8 (KVB__GWAYS: all but the smallest tables)
  * are searched without a loop: with SSE2, every tag at once and then the (nearly always no) candidates
  * in full; else 8 compares written out. */
-static uint32_t kvb__gtab_way(const kvb__gtab *t, const uint64_t *set, uint32_t tag)
+static KVB__ALWAYS_INLINE uint32_t kvb__gtab_way(const kvb__gtab *t, const uint64_t *set, uint32_t tag)
 {
     uint32_t i;
     if (KVB__LIKELY(t->ways == 8)) {
