@@ -1832,6 +1832,26 @@ static uint64_t kvb__gtab_take(kvb__gtab *t, uint64_t mix)
     return word;
 }
 
+/* Every word of a set one way on (the last leaves), for a put at way 0. A set of 8 moves in four loads and
+ * four stores with SSE2, not a call. */
+static KVB__ALWAYS_INLINE void kvb__gtab_shift(uint64_t *set, uint32_t ways)
+{
+#if defined(__SSE2__)
+    if (KVB__LIKELY(ways == 8)) {
+        __m128i a = _mm_loadu_si128((const __m128i *)(const void *)set);
+        __m128i b = _mm_loadu_si128((const __m128i *)(const void *)(set + 2));
+        __m128i c = _mm_loadu_si128((const __m128i *)(const void *)(set + 4));
+        uint64_t d = set[6];
+        _mm_storeu_si128((__m128i *)(void *)(set + 1), a);
+        _mm_storeu_si128((__m128i *)(void *)(set + 3), b);
+        _mm_storeu_si128((__m128i *)(void *)(set + 5), c);
+        set[7] = d;
+        return;
+    }
+#endif
+    memmove(set + 1, set, (ways - 1) * sizeof *set);
+}
+
 /* A word taken back: its count, or 0 when it is older than G puts (forgotten, as a circle would). */
 static uint8_t kvb__gtab_count(const kvb__gtab *t, uint64_t word)
 {
@@ -1850,7 +1870,7 @@ static void kvb__gtab_put(kvb__gtab *t, const kvb_hash *h, uint8_t cnt, uint32_t
         t->live--;
     }
     t->live += !(uint8_t)set[t->ways - 1];
-    memmove(set + 1, set, (t->ways - 1) * sizeof *set);
+    kvb__gtab_shift(set, t->ways);
     set[0] = ((uint64_t)last << 32) | kvb__gtab_tag(mix) | t->stamp << 3 | (cnt < KVB__GCOUNT_MAX ? cnt : KVB__GCOUNT_MAX);
     if (!--t->until_next) { /* no division on the way: the stamp moves on every per_stamp puts */
         t->stamp = (t->stamp + 1) & 63u;
