@@ -191,7 +191,7 @@ readme_quickstart() { # readme_quickstart split|single|plain: the README's progr
 
 install_prefix() { # make install into a fresh prefix, use it through pkg-config, make uninstall
     have pkg-config
-    prefix=$ROOT/$B/prefix
+    case $B in /*) prefix=$B/prefix ;; *) prefix=$ROOT/$B/prefix ;; esac # MATRIX_DIR may be absolute
     rm -rf "$prefix"
     MAKEFLAGS='' MFLAGS='' MAKELEVEL='' $MAKE_CMD --no-print-directory -s install PREFIX="$prefix" || exit 1
     for f in $PARTS kvcache.h; do [ -f "$prefix/include/$f" ] || { echo "not installed: include/$f"; exit 1; }; done
