@@ -4991,7 +4991,8 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  * callbacks (on_done) run on the thread that finished the transfer, with no pipeline lock held; they may
  * call back into the pipeline, waits and drains included (on the coordinator thread these run the stages
  * themselves; a drain does not wait for the callbacks its own thread is delivering, nor, from on_done of
- * any pipeline, for those of another thread that drains from on_done too). A backend worker that runs a
+ * any pipeline, for those of another thread that drains or destroys a pipeline from on_done too; a
+ * destroy waits for every other callback of its pipeline). A backend worker that runs a
  * callback is busy meanwhile: a wait there for a copy only that worker could make (a backend with one
  * worker) times out.
  *
@@ -5318,8 +5319,8 @@ KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
  * timeout_us is real time; the policy and precondition timeouts follow the config's clock: with a manual
  * clock that does not move, a "later" answer or an unsignalled precondition never ends (section 3).
  * From on_done (of this or any other pipeline) it waits for everything but the callbacks its own thread
- * is delivering (that one and those queued after it) and those of other threads that drain from on_done
- * too, whichever pipeline they drain (each would wait for the other). */
+ * is delivering (that one and those queued after it) and those of other threads that drain, or destroy a
+ * pipeline, from on_done too, whichever pipeline they drain (each would wait for the other). */
 KVO_API kvo_result kvo_pipeline_drain(kvo_pipeline *pipeline, int64_t timeout_us);
 /* Frequency policy: count uses of blocks (e.g. prefix hits) without offering them. */
 KVO_API kvo_result kvo_pipeline_note_use(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n);
@@ -7513,9 +7514,9 @@ static int kvo__step(kvo_pipeline *pl)
 
 /* Callbacks delivered by other threads than the caller: a drain from on_done cannot wait for its own
  * (nor for the ones its thread delivers after it), which would never end; nor, when the caller is inside
- * a callback of any pipeline, for those of a thread that drains from one of them: that one may wait for
- * the caller's, and each drain would end only by its timeout. `all`: those too (destroy frees what their
- * deliveries still use). */
+ * a callback of any pipeline, for those of a thread that drains (or destroys a pipeline) from one of them:
+ * that one may wait for the caller's, and each would end only by a timeout, or never. `all`: those too
+ * (destroy frees what their deliveries still use). */
 static int kvo__others_delivering(const kvo_pipeline *pl, int all)
 {
     const kvo__delivery *d;
@@ -7710,9 +7711,11 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     kvo__unlock(pipeline);
     if (pipeline->has_thread) pthread_join(pipeline->thread, NULL);
     pipeline->has_thread = 0;
+    kvo__mark_draining(1); /* from on_done: it waits as a drain does, and a drain need not wait for it */
     pthread_mutex_lock(&pipeline->lock);
     kvo__wait_until(pipeline, kvo__is_quiet, NULL, -1); /* what was upgraded completes (P3) */
     kvo__unlock(pipeline);
+    kvo__mark_draining(-1);
     for (i = 0; i < stbds_arrlenu(pipeline->slots); i++) {
         kvo__container *c = pipeline->slots[i].c;
         if (!c) continue;

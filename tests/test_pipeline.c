@@ -1693,11 +1693,14 @@ static void test_two_pipelines_draining_each_other_from_on_done(void)
  * own callbacks, draining from there: destroy frees what that callback's delivery still uses, so it waits
  * for it whatever it does (a drain from on_done may pass over a callback that drains; destroy may not).
  * P's callback runs on its backend's worker (destroy joins only P's coordinator) and drains Q; Q's
- * callback, on Q's coordinator, destroys P. The drain waits for Q's callback, which waits for P's: it
- * ends by its timeout, then P's callback, then the destroy. */
+ * callback, on Q's coordinator, destroys P. The destroying callback waits as a drain does, so the drain
+ * passes over it (else each would wait for the other, the drain until its timeout, or forever): the
+ * drain ends at once, then P's callback, then the destroy. */
 typedef struct destroy_ctx {
     kvo_pipeline *p, *q;
-    atomic_int p_in, q_in, p_done, q_done, p_done_when_destroyed;
+    int destroy_first;         /* the destroy starts before the drain (else after) */
+    atomic_int p_in, q_in, p_done, q_done, p_done_when_destroyed, drain_result;
+    atomic_llong drain_us;
 } destroy_ctx;
 
 static void drain_q_from_p(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
@@ -1710,7 +1713,10 @@ static void drain_q_from_p(void *user, kvo_transfer t, const kvo_transfer_info *
     (void)n;
     if (atomic_fetch_add(&c->p_in, 1)) return;
     while (!atomic_load(&c->q_in) && of_now_us() < end) of_sleep_us(200);
-    (void)kvo_pipeline_drain(c->q, 500000);
+    if (c->destroy_first) of_sleep_us(100000); /* Q's callback is in its destroy of P */
+    uint64_t t0 = of_now_us();
+    atomic_store(&c->drain_result, kvo_pipeline_drain(c->q, 2000000));
+    atomic_store(&c->drain_us, (long long)(of_now_us() - t0));
     atomic_store(&c->p_done, 1);
 }
 
@@ -1725,17 +1731,18 @@ static void destroy_p_from_q(void *user, kvo_transfer t, const kvo_transfer_info
     (void)n;
     if (atomic_fetch_add(&c->q_in, 1)) return;
     while (!atomic_load(&c->p_in) && of_now_us() < end) of_sleep_us(200);
-    of_sleep_us(50000); /* P's callback is in its drain of Q */
+    if (!c->destroy_first) of_sleep_us(50000); /* P's callback is in its drain of Q */
     kvo_pipeline_destroy(c->p);
     atomic_store(&c->p_done_when_destroyed, atomic_load(&c->p_done));
     atomic_store(&c->q_done, 1);
 }
 
-static void test_destroy_from_on_done_waits_for_a_draining_callback(void)
+static void destroy_from_on_done_while_draining(int destroy_first)
 {
     rig r[2];
     destroy_ctx c;
     memset(&c, 0, sizeof c);
+    c.destroy_first = destroy_first;
     rig_pools(&r[0], SRC_BLOCKS, 1);
     kvo_backend_destroy(of_backend_iface(r[0].w));
     kvo_backend_destroy(r[0].mem);
@@ -1758,10 +1765,15 @@ static void test_destroy_from_on_done_waits_for_a_draining_callback(void)
     KVT_EQ(atomic_load(&c.q_done), 1);
     KVT_EQ(atomic_load(&c.p_done), 1);
     KVT_EQ(atomic_load(&c.p_done_when_destroyed), 1); /* destroy returned after P's callback, not before */
+    KVT_EQ(atomic_load(&c.drain_result), KVO_OK);     /* the drain passed over the destroying callback .. */
+    KVT_CHECK(atomic_load(&c.drain_us) < 1000000);    /* .. rather than wait for it until its timeout */
     r[0].p = NULL; /* destroyed */
     KVT_EQ(kvo_transfer_release(r[1].p, tq), KVO_OK);
     for (int i = 0; i < 2; i++) rig_close(&r[i]);
 }
+
+static void test_destroy_from_on_done_waits_for_a_draining_callback(void) { destroy_from_on_done_while_draining(0); }
+static void test_drain_from_on_done_passes_over_a_destroying_callback(void) { destroy_from_on_done_while_draining(1); }
 
 int main(void)
 {
@@ -1807,5 +1819,6 @@ int main(void)
     KVT_RUN(test_drains_from_two_on_dones_at_once);
     KVT_RUN(test_two_pipelines_draining_each_other_from_on_done);
     KVT_RUN(test_destroy_from_on_done_waits_for_a_draining_callback);
+    KVT_RUN(test_drain_from_on_done_passes_over_a_destroying_callback);
     return kvt_summary();
 }
