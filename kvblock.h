@@ -985,6 +985,8 @@ typedef struct kvb__ghost { kvb_hash hash; uint8_t live; } kvb__ghost;
 /* A ghost-index slot: the hash's low 32 bits (its home and a filter, so probes and deletions read no
  * ghost but the one they are after) and its circle position + 1, 0 = empty. */
 typedef struct kvb__gslot { uint32_t lo32, ref; } kvb__gslot;
+#define KVB__T1 0 /* ARC: seen once recently; S3-FIFO: the small queue */
+#define KVB__T2 1 /* ARC: seen at least twice; S3-FIFO: the main queue */
 typedef struct kvb__gset { /* evicted hashes remembered: a circle in eviction order and an index */
     kvb__ghost *e;
     kvb__gslot *index;    /* open addressing on the hash (at most 2^32 slots: lo32 is the home) */
@@ -2005,6 +2007,16 @@ static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
  * from one call to the next. (The head's update also keeps compilers from taking a helper that only
  * prefetches for one without effects, and dropping its calls.) */
 #define KVB__VICTIM_AHEAD 8
+
+/* ARC and S3-FIFO: the ghost-index slot of a hash mixed to `mix` in ghost list g (its home; a probe
+ * rarely goes past it), fetched ahead of a lookup or a put. */
+static inline void kvb__gset_prefetch(const kvb__gset *g, uint64_t mix)
+{
+    if (g->index) KVB__PREFETCH(&g->index[mix & g->mask]);
+}
+
+/* ghost: 1 for FOL (its ghost table's set), 2 for ARC and S3-FIFO (the ghost list a victim of m's list
+ * goes to: ARC's B1 or B2, S3-FIFO's for the small queue only), 0 none. */
 static KVB__ALWAYS_INLINE void kvb__ring_advance_to(const kvb_pool *p, kvb__ring *r, int ghost)
 {
     size_t at, len = stbds_arrlenu(r->e);
@@ -2017,7 +2029,9 @@ static KVB__ALWAYS_INLINE void kvb__ring_advance_to(const kvb_pool *p, kvb__ring
     m = &p->meta[r->e[at].idx];
     mix = kvb__mix(&m->hash);
     KVB__PREFETCH(&p->slots[mix & p->slot_mask]);
-    if (ghost && p->fol_ghost.w) KVB__PREFETCH(kvb__gtab_set(&p->fol_ghost, mix));
+    if (ghost == 1 && p->fol_ghost.w) KVB__PREFETCH(kvb__gtab_set(&p->fol_ghost, mix));
+    if (ghost == 2 && (m->cls == KVB__T1 || p->cfg.eviction == KVB_EVICT_ARC))
+        kvb__gset_prefetch(&p->ghost[m->cls == KVB__T1 ? 0 : 1], mix);
     if (p->track_kids && !kvb__hash_is_root(&m->parent)) KVB__PREFETCH(kvb__home(p, &m->parent));
 }
 
@@ -2722,6 +2736,15 @@ static void kvb__gset_drop_oldest(kvb__gset *g)
     }
 }
 
+/* The circle's oldest ghosts leave in order, each from a random index slot: the slot of the one
+ * KVB__VICTIM_AHEAD places on from pos is fetched now. */
+static inline void kvb__gset_fetch_ahead(const kvb__gset *g, uint32_t pos)
+{
+    uint32_t ahead = pos + KVB__VICTIM_AHEAD;
+    if (ahead >= g->cap) ahead %= g->cap;
+    if (g->e[ahead].live) kvb__gset_prefetch(g, kvb__mix(&g->e[ahead].hash));
+}
+
 /* Remember a block's hash (an older ghost of the same hash goes; when full, the oldest goes). */
 static void kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
 {
@@ -2732,6 +2755,7 @@ static void kvb__gset_put(kvb__gset *g, uint32_t cap, const kvb_hash *h)
     pos = g->pos;
     g->pos = pos + 1 < g->cap ? pos + 1 : 0;
     g->skip = g->skip ? g->skip - 1 : 0;
+    kvb__gset_fetch_ahead(g, pos);
     if (g->e[pos].live) kvb__gset_drop(g, &g->e[pos]); /* the oldest leaves */
     s = kvb__gset_slot(g, h);
     if (g->index[s].ref) { /* put again: the older entry goes */
@@ -2773,8 +2797,6 @@ static void kvb__fol_forget(kvb_pool *p, const kvb__meta *m)
 
 /* ---- ARC and S3-FIFO (section 2) ----------------------------------------------------------------- */
 
-#define KVB__T1 0 /* ARC: seen once recently; S3-FIFO: the small queue */
-#define KVB__T2 1 /* ARC: seen at least twice; S3-FIFO: the main queue */
 
 static int kvb__two_lists(const kvb_pool *p)
 {
@@ -2798,6 +2820,13 @@ static void kvb__set_cls(kvb_pool *p, uint32_t idx, uint32_t c)
     } else {
         m->cls = (uint8_t)c;
     }
+}
+
+/* The ghost-index slots kvb__two_lists_insert will probe for a hash mixed to `mix` (ARC: B1, then B2). */
+static inline void kvb__two_lists_prefetch(const kvb_pool *p, uint64_t mix)
+{
+    if (p->ghost[0].live) kvb__gset_prefetch(&p->ghost[0], mix);
+    if (p->cfg.eviction == KVB_EVICT_ARC && p->ghost[1].live) kvb__gset_prefetch(&p->ghost[1], mix);
 }
 
 /* A block is registered (a miss came in): a ghost hit sends it to T2 / the main queue; ARC's ghost
@@ -2859,6 +2888,7 @@ static uint32_t kvb__arc_victim(kvb_pool *p, uint32_t lvl)
 {
     uint32_t first = (p->n_cls[KVB__T1] > 0 && (double)p->n_cls[KVB__T1] > p->arc_p) ? KVB__T1 : KVB__T2, v;
     uint32_t rid = lvl * KVB__CLASSES + first, other = lvl * KVB__CLASSES + (first ^ 1u);
+    if (p->rings[rid].live) kvb__ring_advance_to(p, &p->rings[rid], 2);
     if (p->rings[rid].live && (v = kvb__ring_victim(p, rid, 1)) != KVB__NIL) return v;
     if (p->rings[other].live && (v = kvb__ring_victim(p, other, 1)) != KVB__NIL) return v;
     return KVB__NIL;
@@ -2877,7 +2907,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
         kvb__ring *r = &p->rings[rid];
         size_t i;
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
-        kvb__ring_skip_stale(p, r); /* dead: not rescanned */
+        kvb__ring_advance_to(p, r, 2); /* past the dead (not rescanned), fetching what comes */
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < KVB__S3_SCAN_LIMIT; i++) {
             uint32_t v = r->e[i].idx;
             kvb__meta *m = &p->meta[v];
@@ -3816,6 +3846,8 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
             KVB__PREFETCH(kvb__home(pool, &parents[i]));
     }
+    if (kvb__two_lists(pool)) /* and their ghost lookups */
+        for (i = 0; i < n && i < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i]);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
     for (i = 0; r == KVB_OK && i < n; i++)
         out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i],
@@ -3927,6 +3959,8 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
         return KVB_ENOMEM;
     }
     kvb__take_matched(pool, idx, k, n, out_blocks);
+    if (kvb__two_lists(pool)) /* the misses' ghost lookups, fetched while their blocks are found */
+        for (i = k; i < n && i < k + KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, kvb__mix(&hashes[i]));
     for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
     for (i = k; i < n; i++)
         out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], kvb__mix(&hashes[i]),
