@@ -3937,6 +3937,7 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
                                      size_t *out_cached)
 {
     uint32_t stack[KVB__SCRATCH], *idx;
+    uint64_t mix[KVB__SCRATCH]; /* of the first misses: computed for the prefetch, used to register */
     size_t k, i, inactive_hit = 0;
     kvb_hash root = {0, 0};
     if (!pool || !out_cached || (n && (!hashes || !out_blocks)) || pool->cfg.eviction == KVB_EVICT_CUSTOM)
@@ -3959,14 +3960,26 @@ KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, siz
         return KVB_ENOMEM;
     }
     kvb__take_matched(pool, idx, k, n, out_blocks);
-    if (kvb__two_lists(pool)) /* the misses' ghost lookups, fetched while their blocks are found */
-        for (i = k; i < n && i < k + KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, kvb__mix(&hashes[i]));
+    /* The first KVB__SCRATCH misses' index slots (and ghost lookups) are fetched while their blocks are
+     * found; each later one's as the one KVB__SCRATCH before it registers (its mix where that one's was). */
+    for (i = k; i < n && i - k < KVB__SCRATCH; i++) {
+        mix[i - k] = kvb__mix(&hashes[i]);
+        KVB__PREFETCH(&pool->slots[mix[i - k] & pool->slot_mask]);
+    }
+    if (kvb__two_lists(pool))
+        for (i = k; i < n && i - k < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i - k]);
     for (i = k; i < n; i++) idx[i] = kvb__alloc_one(pool); /* every block first, as kvb_alloc would */
-    for (i = k; i < n; i++)
-        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], kvb__mix(&hashes[i]),
+    for (i = k; i < n; i++) {
+        uint64_t own = mix[(i - k) % KVB__SCRATCH];
+        if (i + KVB__SCRATCH < n) {
+            mix[(i - k) % KVB__SCRATCH] = kvb__mix(&hashes[i + KVB__SCRATCH]);
+            KVB__PREFETCH(&pool->slots[mix[(i - k) % KVB__SCRATCH] & pool->slot_mask]);
+        }
+        out_blocks[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i], own,
                                                              i ? &hashes[i - 1] : &root,
                                                              pool->cfg.block_tokens,
                                                              i ? kvb_block_index(out_blocks[i - 1].id) : KVB__NIL));
+    }
     *out_cached = k;
     kvb__unlock(pool);
     return KVB_OK;
