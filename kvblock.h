@@ -2000,14 +2000,6 @@ static inline int kvb__is_leaf(kvb_pool *p, uint32_t idx)
     return !(m->flags & KVB__F_INDEXED) || m->dup_next != KVB__NIL || m->kids == 0;
 }
 
-/* Victims leave a ring from its head in order, so their misses can start well before they are needed:
- * each eviction drops the stale entries at the head, then prefetches the metadata of the entry
- * 2 x KVB__VICTIM_AHEAD past it and the index slots (its own, and its parent's where child counts are
- * kept) of the entry KVB__VICTIM_AHEAD past it, whose metadata came in meanwhile. The window rolls on
- * from one call to the next. (The head's update also keeps compilers from taking a helper that only
- * prefetches for one without effects, and dropping its calls.) */
-#define KVB__VICTIM_AHEAD 8
-
 /* ARC and S3-FIFO: the ghost-index slot of a hash mixed to `mix` in ghost list g (its home; a probe
  * rarely goes past it), fetched ahead of a lookup or a put. */
 static inline void kvb__gset_prefetch(const kvb__gset *g, uint64_t mix)
@@ -2015,8 +2007,15 @@ static inline void kvb__gset_prefetch(const kvb__gset *g, uint64_t mix)
     if (g->index) KVB__PREFETCH(&g->index[mix & g->mask]);
 }
 
-/* ghost: 1 for FOL (its ghost table's set), 2 for ARC and S3-FIFO (the ghost list a victim of m's list
- * goes to: ARC's B1 or B2, S3-FIFO's for the small queue only), 0 none. */
+/* Victims leave a ring from its head in order, so their misses can start well before they are needed:
+ * each eviction drops the stale entries at the head, then prefetches the metadata of the entry
+ * 2 x KVB__VICTIM_AHEAD past it and the index slots (its own, and its parent's where child counts are
+ * kept) of the entry KVB__VICTIM_AHEAD past it, whose metadata came in meanwhile, with the ghost slot
+ * it will take: `ghost` 1 for FOL (its ghost table's set), 2 for ARC and S3-FIFO (the ghost list a
+ * victim of its list goes to: ARC's B1 or B2, S3-FIFO's for the small queue only), 0 none. The window
+ * rolls on from one call to the next. (The head's update also keeps compilers from taking a helper that
+ * only prefetches for one without effects, and dropping its calls.) */
+#define KVB__VICTIM_AHEAD 8
 static KVB__ALWAYS_INLINE void kvb__ring_advance_to(const kvb_pool *p, kvb__ring *r, int ghost)
 {
     size_t at, len = stbds_arrlenu(r->e);
@@ -2796,7 +2795,6 @@ static void kvb__fol_forget(kvb_pool *p, const kvb__meta *m)
 }
 
 /* ---- ARC and S3-FIFO (section 2) ----------------------------------------------------------------- */
-
 
 static int kvb__two_lists(const kvb_pool *p)
 {
