@@ -541,6 +541,47 @@ static void op_match(dz *d, int how) /* 0 match, 1 lookup, 2 presence */
     }
 }
 
+/* kvb_request_begin: the cached prefix matched and counted as kvb_match does; then the rest allocated
+ * (every block first, evicting as kvb_alloc does) and registered in order, each under the hash before it
+ * as parent; KVB_ENOSPACE, nothing changed, when the free and inactive blocks, less the inactive ones it
+ * matched (each once), cannot hold the rest. */
+static void op_request_begin(dz *d)
+{
+    kvb_hash h[D_MAXN];
+    kvb_block out[D_MAXN];
+    uint32_t x[D_MAXN];
+    size_t n = below(d, D_MAXN), k = 0, want, i, j, inactive_hit = 0;
+    kvb_result r, want_r = KVB_OK;
+    for (i = 0; i < n; i++) h[i] = pick_hash(d);
+    want = m_prefix(&d->m, h, n, x);
+    for (i = 0; i < want; i++) {
+        for (j = 0; j < i && x[j] != x[i]; j++) {
+        }
+        inactive_hit += j == i && !d->m.b[x[i]].refs;
+    }
+    if (n - want > (size_t)m_count(&d->m, 0) + m_count(&d->m, 2) - inactive_hit) want_r = KVB_ENOSPACE;
+    r = kvb_request_begin(d->pool, h, n, out, &k);
+    SAME("request_begin", r, want_r);
+    if (r != KVB_OK) return;
+    SAME("request_begin cached", k, want);
+    d->m.st.lookups++;
+    d->m.st.lookup_blocks += n;
+    d->m.st.hit_blocks += k;
+    for (i = 0; i < k; i++) {
+        m_take_ref(&d->m, x[i]);
+        d->m.st.hit_tokens += d->m.b[x[i]].ntok;
+        SAME("request_begin matched handle", out[i].id, m_handle(&d->m, x[i]));
+        put_slot(d, out[i].id, 0);
+    }
+    for (i = k; i < n; i++) x[i] = m_alloc_one(&d->m);
+    for (i = k; i < n; i++) {
+        uint32_t got = m_register(&d->m, x[i], h[i], i ? h[i - 1] : (kvb_hash){0, 0}, D_BT);
+        remember(d, h[i]);
+        SAME("request_begin new handle", out[i].id, m_handle(&d->m, got));
+        put_slot(d, out[i].id, got == x[i]);
+    }
+}
+
 /* kvb_invalidate on the model: per hash, in the order the index answers, every inactive registered
  * block goes back to the free set as an eviction would (events included), with no eviction counted. */
 static void op_invalidate(dz *d)
@@ -852,7 +893,12 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 5: op_register(&d, 1); break;
         case 6: op_register(&d, 0); break;
         case 7: op_match(&d, 0); break;
-        case 8: op_match(&d, 1 + (int)below(&d, 2)); break;
+        case 8: { /* lookup, presence, or request_begin */
+            int how = 1 + (int)below(&d, 3);
+            if (how == 3) op_request_begin(&d);
+            else op_match(&d, how);
+            break;
+        }
         case 9: op_upgrade(&d); break;
         case 10: case 11: op_lifecycle(&d); break;
         case 12: op_reset(&d); break;
