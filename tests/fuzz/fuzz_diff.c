@@ -507,6 +507,21 @@ static void op_register(dz *d, int hashed)
     }
 }
 
+/* A lookup of n hashes matched blocks x[0..k) (handles out): a reference each, counted as the pool counts
+ * (kvb_match and kvb_request_begin). */
+static void take_matched(dz *d, const uint32_t *x, size_t k, size_t n, const kvb_block *out)
+{
+    d->m.st.lookups++;
+    d->m.st.lookup_blocks += n;
+    d->m.st.hit_blocks += k;
+    for (size_t i = 0; i < k; i++) {
+        m_take_ref(&d->m, x[i]);
+        d->m.st.hit_tokens += d->m.b[x[i]].ntok;
+        SAME("matched handle", out[i].id, m_handle(&d->m, x[i]));
+        put_slot(d, out[i].id, 0);
+    }
+}
+
 static void op_match(dz *d, int how) /* 0 match, 1 lookup, 2 presence */
 {
     kvb_hash h[D_MAXN];
@@ -519,15 +534,7 @@ static void op_match(dz *d, int how) /* 0 match, 1 lookup, 2 presence */
     if (how == 0) {
         SAME("match", kvb_match(d->pool, h, n, out, &k), KVB_OK);
         SAME("matched", k, want);
-        d->m.st.lookups++;
-        d->m.st.lookup_blocks += n;
-        d->m.st.hit_blocks += k;
-        for (i = 0; i < k; i++) {
-            m_take_ref(&d->m, x[i]);
-            d->m.st.hit_tokens += d->m.b[x[i]].ntok;
-            SAME("matched handle", out[i].id, m_handle(&d->m, x[i]));
-            put_slot(d, out[i].id, 0);
-        }
+        take_matched(d, x, k, n, out);
     } else if (how == 1) {
         SAME("lookup", kvb_lookup(d->pool, h, n, &k), KVB_OK);
         SAME("looked up", k, want);
@@ -564,15 +571,7 @@ static void op_request_begin(dz *d)
     SAME("request_begin", r, want_r);
     if (r != KVB_OK) return;
     SAME("request_begin cached", k, want);
-    d->m.st.lookups++;
-    d->m.st.lookup_blocks += n;
-    d->m.st.hit_blocks += k;
-    for (i = 0; i < k; i++) {
-        m_take_ref(&d->m, x[i]);
-        d->m.st.hit_tokens += d->m.b[x[i]].ntok;
-        SAME("request_begin matched handle", out[i].id, m_handle(&d->m, x[i]));
-        put_slot(d, out[i].id, 0);
-    }
+    take_matched(d, x, k, n, out);
     for (i = k; i < n; i++) x[i] = m_alloc_one(&d->m);
     for (i = k; i < n; i++) {
         uint32_t got = m_register(&d->m, x[i], h[i], i ? h[i - 1] : (kvb_hash){0, 0}, D_BT);
