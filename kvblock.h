@@ -3226,30 +3226,25 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
     for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
 }
 
-/* Register a block under `hash`: returns the block that now carries the caller's reference (the
- * existing one when the pool rejects duplicates). `near`: the block that may index `parent` (the one
- * registered or matched just before in the same chain), or KVB__NIL. */
-static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, uint64_t mix,
-                                         const kvb_hash *parent, uint32_t ntok, uint32_t near)
+/* Registration, part 1: the block's own metadata, which needs no index slot. */
+static KVB__ALWAYS_INLINE void kvb__register_meta(kvb_pool *p, uint32_t idx, const kvb_hash *hash,
+                                                 const kvb_hash *parent, uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
-    uint64_t slot = 0;
-    uint32_t old = kvb__find_or_empty(p, hash, mix, &slot); /* the index does not change until it is used */
-    p->stats.registrations++;
-    if (old != KVB__NIL) {
-        p->stats.dedups++;
-        if (p->cfg.duplicates == KVB_DUP_REJECT && m->refs == 1) {
-            kvb__take_ref(p, old);
-            kvb__drop_ref(p, idx, 0); /* not registered: back to free */
-            return old;
-        }
-    }
     kvb__mut_drop(p, idx);
     m->hash = *hash;
     m->parent = parent ? *parent : m->parent;
     m->ntok = (uint16_t)ntok;
     m->state = KVB_STATE_REGISTERED;
     if (p->fol_adaptive && kvb__tune_sampled(&p->tune, hash)) m->flags |= KVB__F_SAMPLED;
+}
+
+/* Registration, part 2, after kvb__register_meta: the index (or the chain of the block indexed under
+ * the same hash), the parent's count of children, the event. */
+static KVB__ALWAYS_INLINE void kvb__register_index(kvb_pool *p, uint32_t idx, uint32_t old, uint64_t slot,
+                                                   uint64_t mix, uint32_t near)
+{
+    kvb__meta *m = &p->meta[idx];
     kvb__kids_add(p, &m->parent, +1, near);
     if (old == KVB__NIL) {
         m->flags |= KVB__F_INDEXED;
@@ -3263,6 +3258,33 @@ static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_ha
         kvb__became_leaf(p, old); /* a block with a duplicate behind it is a leaf */
     }
     if (kvb__two_lists(p)) kvb__two_lists_insert(p, idx);
+}
+
+/* The block indexed under hash (KVB__NIL: none; *slot: where it is or where it would go), counted as a
+ * registration (and a duplicate). */
+static KVB__ALWAYS_INLINE uint32_t kvb__register_find(kvb_pool *p, const kvb_hash *hash, uint64_t mix, uint64_t *slot)
+{
+    uint32_t old = kvb__find_or_empty(p, hash, mix, slot); /* the index does not change until it is used */
+    p->stats.registrations++;
+    if (old != KVB__NIL) p->stats.dedups++;
+    return old;
+}
+
+/* Register a block under `hash`: returns the block that now carries the caller's reference (the
+ * existing one when the pool rejects duplicates). `near`: the block that may index `parent` (the one
+ * registered or matched just before in the same chain), or KVB__NIL. */
+static inline uint32_t kvb__register_one(kvb_pool *p, uint32_t idx, const kvb_hash *hash, uint64_t mix,
+                                         const kvb_hash *parent, uint32_t ntok, uint32_t near)
+{
+    uint64_t slot = 0;
+    uint32_t old = kvb__register_find(p, hash, mix, &slot);
+    if (old != KVB__NIL && p->cfg.duplicates == KVB_DUP_REJECT && p->meta[idx].refs == 1) {
+        kvb__take_ref(p, old);
+        kvb__drop_ref(p, idx, 0); /* not registered: back to free */
+        return old;
+    }
+    kvb__register_meta(p, idx, hash, parent, ntok);
+    kvb__register_index(p, idx, old, slot, mix, near);
     return idx;
 }
 
@@ -3847,12 +3869,24 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     if (kvb__two_lists(pool)) /* and their ghost lookups */
         for (i = 0; i < n && i < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i]);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
-    for (i = 0; r == KVB_OK && i < n; i++)
-        out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i],
-                                                       i < KVB__SCRATCH ? mix[i] : kvb__mix(&hashes[i]),
-                                                       parents ? &parents[i] : &root,
-                                                       pool->cfg.block_tokens,
-                                                       i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
+    if (r == KVB_OK && pool->cfg.duplicates != KVB_DUP_REJECT && n <= KVB__SCRATCH) {
+        /* every block is registered: the metadata of all first, while the index slots come in */
+        for (i = 0; i < n; i++) kvb__register_meta(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
+                                                   pool->cfg.block_tokens);
+        for (i = 0; i < n; i++) {
+            uint64_t slot = 0;
+            uint32_t old = kvb__register_find(pool, &hashes[i], mix[i], &slot);
+            kvb__register_index(pool, idx[i], old, slot, mix[i], i ? idx[i - 1] : KVB__NIL);
+            out[i] = kvb__block_of(pool, idx[i]);
+        }
+    } else {
+        for (i = 0; r == KVB_OK && i < n; i++)
+            out[i] = kvb__block_of(pool, kvb__register_one(pool, idx[i], &hashes[i],
+                                                           i < KVB__SCRATCH ? mix[i] : kvb__mix(&hashes[i]),
+                                                           parents ? &parents[i] : &root,
+                                                           pool->cfg.block_tokens,
+                                                           i ? kvb_block_index(out[i - 1].id) : KVB__NIL));
+    }
     kvb__unlock(pool);
     return r;
 }
