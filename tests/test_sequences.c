@@ -662,6 +662,67 @@ static void test_reserve_beyond_memory_is_refused(void)
     kvb_pool_destroy(pool);
 }
 
+/* A prefill's commit fetches the index slots of the blocks it registers ahead (16 at a time): the
+ * outcome must be what committing a block at a time gives, after a cached prefix, with duplicates of
+ * another sequence's blocks among them and a partial block at the end. */
+static void test_long_commit_same_as_block_by_block(void)
+{
+    enum { PREFIX = 5, NEW = 40, TAIL = 7, TOTAL = (PREFIX + NEW) * 16 + TAIL };
+    static uint32_t tokens[TOTAL];
+    kvb_pool *pool[2];
+    kvb_seq *kept[2];
+    kvb_block table[2][PREFIX + NEW + 1];
+    size_t n[2], i;
+    fx_iota(tokens, TOTAL, 700);
+    for (int k = 0; k < 2; k++) {
+        kvb_seq *first, *twin, *seq;
+        size_t cached = 0;
+        pool[k] = fx_pool(4 * (PREFIX + NEW + 1));
+        first = fx_seq(pool[k], NULL); /* the cached prefix */
+        KVT_EQ(kvb_seq_append(first, tokens, PREFIX * 16, &cached), KVB_OK);
+        KVT_EQ(kvb_seq_commit(first, PREFIX * 16), KVB_OK);
+        kvb_seq_destroy(first);
+        seq = fx_seq(pool[k], NULL);
+        twin = fx_seq(pool[k], NULL);
+        KVT_EQ(kvb_seq_append(seq, tokens, TOTAL, &cached), KVB_OK);
+        KVT_EQ(cached, PREFIX * 16);
+        KVT_EQ(kvb_seq_append(twin, tokens, (PREFIX + 20) * 16, &cached), KVB_OK);
+        KVT_EQ(kvb_seq_commit(twin, (PREFIX + 20) * 16), KVB_OK); /* registered first: seq's are duplicates */
+        if (k == 0) {
+            KVT_EQ(kvb_seq_commit(seq, TOTAL), KVB_OK);
+        } else {
+            for (size_t upto = (PREFIX + 1) * 16; upto <= (PREFIX + NEW) * 16; upto += 16)
+                KVT_EQ(kvb_seq_commit(seq, upto), KVB_OK);
+            KVT_EQ(kvb_seq_commit(seq, TOTAL), KVB_OK);
+        }
+        n[k] = fx_seq_table(seq, table[k], PREFIX + NEW + 1);
+        FX_CHECK_POOL(pool[k]);
+        kvb_seq_destroy(twin);
+        kept[k] = seq; /* its blocks are compared below */
+    }
+    KVT_EQ(n[0], PREFIX + NEW + 1);
+    KVT_EQ(n[0], n[1]);
+    for (i = 0; i < n[0] && i < n[1]; i++) {
+        kvb_block_info a, b;
+        KVT_EQ(table[0][i].id, table[1][i].id);
+        KVT_EQ(kvb_block_get_info(pool[0], table[0][i].id, &a), KVB_OK);
+        KVT_EQ(kvb_block_get_info(pool[1], table[1][i].id, &b), KVB_OK);
+        kvb_block_state want = i < PREFIX + NEW ? KVB_STATE_REGISTERED : KVB_STATE_PARTIAL; /* full blocks only */
+        if (a.state != want) fprintf(stderr, "  block %zu: state %d\n", i, (int)a.state);
+        KVT_EQ(a.state, want);
+        KVT_EQ(a.state, b.state);
+        KVT_EQ(a.refs, b.refs);
+        FX_HASH_EQ(a.hash, b.hash);
+    }
+    KVT_EQ(fx_stats(pool[0]).registrations, fx_stats(pool[1]).registrations);
+    KVT_EQ(fx_stats(pool[0]).dedups, fx_stats(pool[1]).dedups);
+    KVT_EQ(fx_stats(pool[0]).dedups, 20);
+    kvb_seq_destroy(kept[0]);
+    kvb_seq_destroy(kept[1]);
+    kvb_pool_destroy(pool[0]);
+    kvb_pool_destroy(pool[1]);
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -678,5 +739,6 @@ int main(void)
     KVT_RUN(test_failed_copy_changes_nothing);
     KVT_RUN(test_append_counts_a_block_matched_twice_once);
     KVT_RUN(test_reserve_beyond_memory_is_refused);
+    KVT_RUN(test_long_commit_same_as_block_by_block);
     return kvt_summary();
 }
