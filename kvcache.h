@@ -3656,10 +3656,6 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
     return KVB_OK;
 }
 
-/* How far ahead a pass over a batch of blocks fetches what a later block will need (an index slot, a
- * block's metadata): far enough for a miss to memory to arrive in time. */
-#define KVB__SLOT_AHEAD 16 /* a power of two */
-
 /* kvb_release's one pass: resolve each handle and take its reference off, tentatively (marked). Returns 0
  * with nothing changed at the first bad handle, count at zero or block met twice; the careful path then
  * finds the exact error, or releases the repeated block in order. */
@@ -3669,10 +3665,6 @@ static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uin
     for (i = 0; i < n; i++) {
         uint64_t id = blocks[i].id;
         uint32_t x = (uint32_t)id - 1; /* handle 0 wraps out of range */
-        if (i + KVB__SLOT_AHEAD < n) { /* a long request's blocks may have gone cold while it ran */
-            uint32_t ahead = (uint32_t)blocks[i + KVB__SLOT_AHEAD].id - 1;
-            KVB__PREFETCH(&p->meta[ahead < p->cfg.num_blocks ? ahead : 0]);
-        }
         kvb__meta *m = &p->meta[x < p->cfg.num_blocks ? x : 0];
         if ((id & KVB_WEAK_BIT) || x >= p->cfg.num_blocks || m->state == KVB__S_FREE ||
             m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs || (m->flags & KVB__F_MARK))
@@ -3950,6 +3942,7 @@ static inline uint32_t kvb__probe(const kvb_pool *p, uint64_t mix)
  * metadata of each candidate is prefetched as it is found, so a long chain keeps many misses in flight;
  * a second pass confirms the full hashes (a slot holds 32 bits of them) on metadata that has arrived by
  * then. */
+#define KVB__SLOT_AHEAD 16 /* a power of two */
 static size_t kvb__prefix(kvb_pool *p, const kvb_hash *hashes, size_t n, uint32_t *idx)
 {
     uint64_t mix[KVB__SLOT_AHEAD], next; /* hash i's at i % KVB__SLOT_AHEAD */
