@@ -4709,11 +4709,11 @@ static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
 {
     kvb_pool *p = seq->pool;
     size_t b, bt = p->cfg.block_tokens, len = stbds_arrlenu(seq->tokens), nb = stbds_arrlenu(seq->table);
-    size_t from = seq->computed / bt, full = num_tokens / bt < stbds_arrlenu(seq->hashes) ? num_tokens / bt
-                                                                                          : stbds_arrlenu(seq->hashes);
+    size_t from = seq->computed / bt, full = 0; /* blocks before full: their slots fetched ahead */
     uint64_t mix[KVB__SLOT_AHEAD]; /* a prefill's: block b's at b % KVB__SLOT_AHEAD, its slot on the way */
-    int ahead = full > from + 1; /* a decode registers one block, its slot fetched by the batch already */
-    for (b = from; ahead && b < full && b < from + KVB__SLOT_AHEAD; b++) {
+    if (num_tokens > seq->computed + bt) /* else one block at most: a decode's, its slot fetched by the batch */
+        full = num_tokens / bt < stbds_arrlenu(seq->hashes) ? num_tokens / bt : stbds_arrlenu(seq->hashes);
+    for (b = from; b < full && b < from + KVB__SLOT_AHEAD; b++) {
         mix[b % KVB__SLOT_AHEAD] = kvb__mix(&seq->hashes[b]);
         KVB__PREFETCH(&p->slots[mix[b % KVB__SLOT_AHEAD] & p->slot_mask]);
     }
@@ -4729,10 +4729,10 @@ static void kvb__seq_commit_locked(kvb_seq *seq, size_t num_tokens)
             kvb_hash parent = m->parent;
             const kvb_hash *h = &seq->hashes[b];
             uint32_t near = b ? kvb_block_index(seq->table[b - 1].id) : KVB__NIL;
-            uint64_t x = ahead && b < full ? mix[b % KVB__SLOT_AHEAD] : kvb__mix(h);
+            uint64_t x = b < full ? mix[b % KVB__SLOT_AHEAD] : kvb__mix(h);
             seq->table[b] = kvb__block_of(p, kvb__register_one(p, idx, h, x, &parent, m->ntok, near));
         }
-        if (ahead && b + KVB__SLOT_AHEAD < full) {
+        if (b + KVB__SLOT_AHEAD < full) {
             mix[b % KVB__SLOT_AHEAD] = kvb__mix(&seq->hashes[b + KVB__SLOT_AHEAD]);
             KVB__PREFETCH(&p->slots[mix[b % KVB__SLOT_AHEAD] & p->slot_mask]);
         }
