@@ -3847,7 +3847,21 @@ static kvb_result kvb__check_for_register(kvb_pool *p, const kvb_block *blocks, 
                                           uint32_t *idx)
 {
     size_t i;
-    kvb_result r = kvb__strong_all(p, blocks, n, idx);
+    kvb_result r;
+    for (i = 0; i < n; i++) { /* the usual case in one pass: strong, current, referenced, in state, once */
+        uint64_t id = blocks[i].id;
+        uint32_t x = (uint32_t)id - 1; /* handle 0 wraps out of range */
+        kvb__meta *m = &p->meta[x < p->cfg.num_blocks ? x : 0];
+        if ((id & KVB_WEAK_BIT) || x >= p->cfg.num_blocks || m->state != state ||
+            m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs || (m->flags & KVB__F_MARK))
+            break;
+        m->flags |= KVB__F_MARK;
+        idx[i] = x;
+    }
+    r = i == n ? KVB_OK : KVB_EINVAL; /* a bad one: its exact error from the careful checks below */
+    while (i-- > 0) p->meta[idx[i]].flags &= (uint8_t)~KVB__F_MARK;
+    if (r == KVB_OK) return r;
+    r = kvb__strong_all(p, blocks, n, idx);
     for (i = 0; r == KVB_OK && i < n; i++) {
         if (p->meta[idx[i]].state != state) r = KVB_ESTATE;
         else if (p->meta[idx[i]].flags & KVB__F_MARK) r = KVB_EINVAL; /* same block twice */
