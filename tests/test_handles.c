@@ -323,6 +323,51 @@ static void test_out_of_range_ids(void)
     kvb_pool_destroy(pool);
 }
 
+/* A registration batch with one bad handle last: the exact error of that handle, nothing registered,
+ * and the good blocks registrable right after (nothing left marked by the checks). */
+static void test_bad_handle_last_in_a_register_batch(void)
+{
+    enum { N = 4 };
+    kvb_pool *pool = fx_pool(16);
+    kvb_block good[N], batch[N + 1], out[N + 1], other, stale, freed;
+    kvb_hash h[N + 1];
+    kvb_pool_stats before;
+    size_t i, k;
+    KVT_EQ(kvb_alloc(pool, N, good), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, &other), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, &stale), KVB_OK);
+    KVT_EQ(kvb_release(pool, &stale, 1, NULL), KVB_OK); /* free: its generation moves on */
+    KVT_EQ(kvb_alloc(pool, 1, &freed), KVB_OK);
+    KVT_EQ(kvb_block_index(freed.id), kvb_block_index(stale.id)); /* the same block, reused */
+    for (i = 0; i < N + 1; i++) h[i] = (kvb_hash){ 0x5000 + i, 0x9 };
+    KVT_EQ(kvb_block_init(pool, other, NULL, 0, NULL, 0), KVB_OK); /* Partial: the wrong state */
+    struct { kvb_block bad; kvb_result want; } cases[] = {
+        { { good[1].id }, KVB_EINVAL },                      /* the same block twice */
+        { { other.id }, KVB_ESTATE },                        /* not Empty */
+        { { good[0].id | KVB_WEAK_BIT }, KVB_EWEAK },         /* a weak handle */
+        { { 0 }, KVB_EINVAL },                               /* none */
+        { { 1000 }, KVB_ERANGE },                            /* out of range */
+        { { stale.id }, KVB_ESTALE },                        /* released, its block since reused */
+    };
+    before = fx_stats(pool);
+    for (k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        for (i = 0; i < N; i++) batch[i] = good[i];
+        batch[N] = cases[k].bad;
+        KVT_EQ(kvb_register_hashed(pool, batch, N + 1, h, NULL, out), cases[k].want);
+        for (i = 0; i < N; i++) KVT_EQ(fx_info(pool, good[i].id).state, KVB_STATE_EMPTY);
+        FX_CHECK_POOL(pool);
+    }
+    kvb_pool_stats after = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&before, &after));
+    KVT_EQ(kvb_register_hashed(pool, good, N, h, NULL, out), KVB_OK); /* no mark left behind */
+    for (i = 0; i < N; i++) KVT_EQ(fx_info(pool, out[i].id).state, KVB_STATE_REGISTERED);
+    KVT_EQ(kvb_release(pool, out, N, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, &other, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, &freed, 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 static void test_result_strings(void)
 {
     KVT_EQ(strcmp(kvb_result_string(KVB_OK), "ok"), 0);
@@ -345,6 +390,7 @@ int main(void)
     KVT_RUN(test_double_release_within_one_array);
     KVT_RUN(test_null_arguments);
     KVT_RUN(test_out_of_range_ids);
+    KVT_RUN(test_bad_handle_last_in_a_register_batch);
     KVT_RUN(test_result_strings);
     return kvt_summary();
 }
