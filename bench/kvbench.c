@@ -31,6 +31,11 @@
  *                         and register in one call) + kvb_release, replay_request_vs_bare_lru its ratio
  *   dram_floor_ns         independent random 64-byte reads with software prefetch, per read, from an
  *                         array of max(64 MiB, 2 x L3) (a large shared L3 would otherwise hold it)
+ *   cold_read_ns          the same reads, 256 of them (one per block of the match's chain), each right after
+ *                         the match's cache emptying, from a 64 MiB array advised huge pages (the big pool's
+ *                         metadata, as kvblock.h allocates it): the least a cold lookup of the chain costs
+ *                         per block, page walks included; cold_read_vs_dram_floor, match_vs_cold_read the
+ *                         ratios (the match reads two lines a block: its index slot, then its metadata)
  * and from kvoffload.h (section "kvoffload.h" below):
  *   gather_vs_memcpy      memcpy backend (inline), one job of 256 random 16-token blocks of 128 KiB
  *                         (16 layers, 2 kv heads, head dim 64, fp16: 4 KiB pages) from a block-contiguous
@@ -109,6 +114,9 @@
 #include <string.h>
 #include <time.h>
 #include <unistd.h>
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #ifdef KVBENCH_HAVE_XXHASH
 #include <xxhash.h>
@@ -728,6 +736,57 @@ static double measure_dram_floor(const unsigned char *buffer, size_t bytes, uint
     }
     free(b.lines);
     return best;
+}
+
+/* ---- cold reads: what the match's emptied caches cost by themselves ------------------------------ */
+
+#define COLD_READS       MATCH_CHAIN_BLOCKS /* one line per block: the least any lookup of the chain reads */
+#define COLD_READ_BYTES  ((size_t)BIG_POOL_BLOCKS * 64) /* the big pool's metadata: 64 bytes a block */
+#define COLD_READ_AHEAD  16
+
+typedef struct cold_bench {
+    uint64_t *words;   /* COLD_READ_BYTES, 2 MiB aligned and advised huge pages, as the pool's tables are */
+    uint32_t lines[COLD_READS + COLD_READ_AHEAD];
+    unsigned char *evict_buffer;
+    size_t evict_bytes;
+    uint64_t *rng;
+} cold_bench;
+
+/* match_once's conditions for the simplest code: new random lines, the caches (and with them the TLB and
+ * the page-table entries) emptied by the same stream, the line list read back, then COLD_READS
+ * independent reads with a prefetch COLD_READ_AHEAD reads ahead. Per read. */
+static double cold_reads_once(void *ctx)
+{
+    cold_bench *b = ctx;
+    uint64_t sum = 0;
+    size_t num_lines = COLD_READ_BYTES / 64;
+    for (size_t i = 0; i < COLD_READS + COLD_READ_AHEAD; i++) b->lines[i] = (uint32_t)(splitmix64(b->rng) % num_lines);
+    evict_caches(b->evict_buffer, b->evict_bytes);
+    for (size_t i = 0; i < COLD_READS + COLD_READ_AHEAD; i++) sum += b->lines[i];
+    uint64_t t0 = now_ns();
+    for (size_t i = 0; i < COLD_READS; i++) {
+        __builtin_prefetch(&b->words[(size_t)b->lines[i + COLD_READ_AHEAD] * 8]);
+        sum += b->words[(size_t)b->lines[i] * 8];
+    }
+    uint64_t t1 = now_ns();
+    sink = sum;
+    return (double)(t1 - t0) / COLD_READS;
+}
+
+static double measure_cold_reads(unsigned char *evict_buffer, size_t evict_bytes, uint64_t *rng)
+{
+    cold_bench *b = xmalloc(sizeof *b);
+    void *words = NULL;
+    if (posix_memalign(&words, (size_t)2 << 20, COLD_READ_BYTES) != 0) die("out of memory");
+#ifdef MADV_HUGEPAGE
+    (void)madvise(words, COLD_READ_BYTES, MADV_HUGEPAGE); /* advice, as kvblock.h gives its tables */
+#endif
+    memset(words, 1, COLD_READ_BYTES);
+    *b = (cold_bench){ .words = words, .evict_buffer = evict_buffer, .evict_bytes = evict_bytes, .rng = rng };
+    double ns = summarize_runs(MEDIAN, REPS_MATCH, cold_reads_once, b);
+    free(words);
+    free(b);
+    return ns;
 }
 
 /* ---- kvoffload.h -------------------------------------------------------------------------------- */
@@ -2021,6 +2080,8 @@ static void bench_core(results *rs, unsigned char *big, size_t big_bytes, uint64
 
     progress("DRAM floor");
     double dram = measure_dram_floor(big, big_bytes, rng);
+    progress("cold reads");
+    double cold = measure_cold_reads(big, big_bytes, rng);
 
     results_add(rs, "block_cycle_ns", cycle_1m, "ns/block", GOAL_BLOCK_CYCLE_NS, GOAL_AT_MOST);
     results_add(rs, "block_cycle_ns_1k", cycle_1k, "ns/block", NO_GOAL, GOAL_AT_MOST);
@@ -2028,6 +2089,9 @@ static void bench_core(results *rs, unsigned char *big, size_t big_bytes, uint64
     results_add(rs, "match_ns_per_block", match, "ns/block", GOAL_MATCH_NS, GOAL_AT_MOST);
     results_add(rs, "dram_floor_ns", dram, "ns/read", NO_GOAL, GOAL_AT_MOST);
     results_add(rs, "match_vs_dram_floor", match / dram, "ratio", GOAL_MATCH_VS_DRAM, GOAL_AT_MOST);
+    results_add(rs, "cold_read_ns", cold, "ns/read", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "cold_read_vs_dram_floor", cold / dram, "ratio", NO_GOAL, GOAL_AT_MOST);
+    results_add(rs, "match_vs_cold_read", match / cold, "ratio", NO_GOAL, GOAL_AT_MOST);
 }
 
 /* --only a,b: run only the named sections (core gather pipeline disk cancel evict replay sched observe
