@@ -173,7 +173,7 @@
  * about 22 x rate hash-table operations per registered block released (rate 1 up to 4,096 blocks, 0.1
  * at 40,960, 0.01 at 409,600): a sequential replay through FOL costs 4-15 times one through LRU in pools
  * of 1,000-30,000 blocks (0.2-0.8 us a prompt block, LRU 0.05), and the cycle of a full pool of a
- * million about 1.4-1.5 times LRU's (kvbench evict_fol_vs_lru; README, Eviction). Memory: at most about
+ * million about 1.6-1.8 times LRU's (kvbench evict_fol_vs_lru; README, Numbers). Memory: at most about
  * 14 MiB (pools of 4,096 blocks and more; less below), taken from the pool's allocator when
  * it is created; nothing per reference. A
  * fixed step has no shadows; KVB_FOL_SHADOW_BLOCKS trades their accuracy for their cost.
