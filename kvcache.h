@@ -6621,6 +6621,7 @@ typedef struct kvo__container {
     kvo_event *pre;
     uint32_t priority;
     int onboard, final, taken, inflight_marked;
+    int swept;              /* kvo__sweep_on_deck: its token read cancelled in this sweep */
     uint64_t t_enqueue, t_eval;
     size_t n;
     kvb_weak *src;
@@ -7065,12 +7066,16 @@ static void kvo__free_spares(kvo_pipeline *pl)
 }
 
 /* Take cancelled containers out of an upgraded batch that the backend has not got yet: their copies
- * leave the job, their destination blocks go back to free (their sources in kvo__finalize). */
+ * leave the job, their destination blocks go back to free (their sources in kvo__finalize). A token is
+ * read once per sweep: one cancelled while the sweep runs (by another thread, or by an observer of a
+ * container dropped here) stays whole in the job until the next, since dropping a container whose
+ * copies stayed would give back sources the job still reads and strand its destination blocks. */
 static void kvo__sweep_on_deck(kvo_pipeline *pl, kvo__batch *b)
 {
     size_t k, w, i;
+    for (i = 0; i < stbds_arrlenu(b->cs); i++) b->cs[i]->swept = kvo_token_is_cancelled(b->cs[i]->token);
     for (k = w = 0; k < b->job.n; k++) {
-        if (kvo_token_is_cancelled(b->owner[k]->token)) {
+        if (b->owner[k]->swept) {
             kvb_release(pl->cfg.dst, &b->dst_b[k], 1, NULL);
             continue;
         }
@@ -7086,7 +7091,7 @@ static void kvo__sweep_on_deck(kvo_pipeline *pl, kvo__batch *b)
     }
     b->job.n = w;
     for (i = k = 0; i < stbds_arrlenu(b->cs); i++) {
-        if (kvo_token_is_cancelled(b->cs[i]->token)) kvo__on_drop(b->cs[i], pl);
+        if (b->cs[i]->swept) kvo__on_drop(b->cs[i], pl);
         else b->cs[k++] = b->cs[i];
     }
     KVB__ARR_SHRINK(b->cs, k);
@@ -7883,7 +7888,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
-        memcpy(c->src, blocks, n * sizeof *blocks);
+        if (n) memcpy(c->src, blocks, n * sizeof *blocks); /* blocks may be NULL when n is 0 */
         *out = kvo__handle_of(pipeline, c);
         kvo__stage(pipeline, c, KVO_STATUS_EVALUATING);
         if (kvo_queue_push(pipeline->q_eval, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);

@@ -587,6 +587,105 @@ static void test_cancel_while_on_deck(void)
 }
 
 /* One token shared by two containers cancels both; the sweeper drops them before any upgrade. */
+/* A cancel that lands while the on-deck sweep runs (here: an observer of the first dropped container
+ * cancels the next one's token, as another thread could at that moment) must not split a container: it
+ * stays whole in the job until the next sweep drops it. Before, its copies stayed in the job while it was
+ * finalized (sources given back): destination blocks leaked when the whole batch went, or the job copied
+ * from sources already reused and registered the wrong bytes under its hashes. `third`: a third transfer
+ * keeps the batch alive. */
+static kvo_transfer sweep_x;
+static kvo_token *sweep_ty;
+static void cancel_y_when_x_drops(void *user, const kvo_stage_note *note)
+{
+    (void)user;
+    if (note->transfer.id == sweep_x.id && note->info->status == KVO_STATUS_CANCELLED) kvo_token_cancel(sweep_ty);
+}
+
+static void cancel_during_on_deck_sweep(int third)
+{
+    kvb_pool *src = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvb_pool *dst = of_mem_pool(64, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *mem;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    of_backend *w = of_backend_wrap(mem);
+    of_clock clk = {1000000};
+    kvb_hash h[10];
+    kvb_weak weak[10];
+    of_chain(1, 10, h);
+    of_register(src, h, 10, NULL, weak);
+    kvo_pipeline_config pc = of_config(src, dst, of_backend_iface(w), KVO_MODE_POLL, &clk);
+    pc.max_batch = 6;
+    pc.min_batch = 1;
+    pc.on_stage = cancel_y_when_x_drops;
+    kvo_pipeline *p = of_pipeline(&pc);
+
+    of_backend_set_hold(w, 1);
+    kvo_transfer a = of_enqueue(p, weak, 4, NULL); /* holds the backend */
+    of_polls(p, &clk, 1000, 3);
+    KVT_EQ(of_backend_held(w), 1);
+    kvo_token *tx, *ty;
+    KVT_EQ(kvo_token_create(&tx), KVO_OK);
+    KVT_EQ(kvo_token_create(&ty), KVO_OK);
+    sweep_ty = ty;
+    kvo_enqueue_opts ox = {0}, oy = {0};
+    ox.token = tx;
+    oy.token = ty;
+    sweep_x = of_enqueue(p, &weak[4], 2, &ox);
+    kvo_transfer y = of_enqueue(p, &weak[6], 2, &oy), z = {0};
+    if (third) z = of_enqueue(p, &weak[8], 2, NULL);
+    of_polls(p, &clk, 1000, 1); /* X, Y (and Z) in one batch, upgraded, on deck */
+    KVT_EQ(of_refs(src, weak[6].id), 1);
+
+    kvo_status sx;
+    KVT_EQ(kvo_transfer_cancel(p, sweep_x, &sx), KVO_OK);
+    KVT_EQ(sx, KVO_STATUS_CANCELLED);
+    kvo_status sy = of_status(p, y);
+    if (sy == KVO_STATUS_CANCELLED) /* dropped whole, or not at all: never its references alone */
+        KVT_EQ(of_refs(src, weak[6].id) + of_refs(src, weak[7].id), 0);
+    else
+        KVT_EQ(of_refs(src, weak[6].id) + of_refs(src, weak[7].id), 2);
+
+    /* every source block nobody holds is reused for other bytes */
+    kvb_block grab[32];
+    kvb_pool_stats ss = of_stats(src);
+    uint32_t avail = ss.free_blocks + ss.inactive_blocks;
+    KVT_EQ(kvb_alloc(src, avail, grab), KVB_OK);
+    for (uint32_t i = 0; i < avail; i++) of_fill(src, grab[i], (kvb_hash){0xdead + i, 0xbeef});
+
+    of_backend_set_hold(w, 0);
+    of_backend_release(w);
+    of_polls(p, &clk, 1000, 5);
+    KVT_EQ(kvo_pipeline_drain(p, 1000000), KVO_OK);
+    /* too late to cancel (it ran whole, from sources it held) or dropped whole by a later sweep */
+    sy = of_status(p, y);
+    KVT_CHECK(sy == KVO_STATUS_COMPLETE || sy == KVO_STATUS_CANCELLED);
+    int landed = sy == KVO_STATUS_COMPLETE;
+    KVT_EQ(of_holds(dst, h[6]), landed); /* 1: the right bytes; never -1, the bytes of a reused source */
+    KVT_EQ(of_holds(dst, h[7]), landed);
+    KVT_EQ(of_backend_copies(w), 4u + (landed ? 2u : 0u) + (third ? 2u : 0u));
+    if (third) KVT_EQ(of_holds_all(dst, &h[8], 2), 2);
+
+    KVT_EQ(kvb_release(src, grab, avail, NULL), KVB_OK);
+    KVT_EQ(kvo_transfer_release(p, a), KVO_OK);
+    KVT_EQ(kvo_transfer_release(p, sweep_x), KVO_OK);
+    KVT_EQ(kvo_transfer_release(p, y), KVO_OK);
+    if (third) KVT_EQ(kvo_transfer_release(p, z), KVO_OK);
+    kvo_pipeline_destroy(p);
+    KVT_EQ(of_active(src), 0);
+    KVT_EQ(of_active(dst), 0); /* no destination block left referenced */
+    char why[256] = "";
+    KVT_EQ(kvb_pool_check(dst, why, sizeof why), KVB_OK);
+    kvo_token_release(tx);
+    kvo_token_release(ty);
+    kvo_backend_destroy(of_backend_iface(w));
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(dst);
+}
+
+static void test_cancel_during_the_on_deck_sweep_whole_batch(void) { cancel_during_on_deck_sweep(0); }
+static void test_cancel_during_the_on_deck_sweep_batch_lives_on(void) { cancel_during_on_deck_sweep(1); }
+
 static void test_cancel_by_shared_token(void)
 {
     rig r;
@@ -704,6 +803,21 @@ static void test_finished_cancelled_and_released_handles(void)
     KVT_EQ(of_pump(r.p, &r.clock, fresh, 1000, 200), KVO_STATUS_COMPLETE);
     KVT_EQ(of_info(r.p, fresh).transferred, 2); /* the cancelled copy no longer counts as in flight */
     KVT_EQ(kvo_transfer_release(r.p, fresh), KVO_OK);
+    rig_close(&r);
+}
+
+/* An empty offer may name no array (blocks NULL, n 0): it completes at once with nothing copied. */
+static void test_enqueue_of_nothing(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    kvo_transfer t;
+    KVT_EQ(kvo_enqueue(r.p, NULL, 0, NULL, &t), KVO_OK);
+    of_polls(r.p, &r.clock, 5000, 4);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 0);
+    KVT_EQ(of_backend_copies(r.w), 0);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
     rig_close(&r);
 }
 
@@ -1793,9 +1907,12 @@ int main(void)
     KVT_RUN(test_cancel_while_waiting_on_precondition);
     KVT_RUN(test_cancel_while_batched);
     KVT_RUN(test_cancel_while_on_deck);
+    KVT_RUN(test_cancel_during_the_on_deck_sweep_whole_batch);
+    KVT_RUN(test_cancel_during_the_on_deck_sweep_batch_lives_on);
     KVT_RUN(test_cancel_by_shared_token);
     KVT_RUN(test_cancel_after_upgrade_completes);
     KVT_RUN(test_finished_cancelled_and_released_handles);
+    KVT_RUN(test_enqueue_of_nothing);
     KVT_RUN(test_enqueue_with_cancelled_token);
     KVT_RUN(test_wait_in_poll_mode);
     KVT_RUN(test_stale_weak_refs_are_dropped);
