@@ -14691,7 +14691,8 @@ static kvs_result kvs__end(kvs_sched *s, kvs__req *r, int aborted)
 static kvs__req *kvs__find_appended(kvs_sched *s, uint64_t id)
 {
     size_t i = s->next_append;
-    if (!s->in_step && i < stbds_arrlenu(s->planned[1]) && s->planned[1][i]->id == id) return s->planned[1][i];
+    /* id 0 is never given out: a released request's struct, still named by the last step, has it */
+    if (id && !s->in_step && i < stbds_arrlenu(s->planned[1]) && s->planned[1][i]->id == id) return s->planned[1][i];
     return kvs__find(s, id);
 }
 

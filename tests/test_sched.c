@@ -1546,10 +1546,50 @@ static void test_result_strings(void)
     KVT_CHECK(strcmp(kvs_result_string(KVO_ECHECKSUM), kvo_result_string(KVO_ECHECKSUM)) == 0);
 }
 
+/* Id 0 is never given out; a released request's struct keeps it, and the last step may still name that
+ * struct (its decode item): an append to id 0 must answer "no such request" like the other calls, not
+ * find the released struct. */
+static void test_append_to_id_zero_after_a_release(void)
+{
+    kvb_pool_config pc;
+    kvb_pool *dev;
+    kvs_sched_config sc;
+    kvs_sched *s;
+    kvs_step st;
+    kvs_request rq;
+    uint32_t prompt[5] = {1, 2, 3, 4, 5}, tok = 9;
+    uint64_t a;
+    memset(&pc, 0, sizeof pc);
+    pc.num_blocks = 8;
+    pc.block_tokens = 4;
+    KVT_EQ(kvb_pool_create(&pc, &dev), KVB_OK);
+    memset(&sc, 0, sizeof sc);
+    sc.device = dev;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = 5;
+    KVT_EQ(kvs_sched_add(s, &rq, &a), KVS_OK);
+    KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_append(s, a, &tok, 1), KVS_OK);
+    KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+    KVT_EQ(st.num_decode, 1);
+    KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_finish(s, a), KVS_OK);
+    KVT_EQ(kvs_sched_release(s, a), KVS_OK);
+    KVT_EQ(kvs_sched_append(s, 0, &tok, 1), KVS_ENOTFOUND);
+    KVT_EQ(kvs_sched_append(s, a, &tok, 1), KVS_ENOTFOUND);
+    KVT_EQ(kvs_sched_finish(s, 0), KVS_ENOTFOUND);
+    kvs_sched_destroy(s);
+    kvb_pool_destroy(dev);
+}
+
 int main(void)
 {
     of_watchdog(120);
     KVT_RUN(test_walkthrough_host);
+    KVT_RUN(test_append_to_id_zero_after_a_release);
     KVT_RUN(test_walkthrough_disk);
     KVT_RUN(test_device_prefix_hit);
     KVT_RUN(test_lazy_mode);
