@@ -705,6 +705,14 @@ KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
  * nothing. Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
+/* Append tokens the engine will compute, as kvb_seq_append does but never from the cache: their blocks
+ * are new (or the partial last block) even where the cache holds them, and no block after them is
+ * looked up either. For a prompt's last token, which an engine computes for its logits: with one token
+ * a block, kvb_seq_append would match that token's block when the whole prompt is cached, and the
+ * engine would write into a registered block another request may share. Errors as kvb_seq_append's.
+ * Thread safety: one thread per sequence. */
+KVB_API kvb_result kvb_seq_append_new(kvb_seq *seq, const uint32_t *tokens, size_t n);
+
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
  * ReadyForScheduling, Inflight, compute done; full ones are registered (a duplicate may be replaced by
  * the existing block). KVB_ERANGE past the appended tokens; KVB_ENOMEM (nothing changed) when a pool
@@ -4583,9 +4591,10 @@ static kvb_result kvb__seq_cow_alone(kvb_seq *s, size_t b, uint32_t ntok)
 }
 
 /* Append, step 2 (pool locked): reuse cached blocks for the new full blocks while every earlier one was
- * cached, fill the partial last block (copied first when shared), allocate the rest. All or nothing:
- * what can fail (space, memory, the copy) is done or checked before the rest changes anything. */
-static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
+ * cached (`match`: 0 for kvb_seq_append_new), fill the partial last block (copied first when shared),
+ * allocate the rest. All or nothing: what can fail (space, memory, the copy) is done or checked before
+ * the rest changes anything. */
+static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens, int match)
 {
     kvb_pool *p = s->pool;
     size_t bt = p->cfg.block_tokens, len = s->len0, total = stbds_arrlenu(s->tokens), n = total - len;
@@ -4600,7 +4609,8 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
         last = kvb_block_index(s->table[nb_old - 1].id);
         if (p->meta[last].state != KVB_STATE_PARTIAL) return KVB_ESTATE;
     }
-    if (s->cached == len && len % bt == 0 && n_new) {
+    match = match && s->cached == len && len % bt == 0 && n_new;
+    if (match) {
         if (!(idx = kvb__scratch(p, stack, n_new))) return KVB_ENOMEM;
         k = kvb__prefix(p, fresh, n_new, idx);
     }
@@ -4618,7 +4628,7 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     if (k) {
         kvb__take_matched(p, idx, k, n_new, NULL);
         for (i = 0; i < k; i++) stbds_arrput(s->table, kvb__block_of(p, idx[i]));
-    } else if (n_new && s->cached == len && len % bt == 0) {
+    } else if (match) {
         kvb__take_matched(p, idx, 0, n_new, NULL); /* a lookup that missed still counts */
     }
     if (last != KVB__NIL) {
@@ -4632,7 +4642,8 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens)
     return KVB_OK;
 }
 
-KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+static kvb_result kvb__seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens,
+                                  int match)
 {
     kvb_pool *p;
     kvb_result r;
@@ -4642,10 +4653,20 @@ KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n
     p = seq->pool;
     if ((r = kvb__seq_prepare(seq, tokens, n)) != KVB_OK) return r;
     pthread_mutex_lock(&p->lock);
-    r = kvb__seq_append_locked(seq, out_cached_tokens);
+    r = kvb__seq_append_locked(seq, out_cached_tokens, match);
     kvb__unlock(p);
     if (r != KVB_OK) kvb__seq_rollback(seq);
     return r;
+}
+
+KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens)
+{
+    return kvb__seq_append(seq, tokens, n, out_cached_tokens, 1);
+}
+
+KVB_API kvb_result kvb_seq_append_new(kvb_seq *seq, const uint32_t *tokens, size_t n)
+{
+    return kvb__seq_append(seq, tokens, n, NULL, 0);
 }
 
 /* A batch walks many sequences: their structs (kvb__seqs_one_pool touched them first), the headers of
@@ -4710,7 +4731,7 @@ KVB_API kvb_result kvb_seq_append_many(kvb_seq *const *seqs, const uint32_t *con
     pthread_mutex_lock(&p->lock);
     for (; done < ready; done++) {
         kvb__seq_prefetch(seqs, done, ready, 1);
-        if ((r = kvb__seq_append_locked(seqs[done], NULL)) != KVB_OK) break;
+        if ((r = kvb__seq_append_locked(seqs[done], NULL, 1)) != KVB_OK) break;
     }
     kvb__unlock(p);
     for (i = done; i < ready; i++) kvb__seq_rollback(seqs[i]);

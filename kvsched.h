@@ -3732,12 +3732,13 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
     size_t cached = 0;
     if (!kvs__seq_open(s, r)) return 0;
-    for (;;) { /* the last token is appended on its own: a hit never covers it, so the engine always
-                * computes at least one token (for its logits) in a block of its own, as in vLLM */
+    for (;;) { /* the last token is appended on its own, never from the cache (with one token a block,
+                * its block could be cached too): the engine always computes at least one token (for
+                * its logits) in a block of its own, as in vLLM */
         kvs__req *v;
         size_t len = r->len;
         if (kvb_seq_append(r->seq, r->tokens, len - 1, &cached) == KVB_OK) {
-            if (kvb_seq_append(r->seq, r->tokens + len - 1, 1, NULL) == KVB_OK) {
+            if (kvb_seq_append_new(r->seq, r->tokens + len - 1, 1) == KVB_OK) {
                 kvs__synced(r);
                 break;
             }

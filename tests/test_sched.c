@@ -1546,6 +1546,56 @@ static void test_result_strings(void)
     KVT_CHECK(strcmp(kvs_result_string(KVO_ECHECKSUM), kvo_result_string(KVO_ECHECKSUM)) == 0);
 }
 
+/* One token a block: a prompt whose every token is cached (a running request's identical prompt) still
+ * has its last token computed into a block of its own, never into the registered block the other
+ * request holds. */
+static void test_one_token_blocks_last_token_in_a_block_of_its_own(void)
+{
+    kvb_pool_config pc;
+    kvb_pool *dev;
+    kvs_sched_config sc;
+    kvs_sched *s;
+    kvs_step st;
+    kvs_request rq;
+    uint32_t prompt[8] = {11, 12, 13, 14, 15, 16, 17, 18};
+    uint64_t a, b;
+    memset(&pc, 0, sizeof pc);
+    pc.num_blocks = 32;
+    pc.block_tokens = 1;
+    KVT_EQ(kvb_pool_create(&pc, &dev), KVB_OK);
+    memset(&sc, 0, sizeof sc);
+    sc.device = dev;
+    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = 8;
+    KVT_EQ(kvs_sched_add(s, &rq, &a), KVS_OK);
+    KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(s, &st), KVS_OK); /* a's prompt registered, a still running */
+    KVT_EQ(kvs_sched_add(s, &rq, &b), KVS_OK);
+    KVT_EQ(kvs_sched_step(s, &st), KVS_OK);
+    int seen = 0;
+    for (size_t i = 0; i < st.num_prefill; i++) {
+        const kvs_sched_item *it = &st.prefill[i];
+        if (it->request != b) continue;
+        seen = 1;
+        KVT_EQ(it->num_computed, 7); /* the rest came from the cache */
+        KVT_EQ(it->num_new, 1);
+        for (size_t t = it->num_computed; t < it->num_computed + it->num_new; t++) {
+            kvb_block_info bi;
+            KVT_EQ(kvb_block_get_info(dev, it->blocks[t].id, &bi), KVB_OK);
+            KVT_CHECK(bi.state != KVB_STATE_REGISTERED);
+            KVT_EQ(bi.refs, 1);
+        }
+    }
+    KVT_EQ(seen, 1);
+    KVT_EQ(kvs_sched_complete(s, &st), KVS_OK);
+    char why[256] = "";
+    KVT_EQ(kvb_pool_check(dev, why, sizeof why), KVB_OK);
+    kvs_sched_destroy(s);
+    kvb_pool_destroy(dev);
+}
+
 /* Id 0 is never given out; a released request's struct keeps it, and the last step may still name that
  * struct (its decode item): an append to id 0 must answer "no such request" like the other calls, not
  * find the released struct. */
@@ -1590,6 +1640,7 @@ int main(void)
     of_watchdog(120);
     KVT_RUN(test_walkthrough_host);
     KVT_RUN(test_append_to_id_zero_after_a_release);
+    KVT_RUN(test_one_token_blocks_last_token_in_a_block_of_its_own);
     KVT_RUN(test_walkthrough_disk);
     KVT_RUN(test_device_prefix_hit);
     KVT_RUN(test_lazy_mode);

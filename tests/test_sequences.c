@@ -359,6 +359,65 @@ static void test_chunked_commit_registers_full_blocks_only(void)
     kvb_pool_destroy(pool);
 }
 
+/* kvb_seq_append_new never takes blocks from the cache, where kvb_seq_append would: with one token a
+ * block, a fully cached prompt's last token is a cached block by itself, which the engine must not be
+ * told to write. Its block is new (Empty, the sequence's alone), no lookup is counted, and appends
+ * after it match nothing either. With 4 tokens a block, full cached blocks are not taken. */
+static void append_new_never_matches(uint32_t bt)
+{
+    kvb_pool_config cfg = fx_config(32);
+    cfg.block_tokens = bt;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    uint32_t tokens[8];
+    fx_iota(tokens, 8, 70);
+    kvb_seq *a = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(a, tokens, 8, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_commit(a, 8), KVB_OK); /* every full block of the prompt registered */
+    size_t registered = fx_stats(pool).registrations;
+
+    kvb_seq *b = fx_seq(pool, NULL), *c = fx_seq(pool, NULL);
+    size_t cached = 0;
+    KVT_EQ(kvb_seq_append(b, tokens, 7, &cached), KVB_OK); /* the prompt but its last token */
+    KVT_EQ(cached, bt == 1 ? 7u : 4u);
+    kvb_pool_stats before = fx_stats(pool);
+    KVT_EQ(kvb_seq_append_new(b, tokens + 7, 1), KVB_OK);
+    kvb_block tb[8], ta[8];
+    KVT_EQ(fx_seq_table(b, tb, 8), 8 / bt);
+    KVT_EQ(fx_seq_table(a, ta, 8), 8 / bt);
+    kvb_block_info last = fx_info(pool, tb[8 / bt - 1].id);
+    KVT_CHECK(tb[8 / bt - 1].id != ta[8 / bt - 1].id); /* not the cached block */
+    KVT_CHECK(last.state != KVB_STATE_REGISTERED);
+    KVT_EQ(last.refs, 1);
+    KVT_EQ(fx_stats(pool).lookups, before.lookups); /* nothing looked up */
+    KVT_EQ(fx_seq_info(b).num_computed, bt == 1 ? 7u : 4u);
+    uint32_t more = 99;
+    KVT_EQ(kvb_seq_append(b, &more, 1, &cached), KVB_OK); /* past a computed token: no match either */
+    KVT_EQ(cached, 0);
+
+    /* from the start: full cached blocks are not taken (kvb_seq_append would take them) */
+    KVT_EQ(kvb_seq_append_new(c, tokens, 8), KVB_OK);
+    kvb_block tc[8];
+    KVT_EQ(fx_seq_table(c, tc, 8), 8 / bt);
+    for (uint32_t i = 0; i < 8 / bt; i++) {
+        KVT_CHECK(tc[i].id != ta[i].id);
+        KVT_EQ(fx_info(pool, tc[i].id).refs, 1);
+    }
+    KVT_EQ(fx_seq_info(c).num_computed, 0);
+    KVT_EQ(kvb_seq_append_new(NULL, tokens, 1), KVB_EINVAL);
+    KVT_EQ(kvb_seq_append_new(c, NULL, 1), KVB_EINVAL);
+    KVT_EQ(kvb_seq_append_new(c, NULL, 0), KVB_OK);
+    KVT_EQ(fx_stats(pool).registrations, registered);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(a);
+    kvb_seq_destroy(b);
+    kvb_seq_destroy(c);
+    KVT_EQ(fx_stats(pool).active_blocks, 0);
+    kvb_pool_destroy(pool);
+}
+
+static void test_append_new_never_matches_one_token_blocks(void) { append_new_never_matches(1); }
+static void test_append_new_never_matches_four_token_blocks(void) { append_new_never_matches(4); }
+
 /* Reserved room keeps appends in place; a reset gives the blocks back as a destroy does (full ones stay
  * cached) and starts over with the new salt and keys, in the same memory; a bad config changes nothing. */
 static void test_reset_releases_blocks_and_starts_over(void)
@@ -732,6 +791,8 @@ int main(void)
     KVT_RUN(test_truncate_releases_tail_and_copies_kept_partial);
     KVT_RUN(test_truncate_inside_private_blocks);
     KVT_RUN(test_chunked_commit_registers_full_blocks_only);
+    KVT_RUN(test_append_new_never_matches_one_token_blocks);
+    KVT_RUN(test_append_new_never_matches_four_token_blocks);
     KVT_RUN(test_reset_releases_blocks_and_starts_over);
     KVT_RUN(test_append_without_space_changes_nothing);
     KVT_RUN(test_copy_on_write_without_space_changes_nothing);

@@ -453,7 +453,7 @@ static void fz_open(fz *f)
         if (kvs_bus_subscribe(f->bus, 0, fz_record, f, NULL) != KVS_OK) fz_fail(f, "bus_subscribe", 0);
         if (c7 & 4 && kvs_bus_set_hook(f->bus, fz_hook, f) != KVS_OK) fz_fail(f, "bus_set_hook", 0);
     }
-    f->bt = 2u + c0 % 15u;
+    f->bt = (c7 & 0xc0) == 0xc0 ? 1u : 2u + c0 % 15u; /* one token a block too (a page size engines use) */
     f->device_blocks = 8u + c1 % 57u;
     f->memory = tiers || (c2 & 8);
     f->preempt = tiers && (c2 & 2) ? KVS_PREEMPT_SWAP : KVS_PREEMPT_RECOMPUTE;
