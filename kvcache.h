@@ -5391,7 +5391,7 @@ typedef struct kvo_pipeline_config {
     void *policy_user;
     kvo_clock_fn clock;           /* optional, for deterministic runs */
     void *clock_user;
-    kvo_done_fn on_done;          /* optional */
+    kvo_done_fn on_done;          /* optional; once per transfer (but for want of memory: stats.notes_lost) */
     void *done_user;
     kvo_stage_fn on_stage;        /* optional: every status change */
     void *stage_user;
@@ -5411,6 +5411,8 @@ typedef struct kvo_pipeline_stats {
     uint64_t dest_full;           /* transfers that found the destination full (failed with KVO_EFULL) */
     uint64_t batches, bytes;
     uint32_t in_flight_blocks;    /* now: blocks upgraded and not landed yet (on deck or in the backend) */
+    uint64_t notes_lost;          /* transfers that ended with no memory for their on_done note: not called
+                                     for them (their final status stands) */
 } kvo_pipeline_stats;
 
 typedef struct kvo_pipeline kvo_pipeline;
@@ -5423,8 +5425,9 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
 KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
 
 /* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
- * when the batch is upgraded. KVO_ECANCELLED when the token is already cancelled. opts may be NULL.
- * Thread safety: any thread. */
+ * when the batch is upgraded. KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of
+ * memory (nothing enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
+ * KVO_ENOMEM. Thread safety: any thread. */
 KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
@@ -5509,7 +5512,7 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
  * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
  * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
- * on_offloaded. Thread safety: any thread. */
+ * on_offloaded. KVO_ENOMEM when out of memory (nothing sent). Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
 /* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
@@ -5585,6 +5588,11 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
         memmove(&(a)[kvo__at + 1], &(a)[kvo__at], sizeof *(a) * (stbds_arrlenu(a) - 1 - kvo__at));    \
         (a)[kvo__at] = (v);                                                                           \
     } while (0)
+/* Room for `need` elements in the stb_ds array *pa, grown as appends grow it (kvb__arr_fit): 0 when the
+ * memory is not there, the array unchanged. Every append that could grow an array has its room made so
+ * first: stb_ds's own growth writes through a failed realloc. */
+#define kvo__fit(pa, need) kvo__fit_((void **)(void *)(pa), sizeof **(pa), (need))
+static int kvo__fit_(void **a, size_t elemsize, size_t need) { return kvb__arr_fit(a, elemsize, need); }
 #define KVO__SLOT_ALIGN 4096u
 #define KVO__HEADER_BYTES 4096u
 #define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */
@@ -5841,10 +5849,14 @@ KVO_API kvo_result kvo_queue_push(kvo_queue *queue, void *item, kvo_token *token
         pthread_mutex_unlock(&queue->lock);
         return KVO_ECLOSED;
     }
+    if (!kvo__fit(&queue->items, stbds_arrlenu(queue->items) + 1)) {
+        pthread_mutex_unlock(&queue->lock);
+        return KVO_ENOMEM;
+    }
     it.item = item;
     it.token = token;
     kvo_token_retain(token);
-    stbds_arrput(queue->items, it);
+    stbds_arrput(queue->items, it); /* within the room made */
     pthread_cond_signal(&queue->cond);
     pthread_mutex_unlock(&queue->lock);
     return KVO_OK;
@@ -6818,7 +6830,7 @@ static void kvo__container_recycle(kvo_pipeline *pl, kvo__container *c)
         kvo_token_release(c->token);
         c->token = NULL;
     }
-    if (stbds_arrlenu(pl->spare_cs) < KVO__SPARES) {
+    if (stbds_arrlenu(pl->spare_cs) < KVO__SPARES && kvo__fit(&pl->spare_cs, stbds_arrlenu(pl->spare_cs) + 1)) {
         stbds_arrput(pl->spare_cs, c);
         return;
     }
@@ -6884,13 +6896,17 @@ static kvo__container *kvo__resolve(kvo_pipeline *pl, kvo_transfer t)
     return pl->slots[low - 1].c;
 }
 
-static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
+/* A handle slot for c: 0 when out of memory (nothing changed). The free list keeps room for every slot,
+ * so that giving one back (kvo_transfer_release) never allocates. */
+static int kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
 {
     uint32_t s;
     if (stbds_arrlen(pl->free_slots)) {
         s = stbds_arrpop(pl->free_slots);
     } else {
         kvo__hslot h;
+        size_t n = stbds_arrlenu(pl->slots) + 1;
+        if (!kvo__fit(&pl->slots, n) || !kvo__fit(&pl->free_slots, n)) return 0;
         h.gen = pl->first_gen;
         h.c = NULL;
         s = (uint32_t)stbds_arrlenu(pl->slots);
@@ -6898,7 +6914,15 @@ static uint32_t kvo__slot_alloc(kvo_pipeline *pl, kvo__container *c)
     }
     pl->slots[s].c = c;
     c->slot = s;
-    return s;
+    return 1;
+}
+
+/* c's slot back to the free list (which has room: kvo__slot_alloc), its handle stale from now on. */
+static void kvo__slot_free(kvo_pipeline *pl, const kvo__container *c)
+{
+    pl->slots[c->slot].c = NULL;
+    pl->slots[c->slot].gen = (pl->slots[c->slot].gen + 1) & 0x7fffffffu;
+    stbds_arrput(pl->free_slots, c->slot);
 }
 
 /* Release the non-zero handles among blocks[0..n) in one call, then clear them. */
@@ -6930,7 +6954,11 @@ static void kvo__keep_failed(kvo_pipeline *pl, const kvo__container *c)
 {
     size_t j;
     for (j = 0; j < c->n && stbds_arrlenu(pl->failed_src) < pl->keep_failed; j++)
-        if (c->state[j] == KVO__B_FAILED) stbds_arrput(pl->failed_src, c->src[j]);
+        if (c->state[j] == KVO__B_FAILED) {
+            if (!kvo__fit(&pl->failed_src, stbds_arrlenu(pl->failed_src) + 1)) return; /* out of memory: not
+                                                                                        tried again */
+            stbds_arrput(pl->failed_src, c->src[j]);
+        }
 }
 
 /* A container reaches its final state: give back what it holds, count it, queue its on_done. */
@@ -6964,12 +6992,17 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
         note.n = c->n;
         note.dst = stbds_arrlen(pl->spare_dst) ? stbds_arrpop(pl->spare_dst) : NULL;
         KVB__ARR_SHRINK(note.dst, 0);
-        if (c->n) memcpy(stbds_arraddnptr(note.dst, c->n), c->dst_weak, c->n * sizeof *note.dst);
         if (!pl->notes) {
             pl->notes = pl->spare_notes;
             pl->spare_notes = NULL;
         }
-        stbds_arrput(pl->notes, note);
+        if ((!c->n || kvo__fit(&note.dst, c->n)) && kvo__fit(&pl->notes, stbds_arrlenu(pl->notes) + 1)) {
+            if (c->n) memcpy(stbds_arraddnptr(note.dst, c->n), c->dst_weak, c->n * sizeof *note.dst);
+            stbds_arrput(pl->notes, note);
+        } else { /* out of memory: no on_done for this one (its final status stands) */
+            s->notes_lost++;
+            stbds_arrfree(note.dst);
+        }
     }
     pthread_cond_broadcast(&pl->cond);
 }
@@ -6979,12 +7012,22 @@ static void kvo__on_drop(void *item, void *user)
     kvo__finalize((kvo_pipeline *)user, (kvo__container *)item, KVO_STATUS_CANCELLED, KVO_ECANCELLED);
 }
 
+/* c on to the next stage's queue; where it cannot go (cancelled, or no memory for the queue) it ends
+ * there: cancelled, or failed with KVO_ENOMEM. */
+static void kvo__push_or_end(kvo_pipeline *pl, kvo_queue *q, kvo__container *c)
+{
+    kvo_result r = kvo_queue_push(q, c, c->token);
+    if (r == KVO_ENOMEM) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ENOMEM);
+    else if (r != KVO_OK) kvo__on_drop(c, pl);
+}
+
 /* Delivered notes: their arrays go back to the spares (lock held). */
 static void kvo__notes_done(kvo_pipeline *pl, kvo__note *notes)
 {
     size_t i;
     for (i = 0; i < stbds_arrlenu(notes); i++) {
-        if (stbds_arrlenu(pl->spare_dst) < KVO__SPARES) stbds_arrput(pl->spare_dst, notes[i].dst);
+        if (stbds_arrlenu(pl->spare_dst) < KVO__SPARES && kvo__fit(&pl->spare_dst, stbds_arrlenu(pl->spare_dst) + 1))
+            stbds_arrput(pl->spare_dst, notes[i].dst);
         else stbds_arrfree(notes[i].dst);
     }
     KVB__ARR_SHRINK(notes, 0);
@@ -7027,7 +7070,7 @@ static void kvo__unlock(kvo_pipeline *pl)
 static void kvo__batch_free(kvo__batch *b)
 {
     kvo_pipeline *pl = b->pl;
-    if (stbds_arrlenu(pl->spare_bs) < KVO__SPARES) {
+    if (stbds_arrlenu(pl->spare_bs) < KVO__SPARES && kvo__fit(&pl->spare_bs, stbds_arrlenu(pl->spare_bs) + 1)) {
         KVB__ARR_SHRINK(b->cs, 0);
         stbds_arrput(pl->spare_bs, b);
         return;
@@ -7190,6 +7233,14 @@ static void kvo__count_verdict(kvo__container *c, size_t i)
     }
 }
 
+/* Whether the destination holds c's block i, asked alone (no memory to ask for the container at once). */
+static uint8_t kvo__present_one(kvo_pipeline *pl, const kvo__container *c, size_t i)
+{
+    uint8_t one = 0;
+    if (pl->cfg.presence < 0 || kvb_presence(pl->cfg.dst, &c->hashes[i], 1, &one, NULL) != KVB_OK) return 0;
+    return one;
+}
+
 /* Evaluate a container: 1 when every block has a verdict. */
 static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
@@ -7198,14 +7249,15 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
     uint8_t *present = NULL;
     for (i = 0; i < c->n; i++)
         if (c->state[i] == KVO__B_NEW && !kvo__identify_block(pl, c, i)) c->state[i] = KVO__B_DROPPED;
-    if (pl->cfg.presence >= 0 && c->n) { /* the destination asked once for the whole container */
+    if (pl->cfg.presence >= 0 && c->n && kvo__fit(&pl->present, c->n)) { /* the destination asked once for
+                                                                             the whole container */
         KVB__ARR_SHRINK(pl->present, 0);
         present = stbds_arraddnptr(pl->present, c->n);
         if (kvb_presence(pl->cfg.dst, c->hashes, c->n, present, NULL) != KVB_OK) memset(present, 0, c->n);
     }
     for (i = 0; i < c->n; i++) {
         if (c->state[i] == KVO__B_NEW || c->state[i] == KVO__B_EVAL) {
-            c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : 0);
+            c->state[i] = kvo__evaluate_block(pl, c, i, now, present ? present[i] : kvo__present_one(pl, c, i));
             if (c->state[i] == KVO__B_EVAL) pending = 1;
             /* in flight from its verdict on: a repeat later in this container, or in one evaluated while
                this one waits for another block's policy, is skipped by presence, not copied twice */
@@ -7221,6 +7273,14 @@ static int kvo__evaluate(kvo_pipeline *pl, kvo__container *c, uint64_t now)
     return offered ? 1 : 2; /* 2: nothing to copy */
 }
 
+/* A container that waits in its stage goes back to that stage's queue after the pass (pl->stage_cs);
+ * with no memory to keep it aside it fails (KVO_ENOMEM). */
+static void kvo__set_aside(kvo_pipeline *pl, kvo__container *c)
+{
+    if (kvo__fit(&pl->stage_cs, stbds_arrlenu(pl->stage_cs) + 1)) stbds_arrput(pl->stage_cs, c);
+    else kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ENOMEM);
+}
+
 static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
 {
     kvo__container **later;
@@ -7231,26 +7291,26 @@ static void kvo__stage_policy(kvo_pipeline *pl, uint64_t now)
         kvo__container *c = (kvo__container *)item;
         int r = kvo__evaluate(pl, c, now);
         if (r == 0) {
-            stbds_arrput(pl->stage_cs, c);
+            kvo__set_aside(pl, c);
         } else if (r == 2) {
             kvo__finalize(pl, c, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
             c->info.status = KVO_STATUS_QUEUED;
             kvo__stage(pl, c, KVO_STATUS_QUEUED);
             pl->moves++;
-            if (kvo_queue_push(pl->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
+            kvo__push_or_end(pl, pl->q_pre, c);
         }
     }
     later = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(later); i++)
-        if (kvo_queue_push(pl->q_eval, later[i], later[i]->token) != KVO_OK) kvo__on_drop(later[i], pl);
+        kvo__push_or_end(pl, pl->q_eval, later[i]);
 }
 
 static void kvo__to_batcher(kvo_pipeline *pl, kvo__container *c, uint64_t now)
 {
     if (kvo_queue_len(pl->q_batch) == 0) pl->batch_since = now;
     pl->moves++;
-    if (kvo_queue_push(pl->q_batch, c, c->token) != KVO_OK) kvo__on_drop(c, pl);
+    kvo__push_or_end(pl, pl->q_batch, c);
 }
 
 static uint32_t kvo__offered(const kvo__container *c);
@@ -7304,17 +7364,17 @@ static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
         if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
-            stbds_arrput(pl->stage_cs, c); /* no timeout: the copies it waits for end by themselves */
+            kvo__set_aside(pl, c); /* no timeout: the copies it waits for end by themselves */
         else if (s > 0 && c->onboard && !kvo__offered(c))
             kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
         else if (s > 0) kvo__to_batcher(pl, c, now);
         else if (s < 0) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_EPRECOND);
         else if (now - c->t_enqueue >= pl->cfg.precondition_timeout_us) kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ETIMEDOUT);
-        else stbds_arrput(pl->stage_cs, c);
+        else kvo__set_aside(pl, c);
     }
     waiting = pl->stage_cs;
     for (i = 0; i < stbds_arrlenu(waiting); i++)
-        if (kvo_queue_push(pl->q_pre, waiting[i], waiting[i]->token) != KVO_OK) kvo__on_drop(waiting[i], pl);
+        kvo__push_or_end(pl, pl->q_pre, waiting[i]);
 }
 
 static uint32_t kvo__offered(const kvo__container *c)
@@ -7325,10 +7385,24 @@ static uint32_t kvo__offered(const kvo__container *c)
     return k;
 }
 
+/* A batch's containers fail (err) and the batch goes. */
+static void kvo__batch_fail(kvo_pipeline *pl, kvo__batch *b, int err)
+{
+    size_t i;
+    for (i = 0; i < stbds_arrlenu(b->cs); i++) kvo__finalize(pl, b->cs[i], KVO_STATUS_FAILED, err);
+    kvo__batch_free(b);
+}
+
+/* A batch into the queue of those waiting for the backend, by priority; an empty one goes, and one there
+ * is no memory to queue fails (KVO_ENOMEM). */
 static void kvo__in_queue_insert(kvo_pipeline *pl, kvo__batch *b)
 {
-    pl->moves++;
     size_t at = stbds_arrlenu(pl->in_queue);
+    if (!stbds_arrlenu(b->cs) || !kvo__fit(&pl->in_queue, at + 1)) {
+        kvo__batch_fail(pl, b, KVO_ENOMEM);
+        return;
+    }
+    pl->moves++;
     while (at > 0 && pl->in_queue[at - 1]->priority < b->priority) at--;
     KVO__ARR_INSERT(pl->in_queue, at, b);
 }
@@ -7364,10 +7438,14 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
     KVB__ARR_SHRINK(pl->batcher_cs, 0);
     while (kvo_queue_pop(pl->q_batch, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
+        if (!kvo__fit(&pl->batcher_cs, stbds_arrlenu(pl->batcher_cs) + 1)) {
+            kvo__finalize(pl, c, KVO_STATUS_FAILED, KVO_ENOMEM);
+            continue;
+        }
         cs = pl->batcher_cs;
         for (j = stbds_arrlenu(cs); j > 0 && cs[j - 1]->priority < c->priority; j--) {
         }
-        KVO__ARR_INSERT(pl->batcher_cs, j, c); /* stable: FIFO within a priority */
+        KVO__ARR_INSERT(pl->batcher_cs, j, c); /* stable: FIFO within a priority (within the room made) */
     }
     cs = pl->batcher_cs;
     for (i = 0; i < stbds_arrlenu(cs); i++) {
@@ -7376,7 +7454,7 @@ static void kvo__stage_batcher(kvo_pipeline *pl, uint64_t now)
             kvo__in_queue_insert(pl, b);
             b = NULL;
         }
-        if (!b && !(b = kvo__batch_new(pl, cs[i]->priority))) {
+        if ((!b && !(b = kvo__batch_new(pl, cs[i]->priority))) || !kvo__fit(&b->cs, stbds_arrlenu(b->cs) + 1)) {
             kvo__finalize(pl, cs[i], KVO_STATUS_FAILED, KVO_ENOMEM);
             continue;
         }
@@ -7480,6 +7558,10 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
         kvo__batch *b = pl->in_queue[0];
         int n;
         stbds_arrdel(pl->in_queue, 0);
+        if (!kvo__fit(&pl->on_deck, stbds_arrlenu(pl->on_deck) + 1)) { /* made at create: never here */
+            kvo__batch_fail(pl, b, KVO_ENOMEM);
+            continue;
+        }
         kvo__sweep_batch(pl, b);
         n = kvo__upgrade(pl, b);
         pl->moves++;
@@ -7561,7 +7643,9 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
             b->owner_i[ok] = b->owner_i[k];
             ok++;
         } else {
-            if (kvo__source_lost(b->results[k])) stbds_arrput(pl->bad, b->hashes[k]);
+            if (kvo__source_lost(b->results[k]) && kvo__fit(&pl->bad, stbds_arrlenu(pl->bad) + 1)) /* else it
+                                                                       stays, and fails the next load too */
+                stbds_arrput(pl->bad, b->hashes[k]);
             kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &b->dst_b[k], b->results[k] ? b->results[k] : result,
                                 message);
         }
@@ -7817,7 +7901,12 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
         return KVO_ENOMEM;
     }
     pl->last_sweep = kvo__now(pl);
-    stbds_arrsetcap(pl->stage_cs, 16); /* containers put back in a stage are few: room for them from the start */
+    /* containers put back in a stage are few: room for them from the start; and for the batches on deck */
+    if (!kvo__fit(&pl->stage_cs, 16) || !kvo__fit(&pl->on_deck, pl->cfg.on_deck)) {
+        pl->stopping = 1;
+        kvo_pipeline_destroy(pl);
+        return KVO_ENOMEM;
+    }
     if (pl->cfg.mode == KVO_MODE_THREADS) {
         if (pthread_create(&pl->thread, NULL, kvo__coordinator, pl) != 0) {
             pl->stopping = 1;
@@ -7888,13 +7977,16 @@ static kvo_result kvo__container_open(kvo_pipeline *pl, size_t n, const kvo_enqu
         KVB_FREE(c);
         return KVO_ENOMEM;
     }
+    if (!kvo__slot_alloc(pl, c)) {
+        kvo__container_recycle(pl, c);
+        return KVO_ENOMEM;
+    }
     if (opts) {
         c->pre = opts->precondition;
         kvo_event_retain(c->pre);
         c->priority = opts->priority;
     }
     c->t_enqueue = c->t_eval = kvo__now(pl);
-    kvo__slot_alloc(pl, c);
     *out = c;
     pl->stats.enqueued++;
     return KVO_OK;
@@ -7910,9 +8002,20 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
         if (n) memcpy(c->src, blocks, n * sizeof *blocks); /* blocks may be NULL when n is 0 */
+        r = kvo_queue_push(pipeline->q_eval, c, c->token); /* before its first note: nobody pops meanwhile */
+        if (r == KVO_ENOMEM) { /* as if never enqueued */
+            kvo_event_release(c->pre);
+            c->pre = NULL;
+            pipeline->stats.enqueued--;
+            kvo__slot_free(pipeline, c);
+            kvo__container_recycle(pipeline, c);
+            kvo__unlock(pipeline);
+            return KVO_ENOMEM;
+        }
         *out = kvo__handle_of(pipeline, c);
         kvo__stage(pipeline, c, KVO_STATUS_EVALUATING);
-        if (kvo_queue_push(pipeline->q_eval, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
+        if (r != KVO_OK) kvo__on_drop(c, pipeline); /* its token was cancelled meanwhile */
+        r = KVO_OK;
         pthread_cond_broadcast(&pipeline->cond);
     }
     kvo__unlock(pipeline);
@@ -7980,7 +8083,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
         } else {
             c->info.status = KVO_STATUS_QUEUED;
             kvo__stage(pipeline, c, KVO_STATUS_QUEUED);
-            if (kvo_queue_push(pipeline->q_pre, c, c->token) != KVO_OK) kvo__on_drop(c, pipeline);
+            kvo__push_or_end(pipeline, pipeline->q_pre, c);
         }
         pthread_cond_broadcast(&pipeline->cond);
     }
@@ -8128,9 +8231,7 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
     c = kvo__cancel_locked(pipeline, transfer); /* NULL also when released by another meanwhile */
     if (c) {
         kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
-        pipeline->slots[c->slot].c = NULL;
-        pipeline->slots[c->slot].gen = (pipeline->slots[c->slot].gen + 1) & 0x7fffffffu;
-        stbds_arrput(pipeline->free_slots, c->slot);
+        kvo__slot_free(pipeline, c);
         kvo__container_recycle(pipeline, c);
     }
     kvo__unlock(pipeline);
@@ -8230,8 +8331,9 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
         size_t i;
         pthread_mutex_lock(&landed->lock);
         KVB__ARR_SHRINK(landed->scratch, 0);
-        for (i = 0; i < n; i++)
-            if (dst[i].id) stbds_arrput(landed->scratch, dst[i]);
+        if (kvo__fit(&landed->scratch, n)) /* else out of memory: they stay where they landed */
+            for (i = 0; i < n; i++)
+                if (dst[i].id) stbds_arrput(landed->scratch, dst[i]);
         kvo__manager_send(m, next, landed->scratch, stbds_arrlenu(landed->scratch), NULL);
         pthread_mutex_unlock(&landed->lock);
     }
@@ -8333,6 +8435,10 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
     e = &manager->edges[tier];
     pthread_mutex_lock(&e->lock);
+    if (!kvo__fit(&e->scratch, n)) {
+        pthread_mutex_unlock(&e->lock);
+        return KVO_ENOMEM;
+    }
     KVB__ARR_SHRINK(e->scratch, 0);
     for (i = 0; i < n; i++) stbds_arrput(e->scratch, kvb_weak_of(blocks[i]));
     r = kvo__manager_send(manager, tier, e->scratch, n, out); /* released by kvo__manager_down_done */
@@ -8353,7 +8459,10 @@ static void kvo__manager_back_candidates(kvo_manager *m, uint32_t tier)
     if (st.free_blocks >= want) return;
     want -= st.free_blocks;
     pthread_mutex_lock(&e->lock);
-    if (want > stbds_arrcap(e->scratch)) stbds_arrsetcap(e->scratch, want);
+    if (!kvo__fit(&e->scratch, want)) { /* out of memory: backed at the next poll */
+        pthread_mutex_unlock(&e->lock);
+        return;
+    }
     KVB__ARR_SHRINK(e->scratch, want);
     if (kvb_eviction_candidates(m->cfg.pools[tier], want, e->scratch, &n) == KVB_OK && n)
         kvo__manager_send(m, tier, e->scratch, n, NULL);
