@@ -13828,11 +13828,27 @@ static int kvs__before(const kvs__req *a, const kvs__req *b)
     return a->priority != b->priority ? a->priority > b->priority : a->arrival < b->arrival;
 }
 
+/* Room for every request the scheduler will hold once one more is added (n of them): each per-step list
+ * (the queues, the step's items and their requests, the batches, the preempted) holds a request at most
+ * once, so with this room made at kvs_sched_add a step never grows one, and out of memory an add fails
+ * (KVS_ENOMEM) with nothing changed instead of a step failing half done. The spares of the new request's
+ * class make room for it too: released, it goes there. */
+static int kvs__room_for_requests(kvs_sched *s, size_t n, unsigned cls)
+{
+    return kvo__fit(&s->all, n) && kvo__fit(&s->waiting, n) && kvo__fit(&s->running, n) &&
+           kvo__fit(&s->swapped, n) && kvo__fit(&s->onboarding, n) && kvo__fit(&s->order, n) &&
+           kvo__fit(&s->planned[0], n) && kvo__fit(&s->planned[1], n) && kvo__fit(&s->commits[0], n) &&
+           kvo__fit(&s->commits[1], n) && kvo__fit(&s->prefill, n) && kvo__fit(&s->decode, n) &&
+           kvo__fit(&s->batch, n) && kvo__fit(&s->batch_seqs, n) && kvo__fit(&s->batch_tokens, n) &&
+           kvo__fit(&s->batch_counts, n) && kvo__fit(&s->prefills, n) && kvo__fit(&s->preempted, n) &&
+           kvo__fit(&s->spare[cls], stbds_arrlenu(s->spare[cls]) + n);
+}
+
 static void kvs__queue_insert(kvs__req ***q, kvs__req *r)
 {
     size_t at = stbds_arrlenu(*q);
     while (at > 0 && kvs__before(r, (*q)[at - 1])) at--;
-    stbds_arrput(*q, r);
+    stbds_arrput(*q, r); /* within the room kvs__room_for_requests made */
     memmove(&(*q)[at + 1], &(*q)[at], (stbds_arrlenu(*q) - 1 - at) * sizeof **q);
     (*q)[at] = r;
 }
@@ -13992,7 +14008,7 @@ static int kvs__reserve(kvs__req *r, size_t need)
  * keeping each of them for ever. */
 static void kvs__req_spare(kvs_sched *s, kvs__req *r)
 {
-    stbds_arrput(s->spare[r->spare_class], r);
+    stbds_arrput(s->spare[r->spare_class], r); /* within the room made at its add (kvs__room_for_requests) */
 }
 
 /* A released request given need's class, or NULL (its buffer holds that class, or more when it grew,
@@ -14024,8 +14040,9 @@ static kvs__req *kvs__req_new(kvs_sched *s, size_t need)
         r->kept_seq = kept;
     } else {
         if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
-            void *block = KVB_MALLOC(KVS__SLAB * sizeof(kvs__req_slot) + 63);
-            if (!block) return NULL;
+            void *block;
+            if (!kvo__fit(&s->slabs, stbds_arrlenu(s->slabs) + 1)) return NULL;
+            if (!(block = KVB_MALLOC(KVS__SLAB * sizeof(kvs__req_slot) + 63))) return NULL;
             stbds_arrput(s->slabs, block);
             s->slab_next = (kvs__req_slot *)(void *)(((uintptr_t)block + 63) & ~(uintptr_t)63);
             s->slab_left = KVS__SLAB;
@@ -14118,13 +14135,18 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
     if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
         return KVS_ETOOBIG; /* before the event: it would name an id the next add takes */
-    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) kvs__emit_add(sched, request);
+    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) {
+        if (!kvo__fit(&sched->words, 2 * request->num_extra + request->num_prompt)) return KVS_ENOMEM;
+        kvs__emit_add(sched, request);
+    }
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */
     room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
     if (!(r = kvs__req_new(sched, room))) return KVS_ENOMEM;
     r->spare_class = kvs__class(room);
-    if (!kvs__reserve(r, room)) {
+    if (!kvo__fit(&sched->spare[r->spare_class], stbds_arrlenu(sched->spare[r->spare_class]) + 1))
+        return KVS_ENOMEM; /* a new struct (a spare one has its place there): left in its slab, empty */
+    if (!kvs__reserve(r, room) || !kvs__room_for_requests(sched, stbds_arrlenu(sched->all) + 1, r->spare_class)) {
         kvs__req_spare(sched, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;
     }
@@ -14203,7 +14225,7 @@ static void kvs__swap_out(kvs_sched *s, kvs__req *v)
     kvo_transfer t;
     kvb_seq_blocks(v->seq, &table, &n);
     full = v->registered_blocks < n ? v->registered_blocks : n;
-    if (!full || !down) return;
+    if (!full || !down || !kvo__fit(&s->swap_out, full)) return; /* out of memory: recomputed instead */
     KVB__ARR_SHRINK(s->swap_out, 0);
     w = stbds_arraddnptr(s->swap_out, full); /* kept between swaps: a steady state allocates nothing */
     for (i = 0; i < full; i++) w[i] = kvb_weak_of(table[i]);
@@ -14419,7 +14441,7 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     size_t nh = r->len ? (r->len - 1) / s->block_tokens : 0, dev = 0, ext = 0;
     int async = 0;
     r->lower_hit = 0;
-    if (!s->conn || !nh) return 0;
+    if (!s->conn || !nh || !kvo__fit(&s->hashes, nh)) return 0; /* out of memory: nothing loaded */
     KVB__ARR_SHRINK(s->hashes, 0);
     hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);

@@ -1,0 +1,184 @@
+/* Out of memory in the scheduler of kvsched.h (no tiers; tests/test_sched_oom.c covers the device pool's
+ * event memory): every allocation (KVB_MALLOC and KVB_REALLOC) a call makes is made to fail in turn,
+ * once or from then on, for N = 0, 1, .. until the call makes no Nth. kvs_sched_add returns KVS_ENOMEM
+ * with nothing changed (no request, no count), or adds. The scheduler's own per-step lists never grow in
+ * a step (their room is made at the add): steps, completes and appends with allocations failing succeed
+ * (a request whose sequence finds no memory waits), and with the memory back every request finishes;
+ * then everything is released, no device block is referenced and the pool passes kvb_pool_check. Before,
+ * a step that planned more items than ever crashed in stb_ds's growth. (Leaks show at exit under
+ * AddressSanitizer.) */
+#include <stdlib.h>
+static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
+static int oom_sticky;   /* every allocation from oom_at on fails too */
+static long oom_count;
+static int oom_fired;
+static int oom_fail(void)
+{
+    long i;
+    if (oom_at < 0) return 0;
+    i = oom_count++;
+    if (i == oom_at || (oom_sticky && i > oom_at)) oom_fired = 1;
+    return i == oom_at || (oom_sticky && i > oom_at);
+}
+static void *oom_malloc(size_t n) { return oom_fail() ? NULL : malloc(n); }
+static void *oom_realloc(void *p, size_t n) { return oom_fail() ? NULL : realloc(p, n); }
+#define KVB_MALLOC(sz) oom_malloc(sz)
+#define KVB_REALLOC(p, sz) oom_realloc(p, sz)
+#define KVB_FREE(p) free(p)
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#define KVSCHED_IMPLEMENTATION
+#include "kvsched.h"
+#include "kvtest.h"
+#include "offload_fixtures.h"
+
+static void oom_arm(long at, int sticky)
+{
+    oom_at = at;
+    oom_sticky = sticky;
+    oom_count = 0;
+    oom_fired = 0;
+}
+
+static void oom_disarm(void) { oom_at = -1; }
+
+enum { REQS = 6, MAX_N = 400, PROMPT = 40 };
+
+typedef struct world {
+    kvb_pool *dev;
+    kvs_sched *s;
+    uint64_t id[REQS + 1];
+    size_t n;
+    uint32_t token;
+} world;
+
+static void world_open(world *w, uint32_t num_blocks)
+{
+    kvb_pool_config pc;
+    kvs_sched_config sc;
+    memset(w, 0, sizeof *w);
+    memset(&pc, 0, sizeof pc);
+    pc.num_blocks = num_blocks;
+    pc.block_tokens = 16;
+    KVT_EQ(kvb_pool_create(&pc, &w->dev), KVB_OK);
+    memset(&sc, 0, sizeof sc);
+    sc.device = w->dev;
+    KVT_EQ(kvs_sched_create(&sc, &w->s), KVS_OK);
+    w->token = 1000;
+}
+
+static kvs_result world_add(world *w, uint32_t seed)
+{
+    uint32_t prompt[PROMPT];
+    kvs_request rq;
+    for (uint32_t i = 0; i < PROMPT; i++) prompt[i] = i < 16 ? i : seed * 100 + i; /* a shared first block */
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = PROMPT - seed % 3;
+    rq.max_new_tokens = 20 + seed;
+    kvs_result r = kvs_sched_add(w->s, &rq, &w->id[w->n]);
+    if (r == KVS_OK) w->n++;
+    return r;
+}
+
+/* One step: schedule, complete, a sampled token for every request whose item computed its last token.
+ * Returns how many requests are finished. */
+static size_t world_step(world *w)
+{
+    kvs_step st;
+    size_t finished = 0;
+    KVT_EQ(kvs_sched_step(w->s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(w->s, &st), KVS_OK);
+    for (size_t i = 0; i < st.num_prefill + st.num_decode; i++) {
+        const kvs_sched_item *it = i < st.num_prefill ? &st.prefill[i] : &st.decode[i - st.num_prefill];
+        if (it->num_computed + it->num_new < it->num_tokens) continue;
+        kvs_result r = kvs_sched_append(w->s, it->request, &w->token, 1);
+        KVT_CHECK(r == KVS_OK);
+        w->token++;
+    }
+    for (size_t i = 0; i < w->n; i++) {
+        kvs_slot_info si;
+        if (kvs_sched_get_slot(w->s, w->id[i], &si) == KVS_OK && si.state == KVS_SLOT_FINISHED) finished++;
+    }
+    return finished;
+}
+
+/* With the memory there: run to the end, release every request, and nothing is held. */
+static void world_finish(world *w)
+{
+    char why[256] = "";
+    oom_disarm();
+    for (int i = 0; i < 400 && world_step(w) < w->n; i++) {
+    }
+    KVT_EQ(world_step(w), w->n);
+    for (size_t i = 0; i < w->n; i++) KVT_EQ(kvs_sched_release(w->s, w->id[i]), KVS_OK);
+    KVT_EQ(kvs_sched_idle(w->s), 1);
+    kvs_sched_destroy(w->s);
+    kvb_pool_stats ps;
+    KVT_EQ(kvb_pool_get_stats(w->dev, &ps), KVB_OK);
+    KVT_EQ(ps.active_blocks, 0);
+    KVT_EQ(kvb_pool_check(w->dev, why, sizeof why), KVB_OK);
+    kvb_pool_destroy(w->dev);
+}
+
+static void test_add_out_of_memory(void)
+{
+    for (int sticky = 0; sticky < 2; sticky++)
+        for (long at = 0; at < MAX_N; at++) {
+            world w;
+            kvs_sched_stats before, after;
+            world_open(&w, 24); /* 6 prompts of 3 blocks and their tokens do not all fit: preemption */
+            for (uint32_t i = 0; i < 3; i++) KVT_EQ(world_add(&w, i), KVS_OK);
+            (void)world_step(&w);
+            KVT_EQ(kvs_sched_get_stats(w.s, &before), KVS_OK);
+            oom_arm(at, sticky);
+            kvs_result r = world_add(&w, 3);
+            int fired = oom_fired;
+            oom_disarm();
+            KVT_CHECK(r == KVS_OK || r == KVS_ENOMEM);
+            KVT_EQ(kvs_sched_get_stats(w.s, &after), KVS_OK);
+            if (r == KVS_ENOMEM) {
+                KVT_EQ(after.waiting, before.waiting);
+                KVT_EQ(after.prompt_tokens, before.prompt_tokens);
+                kvs_slot_info si;
+                KVT_EQ(kvs_sched_get_slot(w.s, w.id[2] + 1, &si), KVS_ENOTFOUND);
+            }
+            KVT_EQ(world_add(&w, 4), KVS_OK); /* the memory is back */
+            world_finish(&w);
+            if (!fired) break;
+        }
+}
+
+/* Requests added with the memory there, then steps with allocations failing (from the Nth on, or only
+ * the Nth): every call succeeds and every request finishes. Four requests run first, so the step's lists
+ * hold four; then two more come, and the next step plans six items: with a device that holds them all
+ * (64 blocks) the lists must not grow then, and with one that does not (24) preemption runs without
+ * memory too. */
+static void steps_without_memory(uint32_t num_blocks)
+{
+    for (int sticky = 0; sticky < 2; sticky++)
+        for (long at = 0; at < MAX_N; at++) {
+            world w;
+            world_open(&w, num_blocks);
+            for (uint32_t i = 0; i < 4; i++) KVT_EQ(world_add(&w, i), KVS_OK);
+            for (int i = 0; i < 2; i++) (void)world_step(&w); /* the step's lists hold 4 */
+            for (uint32_t i = 4; i < REQS; i++) KVT_EQ(world_add(&w, i), KVS_OK);
+            oom_arm(at, sticky);
+            for (int i = 0; i < 60; i++) (void)world_step(&w);
+            int fired = oom_fired;
+            world_finish(&w);
+            if (!fired) break;
+        }
+}
+
+static void test_steps_without_memory_all_running(void) { steps_without_memory(64); }
+static void test_steps_without_memory_preempting(void) { steps_without_memory(24); }
+
+int main(void)
+{
+    of_watchdog(300);
+    KVT_RUN(test_add_out_of_memory);
+    KVT_RUN(test_steps_without_memory_all_running);
+    KVT_RUN(test_steps_without_memory_preempting);
+    return kvt_summary();
+}
