@@ -293,7 +293,11 @@ typedef struct kvs_connector kvs_connector;
 KVS_API kvs_result kvs_connector_create(const kvs_connector_config *config, kvs_connector **out);
 KVS_API void kvs_connector_destroy(kvs_connector *connector);
 
-/* Scheduler side. Tokens the lower tiers hold right after the first num_computed tokens (whole blocks
+/* Out of memory, the calls below return KVS_ENOMEM and change nothing (an out parameter gets an empty
+ * answer): what was noted, built or bound stays for the next call; blocks whose note_registered failed
+ * are not offered, and a load whose blocks find no room is computed instead.
+ *
+ * Scheduler side. Tokens the lower tiers hold right after the first num_computed tokens (whole blocks
  * of `hashes`, the request's full-block hashes); *out_async = 1 when they must be loaded first. Counted
  * from num_computed itself: num_computed + *out_tokens ends on a block boundary within the hashes, also
  * when num_computed does not (the block it falls in is loaded whole). */
@@ -2314,7 +2318,7 @@ static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
     KVB__ARR_SHRINK(p->hashes, 0);
     KVB__ARR_SHRINK(p->runs, 0);
     KVB__ARR_SHRINK(p->built, 0);
-    if (p->room) stbds_arrput(c->spare_plans, *p);
+    if (p->room && kvo__fit(&c->spare_plans, stbds_arrlenu(c->spare_plans) + 1)) stbds_arrput(c->spare_plans, *p);
     else kvs__plan_free(p);
     stbds_arrdelswap(c->plans, at);
 }
@@ -2453,6 +2457,7 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
     *out_tokens = 0;
     *out_async = 0;
     first = num_computed / c->block_tokens;
+    if (!kvo__fit(&c->tier_of, num_hashes)) return KVS_ENOMEM;
     KVB__ARR_SHRINK(c->tier_of, 0);
     tier_of = stbds_arraddnptr(c->tier_of, num_hashes);
     if (first >= num_hashes) { /* nothing after num_computed: no lookup, but the answer replaces the plan */
@@ -2462,15 +2467,23 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
         kvo_manager_lookup(c->cfg.tiers, hashes, num_hashes, tier_of, &found);
     }
     pthread_mutex_lock(&c->lock);
-    if ((p = kvs__plan_of(c, request)) != NULL) {
-        if (p->loads_active) { /* its loads are on their way: they end before the request asks again */
-            pthread_mutex_unlock(&c->lock);
-            return KVS_ESTATE;
-        }
-        kvs__plan_drop(c, p); /* a new question replaces the plan */
+    if ((p = kvs__plan_of(c, request)) != NULL && p->loads_active) { /* its loads are on their way: they end
+                                                                       before the request asks again */
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ESTATE;
     }
-    if (found > first) {
+    if (found > first) { /* the new plan's room (a run, a built load and a loaded block per hash at most) */
         fresh = kvs__plan_new(c, request, num_hashes);
+        if (!kvo__fit(&fresh.hashes, num_hashes) || !kvo__fit(&fresh.runs, num_hashes) ||
+            !kvo__fit(&fresh.built, num_hashes) || !kvo__fit(&fresh.loaded, num_hashes) ||
+            !kvo__fit(&c->plans, stbds_arrlenu(c->plans) + 1)) {
+            kvs__plan_free(&fresh);
+            pthread_mutex_unlock(&c->lock);
+            return KVS_ENOMEM; /* the old plan stands */
+        }
+    }
+    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* a new question replaces the plan */
+    if (found > first) {
         memcpy(stbds_arraddnptr(fresh.hashes, num_hashes), hashes, num_hashes * sizeof *hashes);
         for (i = first; i < found; i++) { /* runs of blocks held by one lower tier */
             kvs_load *last = stbds_arrlen(fresh.runs) ? &stbds_arrlast(fresh.runs) : NULL;
@@ -2484,7 +2497,7 @@ static kvs_result kvs__conn_get_num_new_matched_tokens(kvs_connector *c, uint64_
                 l.tier = tier_of[i];
                 l.first_block = (uint32_t)i;
                 l.num_blocks = 1;
-                stbds_arrput(fresh.runs, l);
+                stbds_arrput(fresh.runs, l); /* within the room made */
             }
         }
         fresh.computed = num_computed;
@@ -2538,6 +2551,10 @@ static kvs_result kvs__conn_note_registered(kvs_connector *c, uint64_t request, 
     if (!c || (n && !blocks)) return KVS_EINVAL;
     if (!n || c->cfg.offload != KVS_OFFLOAD_EAGER) return KVS_OK;
     pthread_mutex_lock(&c->lock);
+    if (!kvo__fit(&c->noted, stbds_arrlenu(c->noted) + n)) { /* out of memory: not offered */
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM;
+    }
     event = c->next_event++;
     for (i = 0; i < n; i++) {
         kvs_store s;
@@ -2553,8 +2570,22 @@ static kvs_result kvs__conn_note_registered(kvs_connector *c, uint64_t request, 
 static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out)
 {
     size_t i, j;
+    size_t loads = 0, built = 0;
     if (!c || !out) return KVS_EINVAL;
+    memset(out, 0, sizeof *out);
     pthread_mutex_lock(&c->lock);
+    for (i = 0; i < stbds_arrlenu(c->plans); i++) { /* the room all of it takes, made first */
+        const kvs__plan *p = &c->plans[i];
+        loads += p->accepted && p->async && !stbds_arrlen(p->runs);
+        built += stbds_arrlenu(p->built) + (p->accepted ? stbds_arrlenu(p->runs) : 0);
+    }
+    if (!kvo__fit(&c->loads, stbds_arrlenu(c->loads) + loads) || !kvo__fit(&c->meta_loads, built) ||
+        !kvo__fit(&c->built_stores, stbds_arrlenu(c->built_stores) + stbds_arrlenu(c->noted)) ||
+        !kvo__fit(&c->meta_stores, stbds_arrlenu(c->built_stores) + stbds_arrlenu(c->noted))) {
+        out->step = c->step;
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM; /* nothing built (an empty meta): the next step builds it */
+    }
     KVB__ARR_SHRINK(c->meta_loads, 0);
     KVB__ARR_SHRINK(c->meta_stores, 0);
     for (i = 0; i < stbds_arrlenu(c->plans); i++) {
@@ -2606,6 +2637,10 @@ static kvs_result kvs__conn_bind_meta(kvs_connector *c, const kvs_connector_meta
             return KVS_EINVAL;
         }
     }
+    if (!kvo__fit(&c->bound_loads, meta->num_loads) || !kvo__fit(&c->bound_stores, meta->num_stores)) {
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM; /* nothing bound */
+    }
     KVB__ARR_SHRINK(c->bound_loads, 0);
     KVB__ARR_SHRINK(c->bound_stores, 0);
     if (meta->num_loads) memcpy(stbds_arraddnptr(c->bound_loads, meta->num_loads), meta->loads, meta->num_loads * sizeof *meta->loads);
@@ -2619,6 +2654,10 @@ static kvs_result kvs__conn_start_loads(kvs_connector *c)
     size_t i;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
+    if (!kvo__fit(&c->loads, stbds_arrlenu(c->loads) + stbds_arrlenu(c->bound_loads))) {
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM; /* none started: they stay bound for the next call */
+    }
     for (i = 0; i < stbds_arrlenu(c->bound_loads); i++) {
         kvs__plan *p = kvs__plan_of(c, c->bound_loads[i].request);
         kvs__active_load a;
@@ -2646,6 +2685,11 @@ static kvs_result kvs__conn_start_stores(kvs_connector *c)
     kvo_transfer t;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
+    if (!kvo__fit(&c->offer, stbds_arrlenu(c->bound_stores)) ||
+        !kvo__fit(&c->stores, stbds_arrlenu(c->stores) + stbds_arrlenu(c->bound_stores))) {
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM; /* none started: they stay bound for the next call */
+    }
     nb = stbds_arrlenu(c->built_stores);
     for (i = w = 0; i < stbds_arrlenu(c->bound_stores); i++) { /* the bound stores not started yet */
         const kvs_store *b = &c->bound_stores[i];
@@ -2697,9 +2741,11 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         if (kvo_transfer_get_info(up, a->t, &info) != KVO_OK) info.status = KVO_STATUS_FAILED;
         if (info.status < KVO_STATUS_COMPLETE) return 0;
         KVB__ARR_SHRINK(c->got, 0);
-        got = stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1);
-        if (info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
-            if (p && n) memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got); /* n = 0: a miss */
+        got = kvo__fit(&c->got, info.blocks ? info.blocks : 1) ? stbds_arraddnptr(c->got, info.blocks ? info.blocks : 1)
+                                                               : NULL; /* out of memory: computed instead */
+        if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
+            if (p && n && kvo__fit(&p->loaded, stbds_arrlenu(p->loaded) + n)) /* n = 0: a miss */
+                memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
             else if (n) kvb_release(c->cfg.device, got, n, NULL);
         }
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
@@ -2718,8 +2764,13 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
     size_t i, w;
     uint64_t fin = 0; /* a transfer seen finished: its other events finish with it */
     if (!c || !out) return KVS_EINVAL;
+    memset(out, 0, sizeof *out);
     kvo_manager_poll(c->cfg.tiers);
     pthread_mutex_lock(&c->lock);
+    if (!kvo__fit(&c->fin_loads, stbds_arrlenu(c->loads)) || !kvo__fit(&c->fin_stores, stbds_arrlenu(c->stores))) {
+        pthread_mutex_unlock(&c->lock);
+        return KVS_ENOMEM; /* nothing reported: the next call reports it */
+    }
     KVB__ARR_SHRINK(c->fin_loads, 0);
     KVB__ARR_SHRINK(c->fin_stores, 0);
     for (i = w = 0; i < stbds_arrlenu(c->loads); i++)

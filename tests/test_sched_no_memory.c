@@ -45,14 +45,18 @@ static void oom_disarm(void) { oom_at = -1; }
 enum { REQS = 6, MAX_N = 400, PROMPT = 40 };
 
 typedef struct world {
-    kvb_pool *dev;
+    kvb_pool *dev, *host;
+    kvo_backend *copy;
+    kvo_manager *tiers;
     kvs_sched *s;
     uint64_t id[REQS + 1];
     size_t n;
     uint32_t token;
 } world;
 
-static void world_open(world *w, uint32_t num_blocks)
+/* A device pool of num_blocks; with `tiers`, a host tier under an eager manager (poll mode): the
+ * connector offers every registered block and onboards what the host holds. */
+static void world_open(world *w, uint32_t num_blocks, int tiers)
 {
     kvb_pool_config pc;
     kvs_sched_config sc;
@@ -63,6 +67,21 @@ static void world_open(world *w, uint32_t num_blocks)
     KVT_EQ(kvb_pool_create(&pc, &w->dev), KVB_OK);
     memset(&sc, 0, sizeof sc);
     sc.device = w->dev;
+    if (tiers) {
+        kvo_manager_config mc;
+        pc.num_blocks = 64;
+        KVT_EQ(kvb_pool_create(&pc, &w->host), KVB_OK);
+        KVT_EQ(kvo_memcpy_backend_create(0, &w->copy), KVO_OK);
+        memset(&mc, 0, sizeof mc);
+        mc.num_tiers = 2;
+        mc.pools[0] = w->dev;
+        mc.pools[1] = w->host;
+        mc.down[0] = w->copy;
+        mc.up[1] = w->copy;
+        mc.pipeline.mode = KVO_MODE_POLL;
+        KVT_EQ(kvo_manager_create(&mc, &w->tiers), KVO_OK);
+        sc.tiers = w->tiers;
+    }
     KVT_EQ(kvs_sched_create(&sc, &w->s), KVS_OK);
     w->token = 1000;
 }
@@ -107,6 +126,7 @@ static size_t world_step(world *w)
 static void world_finish(world *w)
 {
     char why[256] = "";
+    kvb_pool_stats ps0;
     oom_disarm();
     for (int i = 0; i < 400 && world_step(w) < w->n; i++) {
     }
@@ -114,6 +134,14 @@ static void world_finish(world *w)
     for (size_t i = 0; i < w->n; i++) KVT_EQ(kvs_sched_release(w->s, w->id[i]), KVS_OK);
     KVT_EQ(kvs_sched_idle(w->s), 1);
     kvs_sched_destroy(w->s);
+    if (w->tiers) {
+        kvo_manager_destroy(w->tiers);
+        kvo_backend_destroy(w->copy);
+        KVT_EQ(kvb_pool_get_stats(w->host, &ps0), KVB_OK);
+        KVT_EQ(ps0.active_blocks, 0);
+        KVT_EQ(kvb_pool_check(w->host, why, sizeof why), KVB_OK);
+        kvb_pool_destroy(w->host);
+    }
     kvb_pool_stats ps;
     KVT_EQ(kvb_pool_get_stats(w->dev, &ps), KVB_OK);
     KVT_EQ(ps.active_blocks, 0);
@@ -127,7 +155,7 @@ static void test_add_out_of_memory(void)
         for (long at = 0; at < MAX_N; at++) {
             world w;
             kvs_sched_stats before, after;
-            world_open(&w, 24); /* 6 prompts of 3 blocks and their tokens do not all fit: preemption */
+            world_open(&w, 24, 0); /* 6 prompts of 3 blocks and their tokens do not all fit: preemption */
             for (uint32_t i = 0; i < 3; i++) KVT_EQ(world_add(&w, i), KVS_OK);
             (void)world_step(&w);
             KVT_EQ(kvs_sched_get_stats(w.s, &before), KVS_OK);
@@ -154,12 +182,12 @@ static void test_add_out_of_memory(void)
  * hold four; then two more come, and the next step plans six items: with a device that holds them all
  * (64 blocks) the lists must not grow then, and with one that does not (24) preemption runs without
  * memory too. */
-static void steps_without_memory(uint32_t num_blocks)
+static void steps_without_memory(uint32_t num_blocks, int tiers)
 {
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0; at < MAX_N; at++) {
             world w;
-            world_open(&w, num_blocks);
+            world_open(&w, num_blocks, tiers);
             for (uint32_t i = 0; i < 4; i++) KVT_EQ(world_add(&w, i), KVS_OK);
             for (int i = 0; i < 2; i++) (void)world_step(&w); /* the step's lists hold 4 */
             for (uint32_t i = 4; i < REQS; i++) KVT_EQ(world_add(&w, i), KVS_OK);
@@ -171,8 +199,10 @@ static void steps_without_memory(uint32_t num_blocks)
         }
 }
 
-static void test_steps_without_memory_all_running(void) { steps_without_memory(64); }
-static void test_steps_without_memory_preempting(void) { steps_without_memory(24); }
+static void test_steps_without_memory_all_running(void) { steps_without_memory(64, 0); }
+static void test_steps_without_memory_preempting(void) { steps_without_memory(24, 0); }
+/* With a host tier: the connector's stores, loads and their reports without memory too. */
+static void test_steps_without_memory_host_tier(void) { steps_without_memory(24, 1); }
 
 int main(void)
 {
@@ -180,5 +210,6 @@ int main(void)
     KVT_RUN(test_add_out_of_memory);
     KVT_RUN(test_steps_without_memory_all_running);
     KVT_RUN(test_steps_without_memory_preempting);
+    KVT_RUN(test_steps_without_memory_host_tier);
     return kvt_summary();
 }
