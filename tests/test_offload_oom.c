@@ -8,41 +8,13 @@
  * ring, a release caches less), on_done called once per transfer but those counted in
  * stats.notes_lost, and once every transfer is released and the pipeline destroyed, no block of either
  * pool is referenced and both pass kvb_pool_check. (Leaks show at exit under AddressSanitizer.) */
-#include <stdlib.h>
-static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
-static int oom_sticky;   /* every allocation from oom_at on fails too */
-static long oom_count;
-static int oom_fired;
+#include "oom_hooks.h"
 static long oom_iters, counts_lost; /* runs armed; destinations with a child count lost */
-static int oom_fail(void)
-{
-    long i;
-    if (oom_at < 0) return 0;
-    i = oom_count++;
-    if (i == oom_at || (oom_sticky && i > oom_at)) oom_fired = 1;
-    return i == oom_at || (oom_sticky && i > oom_at);
-}
-static void *oom_malloc(size_t n) { return oom_fail() ? NULL : malloc(n); }
-static void *oom_realloc(void *p, size_t n) { return oom_fail() ? NULL : realloc(p, n); }
-#define KVB_MALLOC(sz) oom_malloc(sz)
-#define KVB_REALLOC(p, sz) oom_realloc(p, sz)
-#define KVB_FREE(p) free(p)
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
 #include "kvtest.h"
 #include "offload_fixtures.h"
-
-static void oom_arm(long at, int sticky)
-{
-    oom_at = at;
-    oom_iters++;
-    oom_sticky = sticky;
-    oom_count = 0;
-    oom_fired = 0;
-}
-
-static void oom_disarm(void) { oom_at = -1; }
 
 enum { BLOCKS = 12, MAX_N = 400 };
 
@@ -126,6 +98,7 @@ static void test_create_out_of_memory(void)
             rig r;
             rig_open(&r, KVO_MODE_POLL);
             oom_arm(at, sticky);
+            oom_iters++;
             kvo_result cr = kvo_pipeline_create(&r.pc, &r.p);
             int fired = oom_fired;
             oom_disarm();
@@ -158,6 +131,7 @@ static void test_enqueue_out_of_memory(void)
             r.p = of_pipeline(&r.pc);
             stage_notes = 0;
             oom_arm(at, sticky);
+            oom_iters++;
             kvo_result er = kvo_enqueue(r.p, r.weak, 8, NULL, &t[0]);
             int fired = oom_fired;
             oom_disarm();
@@ -195,6 +169,7 @@ static void test_stages_out_of_memory(void)
             KVT_EQ(kvo_enqueue(r.p, &r.weak[4], 4, &hi, &t[1]), KVO_OK);
             KVT_EQ(kvo_enqueue(r.p, &r.weak[8], 4, NULL, &t[2]), KVO_OK);
             oom_arm(at, sticky);
+            oom_iters++;
             of_polls(r.p, &r.clock, 20000, 6);
             int fired = oom_fired;
             oom_disarm();
@@ -219,6 +194,7 @@ static void test_onboard_out_of_memory(void)
             r.pc.presence = -1;
             r.p = of_pipeline(&r.pc);
             oom_arm(at, sticky);
+            oom_iters++;
             kvo_result orr = kvo_onboard(r.p, r.h, 6, NULL, &t);
             of_polls(r.p, &r.clock, 20000, 6);
             int fired = oom_fired;
@@ -266,6 +242,7 @@ static void test_manager_offer_out_of_memory(void)
             mc.pipeline.min_batch = 1;
             KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
             oom_arm(at, sticky);
+            oom_iters++;
             kvo_result r = kvo_manager_offer(m, 0, strong, 6, NULL);
             for (int i = 0; i < 8; i++) kvo_manager_poll(m);
             int fired = oom_fired;

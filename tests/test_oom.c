@@ -15,38 +15,11 @@
  * block_init. Last, events that find no memory for their batch (calls that reserve none) arrive in
  * parts, none lost, and releases that find no memory for the eviction rings cache less, under every
  * policy. */
-#include <stdlib.h>
-static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
-static int oom_sticky;   /* every allocation from oom_at on fails too */
-static long oom_count;   /* allocations asked for while armed */
-static int oom_fired;
-static int oom_fail(void)
-{
-    long i;
-    if (oom_at < 0) return 0;
-    i = oom_count++;
-    if (i == oom_at || (oom_sticky && i > oom_at)) oom_fired = 1;
-    return i == oom_at || (oom_sticky && i > oom_at);
-}
-static void *oom_malloc(size_t n) { return oom_fail() ? NULL : malloc(n); }
-static void *oom_realloc(void *p, size_t n) { return oom_fail() ? NULL : realloc(p, n); }
-#define KVB_MALLOC(sz) oom_malloc(sz)
-#define KVB_REALLOC(p, sz) oom_realloc(p, sz)
-#define KVB_FREE(p) free(p)
+#include "oom_hooks.h"
 #define KVBLOCK_IMPLEMENTATION
 #include "kvblock.h"
 #include "kvtest.h"
 #include "fixtures.h"
-
-static void oom_arm(long at, int sticky)
-{
-    oom_at = at;
-    oom_sticky = sticky;
-    oom_count = 0;
-    oom_fired = 0;
-}
-
-static void oom_disarm(void) { oom_at = -1; }
 
 enum { BT = 4, MAX_SEQS = 4, MAX_TOKENS = 512, MAX_BLOCKS = 128, MAX_N = 4000 };
 

@@ -1546,26 +1546,32 @@ static void test_result_strings(void)
     KVT_CHECK(strcmp(kvs_result_string(KVO_ECHECKSUM), kvo_result_string(KVO_ECHECKSUM)) == 0);
 }
 
+/* A scheduler over a device pool of its own (no tiers, no bus). */
+static void open_plain_sched(uint32_t num_blocks, uint32_t block_tokens, kvb_pool **dev, kvs_sched **s)
+{
+    kvb_pool_config pc;
+    kvs_sched_config sc;
+    memset(&pc, 0, sizeof pc);
+    pc.num_blocks = num_blocks;
+    pc.block_tokens = block_tokens;
+    KVT_EQ(kvb_pool_create(&pc, dev), KVB_OK);
+    memset(&sc, 0, sizeof sc);
+    sc.device = *dev;
+    KVT_EQ(kvs_sched_create(&sc, s), KVS_OK);
+}
+
 /* One token a block: a prompt whose every token is cached (a running request's identical prompt) still
  * has its last token computed into a block of its own, never into the registered block the other
  * request holds. */
 static void test_one_token_blocks_last_token_in_a_block_of_its_own(void)
 {
-    kvb_pool_config pc;
     kvb_pool *dev;
-    kvs_sched_config sc;
     kvs_sched *s;
     kvs_step st;
     kvs_request rq;
     uint32_t prompt[8] = {11, 12, 13, 14, 15, 16, 17, 18};
     uint64_t a, b;
-    memset(&pc, 0, sizeof pc);
-    pc.num_blocks = 32;
-    pc.block_tokens = 1;
-    KVT_EQ(kvb_pool_create(&pc, &dev), KVB_OK);
-    memset(&sc, 0, sizeof sc);
-    sc.device = dev;
-    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    open_plain_sched(32, 1, &dev, &s);
     memset(&rq, 0, sizeof rq);
     rq.prompt = prompt;
     rq.num_prompt = 8;
@@ -1601,21 +1607,13 @@ static void test_one_token_blocks_last_token_in_a_block_of_its_own(void)
  * find the released struct. */
 static void test_append_to_id_zero_after_a_release(void)
 {
-    kvb_pool_config pc;
     kvb_pool *dev;
-    kvs_sched_config sc;
     kvs_sched *s;
     kvs_step st;
     kvs_request rq;
     uint32_t prompt[5] = {1, 2, 3, 4, 5}, tok = 9;
     uint64_t a;
-    memset(&pc, 0, sizeof pc);
-    pc.num_blocks = 8;
-    pc.block_tokens = 4;
-    KVT_EQ(kvb_pool_create(&pc, &dev), KVB_OK);
-    memset(&sc, 0, sizeof sc);
-    sc.device = dev;
-    KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+    open_plain_sched(8, 4, &dev, &s);
     memset(&rq, 0, sizeof rq);
     rq.prompt = prompt;
     rq.num_prompt = 5;

@@ -7,40 +7,13 @@
  * then everything is released, no device block is referenced and the pool passes kvb_pool_check. Before,
  * a step that planned more items than ever crashed in stb_ds's growth. (Leaks show at exit under
  * AddressSanitizer.) */
-#include <stdlib.h>
-static long oom_at = -1; /* the allocation, counted from 0 while armed, that fails; -1: none */
-static int oom_sticky;   /* every allocation from oom_at on fails too */
-static long oom_count;
-static int oom_fired;
-static int oom_fail(void)
-{
-    long i;
-    if (oom_at < 0) return 0;
-    i = oom_count++;
-    if (i == oom_at || (oom_sticky && i > oom_at)) oom_fired = 1;
-    return i == oom_at || (oom_sticky && i > oom_at);
-}
-static void *oom_malloc(size_t n) { return oom_fail() ? NULL : malloc(n); }
-static void *oom_realloc(void *p, size_t n) { return oom_fail() ? NULL : realloc(p, n); }
-#define KVB_MALLOC(sz) oom_malloc(sz)
-#define KVB_REALLOC(p, sz) oom_realloc(p, sz)
-#define KVB_FREE(p) free(p)
+#include "oom_hooks.h"
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
 #include "kvsched.h"
 #include "kvtest.h"
 #include "offload_fixtures.h"
-
-static void oom_arm(long at, int sticky)
-{
-    oom_at = at;
-    oom_sticky = sticky;
-    oom_count = 0;
-    oom_fired = 0;
-}
-
-static void oom_disarm(void) { oom_at = -1; }
 
 enum { REQS = 6, MAX_N = 400, PROMPT = 40 };
 
