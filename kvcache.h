@@ -5591,8 +5591,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 /* Room for `need` elements in the stb_ds array *pa, grown as appends grow it (kvb__arr_fit): 0 when the
  * memory is not there, the array unchanged. Every append that could grow an array has its room made so
  * first: stb_ds's own growth writes through a failed realloc. */
-#define kvo__fit(pa, need) kvo__fit_((void **)(void *)(pa), sizeof **(pa), (need))
-static int kvo__fit_(void **a, size_t elemsize, size_t need) { return kvb__arr_fit(a, elemsize, need); }
+#define kvo__fit(pa, need) kvb__arr_fit((void **)(void *)(pa), sizeof **(pa), (need))
 #define KVO__SLOT_ALIGN 4096u
 #define KVO__HEADER_BYTES 4096u
 #define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */
@@ -14193,11 +14192,12 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */
     room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
-    if (!(r = kvs__req_new(sched, room))) return KVS_ENOMEM;
+    /* the room first: a request that cannot be added then goes back to the spares without allocating */
+    if (!kvs__room_for_requests(sched, stbds_arrlenu(sched->all) + 1, kvs__class(room)) ||
+        !(r = kvs__req_new(sched, room)))
+        return KVS_ENOMEM;
     r->spare_class = kvs__class(room);
-    if (!kvo__fit(&sched->spare[r->spare_class], stbds_arrlenu(sched->spare[r->spare_class]) + 1))
-        return KVS_ENOMEM; /* a new struct (a spare one has its place there): left in its slab, empty */
-    if (!kvs__reserve(r, room) || !kvs__room_for_requests(sched, stbds_arrlenu(sched->all) + 1, r->spare_class)) {
+    if (!kvs__reserve(r, room)) {
         kvs__req_spare(sched, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;
     }

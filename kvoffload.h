@@ -575,8 +575,7 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
 /* Room for `need` elements in the stb_ds array *pa, grown as appends grow it (kvb__arr_fit): 0 when the
  * memory is not there, the array unchanged. Every append that could grow an array has its room made so
  * first: stb_ds's own growth writes through a failed realloc. */
-#define kvo__fit(pa, need) kvo__fit_((void **)(void *)(pa), sizeof **(pa), (need))
-static int kvo__fit_(void **a, size_t elemsize, size_t need) { return kvb__arr_fit(a, elemsize, need); }
+#define kvo__fit(pa, need) kvb__arr_fit((void **)(void *)(pa), sizeof **(pa), (need))
 #define KVO__SLOT_ALIGN 4096u
 #define KVO__HEADER_BYTES 4096u
 #define KVO__DISK_MAGIC 0x3142564bu /* "KVB1" */

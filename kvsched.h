@@ -3470,11 +3470,12 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */
     room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
-    if (!(r = kvs__req_new(sched, room))) return KVS_ENOMEM;
+    /* the room first: a request that cannot be added then goes back to the spares without allocating */
+    if (!kvs__room_for_requests(sched, stbds_arrlenu(sched->all) + 1, kvs__class(room)) ||
+        !(r = kvs__req_new(sched, room)))
+        return KVS_ENOMEM;
     r->spare_class = kvs__class(room);
-    if (!kvo__fit(&sched->spare[r->spare_class], stbds_arrlenu(sched->spare[r->spare_class]) + 1))
-        return KVS_ENOMEM; /* a new struct (a spare one has its place there): left in its slab, empty */
-    if (!kvs__reserve(r, room) || !kvs__room_for_requests(sched, stbds_arrlenu(sched->all) + 1, r->spare_class)) {
+    if (!kvs__reserve(r, room)) {
         kvs__req_spare(sched, r); /* not freed: the last step's items may still name it */
         return KVS_ENOMEM;
     }
