@@ -9233,6 +9233,8 @@ static int kvo__rheader_ok(const kvo__redis *r, const kvb_hash *h, const unsigne
 
 /* ---- connections -------------------------------------------------------------------------------- */
 
+static void kvo__rclient_free(kvo__rclient *cl);
+
 static int kvo__rclient_init(kvo__rclient *cl)
 {
     size_t i;
@@ -9240,7 +9242,10 @@ static int kvo__rclient_init(kvo__rclient *cl)
     if (pthread_mutex_init(&cl->lock, NULL) != 0) return 0;
     cl->slot_node = (uint16_t *)KVO__RALLOC(KVO__R_SLOTS * sizeof *cl->slot_node);
     cl->rbuf = (char *)KVO__RALLOC(KVO__R_RBUF);
-    if (!cl->slot_node || !cl->rbuf) return 0;
+    if (!cl->slot_node || !cl->rbuf) {
+        kvo__rclient_free(cl);
+        return 0;
+    }
     for (i = 0; i < KVO__R_SLOTS; i++) cl->slot_node[i] = KVO__R_NO_NODE;
     return 1;
 }
@@ -9258,7 +9263,9 @@ static void kvo__rclient_free(kvo__rclient *cl)
     pthread_mutex_destroy(&cl->lock);
 }
 
-/* Index of host:port among the client's nodes, added when new; -1 when out of memory. */
+/* Index of host:port among the client's nodes, added when new; -1 when there are too many, KVO__R_NOMEM
+ * when out of memory. */
+#define KVO__R_NOMEM (-3) /* kvo__rnode_find and the parsers above it: out of memory */
 static int kvo__rnode_find(kvo__rclient *cl, const char *host, size_t host_len, int port)
 {
     size_t i;
@@ -9272,7 +9279,7 @@ static int kvo__rnode_find(kvo__rclient *cl, const char *host, size_t host_len, 
     if (cl->n_nodes == cl->cap_nodes) {
         size_t cap = cl->cap_nodes ? 2 * cl->cap_nodes : 4;
         kvo__rnode *nn = (kvo__rnode *)KVO__RALLOC(cap * sizeof *nn);
-        if (!nn) return -1;
+        if (!nn) return KVO__R_NOMEM;
         if (cl->n_nodes) memcpy(nn, cl->nodes, cl->n_nodes * sizeof *nn);
         KVO__RFREE(cl->nodes);
         cl->nodes = nn;
@@ -9313,7 +9320,8 @@ static int kvo__rnode_parse(kvo__rclient *cl, const char *s, size_t len)
 }
 
 /* The seeds of config.servers into the client's nodes; the count, -1 for a malformed list, -2 for one
- * holding credentials (user:password@host: refused, so that no message ever repeats them). */
+ * holding credentials (user:password@host: refused, so that no message ever repeats them), KVO__R_NOMEM
+ * when out of memory. */
 static int kvo__rseeds(kvo__redis *r, kvo__rclient *cl)
 {
     const char *p = r->servers;
@@ -9328,7 +9336,8 @@ static int kvo__rseeds(kvo__redis *r, kvo__rclient *cl)
             const char *t = e;
             if (!strncmp(p, "redis://", 8)) p += 8;
             while (t > p && (t[-1] == ' ' || t[-1] == '/')) t--;
-            if (kvo__rnode_parse(cl, p, (size_t)(t - p)) < 0) return -1;
+            int node = kvo__rnode_parse(cl, p, (size_t)(t - p));
+            if (node < 0) return node == KVO__R_NOMEM ? KVO__R_NOMEM : -1;
             count++;
         }
         p = *e ? e + 1 : e;
@@ -10408,6 +10417,10 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
                                  "password / password_env");
         return KVO_EINVAL;
     }
+    if (count == KVO__R_NOMEM) {
+        kvo__rmsg(msg, msg_size, "redis: out of memory");
+        return KVO_ENOMEM;
+    }
     if (count <= 0) {
         kvo__rmsg(msg, msg_size, "redis: bad server list \"%s\" (want host:port[,host:port...])", r->servers);
         return KVO_EINVAL;
@@ -10521,14 +10534,14 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
     r->base.destroy = kvo__redis_destroy;
     r->base.name = "redis";
     r->base.impl = r;
-    if (!r->clients) r->n_clients = 0;
     if (!r->servers || !r->prefix || (password && !r->password) || (config->username && !r->username) || !r->clients) {
+        r->n_clients = 0; /* none set up yet: the free walks none */
         kvo__redis_free(r);
         return KVO_ENOMEM;
     }
     for (i = 0; i < r->n_clients; i++)
-        if (!kvo__rclient_init(&r->clients[i])) {
-            r->n_clients = i + 1;
+        if (!kvo__rclient_init(&r->clients[i])) { /* it gave back what it took */
+            r->n_clients = i;
             kvo__redis_free(r);
             return KVO_ENOMEM;
         }
@@ -12150,6 +12163,10 @@ KVS_API kvs_result kvs_bus_subscribe(kvs_bus *bus, uint64_t kinds, kvs_event_fn 
     kvs__sub s;
     if (!bus || !fn) return KVS_EINVAL;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->subs, stbds_arrlenu(bus->subs) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        return KVS_ENOMEM;
+    }
     s.id = bus->next_id++;
     s.kinds = kinds;
     s.fn = fn;
@@ -12193,6 +12210,12 @@ KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capaci
     r->bus = bus;
     r->kinds = kinds;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->readers, stbds_arrlenu(bus->readers) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        KVB_FREE(r->ring.ev);
+        KVB_FREE(r);
+        return KVS_ENOMEM;
+    }
     stbds_arrput(bus->readers, r);
     kvs__rewant(bus);
     pthread_mutex_unlock(&bus->lock);
@@ -12317,6 +12340,10 @@ KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uin
         (unsigned)bp->state >= KVS_SLOT__COUNT)
         return KVS_EINVAL;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->bps, stbds_arrlenu(bus->bps) + 1) || !kvo__fit(&bus->bp_ids, stbds_arrlenu(bus->bp_ids) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        return KVS_ENOMEM;
+    }
     id = bus->next_id++;
     stbds_arrput(bus->bps, *bp);
     stbds_arrput(bus->bp_ids, id);
@@ -12573,7 +12600,7 @@ KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n
 {
     FILE *f;
     unsigned char h[KVS_LOG_HEADER_BYTES], want[KVS_LOG_HEADER_BYTES], rec[KVS_RECORD_BYTES];
-    kvs_event *events = NULL;
+    kvs_event *events = NULL, *copy;
     kvs_log_report rep;
     uint64_t at = KVS_LOG_HEADER_BYTES;
     size_t got;
@@ -12597,18 +12624,24 @@ KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n
             rep.damaged_at = at;
             break;
         }
+        if (!kvo__fit(&events, stbds_arrlenu(events) + 1)) {
+            fclose(f);
+            stbds_arrfree(events);
+            return KVS_ENOMEM;
+        }
         stbds_arrput(events, e);
         at += sizeof rec;
     }
     fclose(f);
     rep.records = stbds_arrlenu(events);
-    *out = (kvs_event *)KVB_MALLOC((rep.records ? rep.records : 1) * sizeof **out);
-    if (!*out) {
+    copy = (kvs_event *)KVB_MALLOC((rep.records ? rep.records : 1) * sizeof *copy);
+    if (!copy) {
         stbds_arrfree(events);
         return KVS_ENOMEM;
     }
-    if (rep.records) memcpy(*out, events, rep.records * sizeof *events);
+    if (rep.records) memcpy(copy, events, rep.records * sizeof *events);
     stbds_arrfree(events);
+    *out = copy;
     *out_n = rep.records;
     if (report) *report = rep;
     return rep.truncated || rep.corrupt ? KVS_ELOG : KVS_OK;
@@ -12657,7 +12690,8 @@ static void kvs__console_note(kvs_console *k, const kvs_event *e)
 static void kvs__client_queue(kvs__client *c, const kvs_event *e)
 {
     unsigned char rec[KVS_RECORD_BYTES];
-    if (stbds_arrlenu(c->out) >= KVS__CLIENT_BACKLOG) return; /* too far behind: it loses this one */
+    /* too far behind, or out of memory: it loses this one */
+    if (stbds_arrlenu(c->out) >= KVS__CLIENT_BACKLOG || !kvo__fit(&c->out, stbds_arrlenu(c->out) + sizeof rec)) return;
     kvs_event_encode(e, rec);
     memcpy(stbds_arraddnptr(c->out, sizeof rec), rec, sizeof rec);
 }
@@ -12683,12 +12717,14 @@ static int kvs__client_flush(kvs__client *c)
     return 1;
 }
 
-/* A new client gets the header, the live slots, the last step / tiers / pause, then the history. */
-static void kvs__client_welcome(kvs_console *k, kvs__client *c)
+/* A new client gets the header, the live slots, the last step / tiers / pause, then the history;
+ * 0 when there is no memory for the header (the client is turned away). */
+static int kvs__client_welcome(kvs_console *k, kvs__client *c)
 {
     unsigned char h[KVS_LOG_HEADER_BYTES];
     ptrdiff_t i;
     uint32_t j;
+    if (!kvo__fit(&c->out, sizeof h)) return 0;
     kvs__log_header(h);
     memcpy(stbds_arraddnptr(c->out, sizeof h), h, sizeof h);
     for (i = 0; i < stbds_hmlen(k->slots); i++) kvs__client_queue(c, &k->slots[i].value);
@@ -12696,6 +12732,7 @@ static void kvs__client_welcome(kvs_console *k, kvs__client *c)
     if (k->last_tiers.kind) kvs__client_queue(c, &k->last_tiers);
     if (k->last_pause.kind) kvs__client_queue(c, &k->last_pause);
     for (j = 0; j < k->history.count; j++) kvs__client_queue(c, kvs__ring_at(&k->history, j));
+    return 1;
 }
 
 /* One command line from a client: pause, resume, break state|request|call X, clear. */
@@ -12788,6 +12825,16 @@ static void *kvs__console_main(void *arg)
         struct pollfd p;
         size_t i;
         int stop = 0;
+        if (!kvo__fit(&fds, 2 + stbds_arrlenu(k->clients))) { /* out of memory: try again shortly, or stop */
+            p.fd = k->wake[0];
+            p.events = POLLIN;
+            p.revents = 0;
+            if (poll(&p, 1, 50) > 0 && p.revents) {
+                kvs__console_finish(k);
+                return NULL;
+            }
+            continue;
+        }
         p.fd = k->wake[0];
         p.events = POLLIN;
         p.revents = 0;
@@ -12797,7 +12844,7 @@ static void *kvs__console_main(void *arg)
         for (i = 0; i < stbds_arrlenu(k->clients); i++) {
             p.fd = k->clients[i].fd;
             p.events = (short)(POLLIN | (stbds_arrlen(k->clients[i].out) ? POLLOUT : 0));
-            stbds_arrput(fds, p);
+            stbds_arrput(fds, p); /* within the room made */
         }
         poll(fds, (nfds_t)stbds_arrlenu(fds), 50);
         if (fds[0].revents) stop = 1;
@@ -12811,8 +12858,12 @@ static void *kvs__console_main(void *arg)
                 memset(&c, 0, sizeof c);
                 c.fd = fd;
                 fcntl(fd, F_SETFD, FD_CLOEXEC);
-                kvs__client_welcome(k, &c);
-                stbds_arrput(k->clients, c);
+                if (kvo__fit(&k->clients, stbds_arrlenu(k->clients) + 1) && kvs__client_welcome(k, &c)) {
+                    stbds_arrput(k->clients, c);
+                } else { /* out of memory: turned away (it sees the connection close) */
+                    stbds_arrfree(c.out);
+                    close(fd);
+                }
             } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
                 /* out of descriptors or memory: the client stays queued, so the socket stays readable
                  * and trying again at once would spin; the clients attached are served meanwhile */

@@ -1428,6 +1428,10 @@ KVS_API kvs_result kvs_bus_subscribe(kvs_bus *bus, uint64_t kinds, kvs_event_fn 
     kvs__sub s;
     if (!bus || !fn) return KVS_EINVAL;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->subs, stbds_arrlenu(bus->subs) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        return KVS_ENOMEM;
+    }
     s.id = bus->next_id++;
     s.kinds = kinds;
     s.fn = fn;
@@ -1471,6 +1475,12 @@ KVS_API kvs_result kvs_reader_open(kvs_bus *bus, uint64_t kinds, uint32_t capaci
     r->bus = bus;
     r->kinds = kinds;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->readers, stbds_arrlenu(bus->readers) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        KVB_FREE(r->ring.ev);
+        KVB_FREE(r);
+        return KVS_ENOMEM;
+    }
     stbds_arrput(bus->readers, r);
     kvs__rewant(bus);
     pthread_mutex_unlock(&bus->lock);
@@ -1595,6 +1605,10 @@ KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uin
         (unsigned)bp->state >= KVS_SLOT__COUNT)
         return KVS_EINVAL;
     pthread_mutex_lock(&bus->lock);
+    if (!kvo__fit(&bus->bps, stbds_arrlenu(bus->bps) + 1) || !kvo__fit(&bus->bp_ids, stbds_arrlenu(bus->bp_ids) + 1)) {
+        pthread_mutex_unlock(&bus->lock);
+        return KVS_ENOMEM;
+    }
     id = bus->next_id++;
     stbds_arrput(bus->bps, *bp);
     stbds_arrput(bus->bp_ids, id);
@@ -1851,7 +1865,7 @@ KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n
 {
     FILE *f;
     unsigned char h[KVS_LOG_HEADER_BYTES], want[KVS_LOG_HEADER_BYTES], rec[KVS_RECORD_BYTES];
-    kvs_event *events = NULL;
+    kvs_event *events = NULL, *copy;
     kvs_log_report rep;
     uint64_t at = KVS_LOG_HEADER_BYTES;
     size_t got;
@@ -1875,18 +1889,24 @@ KVS_API kvs_result kvs_log_read(const char *path, kvs_event **out, size_t *out_n
             rep.damaged_at = at;
             break;
         }
+        if (!kvo__fit(&events, stbds_arrlenu(events) + 1)) {
+            fclose(f);
+            stbds_arrfree(events);
+            return KVS_ENOMEM;
+        }
         stbds_arrput(events, e);
         at += sizeof rec;
     }
     fclose(f);
     rep.records = stbds_arrlenu(events);
-    *out = (kvs_event *)KVB_MALLOC((rep.records ? rep.records : 1) * sizeof **out);
-    if (!*out) {
+    copy = (kvs_event *)KVB_MALLOC((rep.records ? rep.records : 1) * sizeof *copy);
+    if (!copy) {
         stbds_arrfree(events);
         return KVS_ENOMEM;
     }
-    if (rep.records) memcpy(*out, events, rep.records * sizeof *events);
+    if (rep.records) memcpy(copy, events, rep.records * sizeof *events);
     stbds_arrfree(events);
+    *out = copy;
     *out_n = rep.records;
     if (report) *report = rep;
     return rep.truncated || rep.corrupt ? KVS_ELOG : KVS_OK;
@@ -1935,7 +1955,8 @@ static void kvs__console_note(kvs_console *k, const kvs_event *e)
 static void kvs__client_queue(kvs__client *c, const kvs_event *e)
 {
     unsigned char rec[KVS_RECORD_BYTES];
-    if (stbds_arrlenu(c->out) >= KVS__CLIENT_BACKLOG) return; /* too far behind: it loses this one */
+    /* too far behind, or out of memory: it loses this one */
+    if (stbds_arrlenu(c->out) >= KVS__CLIENT_BACKLOG || !kvo__fit(&c->out, stbds_arrlenu(c->out) + sizeof rec)) return;
     kvs_event_encode(e, rec);
     memcpy(stbds_arraddnptr(c->out, sizeof rec), rec, sizeof rec);
 }
@@ -1961,12 +1982,14 @@ static int kvs__client_flush(kvs__client *c)
     return 1;
 }
 
-/* A new client gets the header, the live slots, the last step / tiers / pause, then the history. */
-static void kvs__client_welcome(kvs_console *k, kvs__client *c)
+/* A new client gets the header, the live slots, the last step / tiers / pause, then the history;
+ * 0 when there is no memory for the header (the client is turned away). */
+static int kvs__client_welcome(kvs_console *k, kvs__client *c)
 {
     unsigned char h[KVS_LOG_HEADER_BYTES];
     ptrdiff_t i;
     uint32_t j;
+    if (!kvo__fit(&c->out, sizeof h)) return 0;
     kvs__log_header(h);
     memcpy(stbds_arraddnptr(c->out, sizeof h), h, sizeof h);
     for (i = 0; i < stbds_hmlen(k->slots); i++) kvs__client_queue(c, &k->slots[i].value);
@@ -1974,6 +1997,7 @@ static void kvs__client_welcome(kvs_console *k, kvs__client *c)
     if (k->last_tiers.kind) kvs__client_queue(c, &k->last_tiers);
     if (k->last_pause.kind) kvs__client_queue(c, &k->last_pause);
     for (j = 0; j < k->history.count; j++) kvs__client_queue(c, kvs__ring_at(&k->history, j));
+    return 1;
 }
 
 /* One command line from a client: pause, resume, break state|request|call X, clear. */
@@ -2066,6 +2090,16 @@ static void *kvs__console_main(void *arg)
         struct pollfd p;
         size_t i;
         int stop = 0;
+        if (!kvo__fit(&fds, 2 + stbds_arrlenu(k->clients))) { /* out of memory: try again shortly, or stop */
+            p.fd = k->wake[0];
+            p.events = POLLIN;
+            p.revents = 0;
+            if (poll(&p, 1, 50) > 0 && p.revents) {
+                kvs__console_finish(k);
+                return NULL;
+            }
+            continue;
+        }
         p.fd = k->wake[0];
         p.events = POLLIN;
         p.revents = 0;
@@ -2075,7 +2109,7 @@ static void *kvs__console_main(void *arg)
         for (i = 0; i < stbds_arrlenu(k->clients); i++) {
             p.fd = k->clients[i].fd;
             p.events = (short)(POLLIN | (stbds_arrlen(k->clients[i].out) ? POLLOUT : 0));
-            stbds_arrput(fds, p);
+            stbds_arrput(fds, p); /* within the room made */
         }
         poll(fds, (nfds_t)stbds_arrlenu(fds), 50);
         if (fds[0].revents) stop = 1;
@@ -2089,8 +2123,12 @@ static void *kvs__console_main(void *arg)
                 memset(&c, 0, sizeof c);
                 c.fd = fd;
                 fcntl(fd, F_SETFD, FD_CLOEXEC);
-                kvs__client_welcome(k, &c);
-                stbds_arrput(k->clients, c);
+                if (kvo__fit(&k->clients, stbds_arrlenu(k->clients) + 1) && kvs__client_welcome(k, &c)) {
+                    stbds_arrput(k->clients, c);
+                } else { /* out of memory: turned away (it sees the connection close) */
+                    stbds_arrfree(c.out);
+                    close(fd);
+                }
             } else if (errno != EINTR && errno != EAGAIN && errno != EWOULDBLOCK && errno != ECONNABORTED) {
                 /* out of descriptors or memory: the client stays queued, so the socket stays readable
                  * and trying again at once would spin; the clients attached are served meanwhile */

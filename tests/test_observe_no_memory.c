@@ -1,0 +1,200 @@
+/* Out of memory on kvsched.h's observation side: kvs_bus_subscribe, kvs_reader_open, kvs_bus_break_add
+ * and kvs_log_read. Every allocation a call makes (KVB_MALLOC and KVB_REALLOC) is made to fail in turn,
+ * once or from then on, for N = 0, 1, .. until the call makes no Nth: the call returns KVS_ENOMEM with
+ * the bus and the caller's out parameters as they were (no subscriber, reader or breakpoint more, no id
+ * used up, no events handed out), or succeeds. Before, a bus whose array of subscribers, readers or
+ * breakpoints had to grow crashed in stb_ds's growth, and so did a log read. (Leaks show at exit under
+ * AddressSanitizer.) */
+#include "oom_hooks.h"
+#define KVBLOCK_IMPLEMENTATION
+#define KVOFFLOAD_IMPLEMENTATION
+#define KVSCHED_IMPLEMENTATION
+#include "kvsched.h"
+#include "kvtest.h"
+
+#include <unistd.h>
+
+enum { MANY = 40, LOGGED = 300 };
+
+static kvs_bus *new_bus(void)
+{
+    kvs_bus *bus = NULL;
+    KVT_EQ(kvs_bus_create(NULL, &bus), KVS_OK);
+    return bus;
+}
+
+static void publish_step(kvs_bus *bus)
+{
+    kvs_event e;
+    memset(&e, 0, sizeof e);
+    e.kind = KVS_EV_STEP;
+    KVT_EQ(kvs_bus_publish(bus, &e), KVS_OK);
+}
+
+static void count_call(void *user, const kvs_event *e)
+{
+    (void)e;
+    (*(int *)user)++;
+}
+
+/* MANY subscribers, each added with every allocation failing in turn: one publish reaches exactly the
+ * ones added. */
+static void test_subscribe_out_of_memory(void)
+{
+    kvs_bus *bus = new_bus();
+    int calls = 0, added = 0, failed = 0;
+    for (int i = 0; bus && i < MANY; i++)
+        for (long at = 0;; at++) {
+            uint32_t id = 777;
+            kvs_result r;
+            oom_arm(at, at & 1);
+            r = kvs_bus_subscribe(bus, 0, count_call, &calls, &id);
+            oom_disarm();
+            if (r == KVS_ENOMEM) {
+                failed++;
+                KVT_EQ(id, 777);
+            } else {
+                KVT_EQ(r, KVS_OK);
+                added++;
+            }
+            calls = 0;
+            publish_step(bus);
+            KVT_EQ(calls, added);
+            if (r == KVS_OK) break;
+        }
+    KVT_EQ(added, MANY);
+    KVT_CHECK(failed > 0); /* the array grew at least once */
+    kvs_bus_destroy(bus);
+}
+
+/* MANY readers, each opened the same way: a failed open hands out nothing and frees what it took; every
+ * reader opened gets each event published after it. */
+static void test_reader_open_out_of_memory(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_reader *readers[MANY];
+    int n = 0, failed = 0;
+    for (int i = 0; bus && i < MANY; i++)
+        for (long at = 0;; at++) {
+            kvs_reader *got = (kvs_reader *)&n; /* a sentinel: must stay */
+            kvs_result r;
+            oom_arm(at, at & 1);
+            r = kvs_reader_open(bus, 0, 8, &got);
+            oom_disarm();
+            if (r == KVS_ENOMEM) {
+                failed++;
+                KVT_CHECK(got == (kvs_reader *)&n);
+                continue;
+            }
+            KVT_EQ(r, KVS_OK);
+            readers[n++] = got;
+            break;
+        }
+    KVT_EQ(n, MANY);
+    KVT_CHECK(failed >= 2 * MANY); /* the reader and its ring, every time; the array now and then */
+    publish_step(bus);
+    for (int i = 0; i < n; i++) {
+        kvs_event e;
+        size_t got = 0;
+        uint64_t lost = 1;
+        KVT_EQ(kvs_reader_read(readers[i], &e, 1, &got, &lost), KVS_OK);
+        KVT_EQ(got, 1);
+        KVT_EQ(lost, 0);
+        KVT_EQ(e.kind, KVS_EV_STEP);
+        kvs_reader_close(readers[i]);
+    }
+    kvs_bus_destroy(bus);
+}
+
+/* MANY breakpoints: a failed add uses no id, so the ids of those added run 1, 2, 3, ..; each one added
+ * can be removed, once. */
+static void test_break_add_out_of_memory(void)
+{
+    kvs_bus *bus = new_bus();
+    uint32_t ids[MANY], last = 0;
+    int n = 0, failed = 0;
+    kvs_breakpoint bp;
+    memset(&bp, 0, sizeof bp);
+    bp.request = 12345;
+    for (int i = 0; bus && i < MANY; i++)
+        for (long at = 0;; at++) {
+            uint32_t id = 777;
+            kvs_result r;
+            oom_arm(at, at & 1);
+            r = kvs_bus_break_add(bus, &bp, &id);
+            oom_disarm();
+            if (r == KVS_ENOMEM) {
+                failed++;
+                KVT_EQ(id, 777);
+                continue;
+            }
+            KVT_EQ(r, KVS_OK);
+            if (n) KVT_EQ(id, last + 1);
+            ids[n++] = last = id;
+            break;
+        }
+    KVT_EQ(n, MANY);
+    KVT_CHECK(failed > 0);
+    for (int i = 0; i < n; i++) KVT_EQ(kvs_bus_break_remove(bus, ids[i]), KVS_OK);
+    for (int i = 0; i < n; i++) KVT_EQ(kvs_bus_break_remove(bus, ids[i]), KVS_ENOTFOUND);
+    kvs_bus_destroy(bus);
+}
+
+/* A log of LOGGED events read with every allocation failing in turn: KVS_ENOMEM leaves *out and *out_n
+ * as they were; a read that succeeds returns every event. */
+static void test_log_read_out_of_memory(void)
+{
+    char path[64];
+    kvs_bus *bus = new_bus();
+    kvs_recorder *rec = NULL;
+    kvs_recorder_config rc;
+    int fd, failed = 0, read_whole = 0;
+    snprintf(path, sizeof path, "/tmp/kvobs-oom-XXXXXX");
+    fd = mkstemp(path);
+    KVT_CHECK(fd >= 0);
+    if (fd < 0 || !bus) return;
+    close(fd);
+    memset(&rc, 0, sizeof rc);
+    rc.log_path = path;
+    KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_OK);
+    for (int i = 0; i < LOGGED; i++) publish_step(bus);
+    kvs_recorder_destroy(rec);
+    for (int sticky = 0; sticky < 2; sticky++)
+        for (long at = 0;; at++) {
+            kvs_event *out = (kvs_event *)path; /* sentinels: must stay */
+            size_t n = 777;
+            kvs_log_report rep;
+            kvs_result r;
+            int fired;
+            oom_arm(at, sticky);
+            r = kvs_log_read(path, &out, &n, &rep);
+            fired = oom_fired;
+            oom_disarm();
+            if (r == KVS_ENOMEM) {
+                failed++;
+                KVT_CHECK(out == (kvs_event *)path);
+                KVT_EQ(n, 777);
+            } else {
+                KVT_EQ(r, KVS_OK);
+                KVT_EQ(n, LOGGED);
+                KVT_EQ(rep.records, LOGGED);
+                KVT_EQ(out[LOGGED - 1].kind, KVS_EV_STEP);
+                kvs_log_free(out);
+                read_whole++;
+            }
+            if (!fired) break;
+        }
+    KVT_CHECK(failed > 2); /* the events' array grows a few times, then the copy */
+    KVT_EQ(read_whole, 2);  /* the last one of each sweep, with the memory there */
+    unlink(path);
+    kvs_bus_destroy(bus);
+}
+
+int main(void)
+{
+    KVT_RUN(test_subscribe_out_of_memory);
+    KVT_RUN(test_reader_open_out_of_memory);
+    KVT_RUN(test_break_add_out_of_memory);
+    KVT_RUN(test_log_read_out_of_memory);
+    return kvt_summary();
+}
