@@ -643,6 +643,8 @@ static int kvo__rheader_ok(const kvo__redis *r, const kvb_hash *h, const unsigne
 
 /* ---- connections -------------------------------------------------------------------------------- */
 
+static void kvo__rclient_free(kvo__rclient *cl);
+
 static int kvo__rclient_init(kvo__rclient *cl)
 {
     size_t i;
@@ -650,7 +652,10 @@ static int kvo__rclient_init(kvo__rclient *cl)
     if (pthread_mutex_init(&cl->lock, NULL) != 0) return 0;
     cl->slot_node = (uint16_t *)KVO__RALLOC(KVO__R_SLOTS * sizeof *cl->slot_node);
     cl->rbuf = (char *)KVO__RALLOC(KVO__R_RBUF);
-    if (!cl->slot_node || !cl->rbuf) return 0;
+    if (!cl->slot_node || !cl->rbuf) {
+        kvo__rclient_free(cl);
+        return 0;
+    }
     for (i = 0; i < KVO__R_SLOTS; i++) cl->slot_node[i] = KVO__R_NO_NODE;
     return 1;
 }
@@ -668,7 +673,9 @@ static void kvo__rclient_free(kvo__rclient *cl)
     pthread_mutex_destroy(&cl->lock);
 }
 
-/* Index of host:port among the client's nodes, added when new; -1 when out of memory. */
+/* Index of host:port among the client's nodes, added when new; -1 when there are too many, KVO__R_NOMEM
+ * when out of memory. */
+#define KVO__R_NOMEM (-3) /* kvo__rnode_find and the parsers above it: out of memory */
 static int kvo__rnode_find(kvo__rclient *cl, const char *host, size_t host_len, int port)
 {
     size_t i;
@@ -682,7 +689,7 @@ static int kvo__rnode_find(kvo__rclient *cl, const char *host, size_t host_len, 
     if (cl->n_nodes == cl->cap_nodes) {
         size_t cap = cl->cap_nodes ? 2 * cl->cap_nodes : 4;
         kvo__rnode *nn = (kvo__rnode *)KVO__RALLOC(cap * sizeof *nn);
-        if (!nn) return -1;
+        if (!nn) return KVO__R_NOMEM;
         if (cl->n_nodes) memcpy(nn, cl->nodes, cl->n_nodes * sizeof *nn);
         KVO__RFREE(cl->nodes);
         cl->nodes = nn;
@@ -723,7 +730,8 @@ static int kvo__rnode_parse(kvo__rclient *cl, const char *s, size_t len)
 }
 
 /* The seeds of config.servers into the client's nodes; the count, -1 for a malformed list, -2 for one
- * holding credentials (user:password@host: refused, so that no message ever repeats them). */
+ * holding credentials (user:password@host: refused, so that no message ever repeats them), KVO__R_NOMEM
+ * when out of memory. */
 static int kvo__rseeds(kvo__redis *r, kvo__rclient *cl)
 {
     const char *p = r->servers;
@@ -738,7 +746,8 @@ static int kvo__rseeds(kvo__redis *r, kvo__rclient *cl)
             const char *t = e;
             if (!strncmp(p, "redis://", 8)) p += 8;
             while (t > p && (t[-1] == ' ' || t[-1] == '/')) t--;
-            if (kvo__rnode_parse(cl, p, (size_t)(t - p)) < 0) return -1;
+            int node = kvo__rnode_parse(cl, p, (size_t)(t - p));
+            if (node < 0) return node == KVO__R_NOMEM ? KVO__R_NOMEM : -1;
             count++;
         }
         p = *e ? e + 1 : e;
@@ -1818,6 +1827,10 @@ static kvo_result kvo__redis_detect(kvo__redis *r, char *msg, size_t msg_size)
                                  "password / password_env");
         return KVO_EINVAL;
     }
+    if (count == KVO__R_NOMEM) {
+        kvo__rmsg(msg, msg_size, "redis: out of memory");
+        return KVO_ENOMEM;
+    }
     if (count <= 0) {
         kvo__rmsg(msg, msg_size, "redis: bad server list \"%s\" (want host:port[,host:port...])", r->servers);
         return KVO_EINVAL;
@@ -1931,14 +1944,14 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
     r->base.destroy = kvo__redis_destroy;
     r->base.name = "redis";
     r->base.impl = r;
-    if (!r->clients) r->n_clients = 0;
     if (!r->servers || !r->prefix || (password && !r->password) || (config->username && !r->username) || !r->clients) {
+        r->n_clients = 0; /* none set up yet: the free walks none */
         kvo__redis_free(r);
         return KVO_ENOMEM;
     }
     for (i = 0; i < r->n_clients; i++)
-        if (!kvo__rclient_init(&r->clients[i])) {
-            r->n_clients = i + 1;
+        if (!kvo__rclient_init(&r->clients[i])) { /* it gave back what it took */
+            r->n_clients = i;
             kvo__redis_free(r);
             return KVO_ENOMEM;
         }

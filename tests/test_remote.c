@@ -20,7 +20,11 @@
  * - the connector (kvsched.h) with kvo_redis_tiers_lookup: a cold engine finds another's blocks in Redis,
  *   loads them through its onboarding pipeline with the bytes intact; when the entries are gone by the
  *   time the load runs, the load lands nothing and the request computes those blocks (a miss).
+ * - out of memory in create (no server needed): every allocation failing in turn, once or from then
+ *   on, ends in KVO_ENOMEM (or, with the memory there, KVO_ECONNECT), nothing handed out or leaked;
+ *   before, a failed string copy freed the clients' uninitialised memory.
  * Without redis-server the server tests are skipped with one line. */
+#include "oom_hooks.h"
 #define KVO_WITH_REDIS
 #define KVCACHE_IMPLEMENTATION
 #include "kvremote.h"
@@ -1797,6 +1801,37 @@ static void test_lost_entry_dropped(void)
     rf_stop(&s);
 }
 
+/* Out of memory anywhere in create: KVO_ENOMEM with nothing handed out (and, under AddressSanitizer,
+ * nothing leaked), never a crash; the seed list's node array failing to grow is no "bad server list". */
+static void test_create_out_of_memory(void)
+{
+    kvb_pool *g4 = of_meta_pool(16);
+    char addr[64];
+    int enomem = 0, reached_connect = 0;
+    server_addr(rf_free_port(), addr, sizeof addr);
+    for (int sticky = 0; sticky < 2; sticky++)
+        for (long at = 0;; at++) {
+            kvo_redis_config rc = rconfig(addr, g4, 2);
+            kvo_backend *b = (kvo_backend *)1;
+            kvo_result r;
+            int fired;
+            rc.password = "pw";
+            rc.username = "user";
+            oom_arm(at, sticky);
+            r = kvo_redis_backend_create(&rc, &b);
+            fired = oom_fired;
+            oom_disarm();
+            KVT_CHECK(r == KVO_ENOMEM || r == KVO_ECONNECT);
+            KVT_CHECK(b == NULL);
+            enomem += r == KVO_ENOMEM;
+            reached_connect += r == KVO_ECONNECT;
+            if (!fired) break;
+        }
+    KVT_CHECK(enomem >= 10); /* the strings, the clients, each client's tables, the node list */
+    KVT_CHECK(reached_connect >= 2);
+    kvb_pool_destroy(g4);
+}
+
 static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
 
 int main(int argc, char **argv)
@@ -1811,6 +1846,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_crc16_and_slots);
     KVT_RUN(test_key_format);
     KVT_RUN(test_no_server);
+    KVT_RUN(test_create_out_of_memory);
     if (!rf_have_redis()) {
         KVT_RUN(test_servers_skipped);
         return kvt_summary();
