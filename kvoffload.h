@@ -409,8 +409,9 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
 KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
 
 /* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
- * when the batch is upgraded. KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of
- * memory (nothing enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
+ * when the batch is upgraded. KVO_EINVAL for n above UINT32_MAX (a transfer counts its blocks in 32
+ * bits), KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of memory (nothing
+ * enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
  * KVO_ENOMEM. Thread safety: any thread. */
 KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
@@ -421,8 +422,8 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
  * and then takes the block from the destination, so two requests with a common prefix move it once;
  * should that copy fail, this transfer loads the block itself), then in the source (references taken
  * at once); a hash in none of them is a miss and ends the request there (longest prefix).
- * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks.
- * Thread safety: any thread. */
+ * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks. Results as
+ * kvo_enqueue's. Thread safety: any thread. */
 KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
@@ -496,7 +497,9 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
  * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
  * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
- * on_offloaded. KVO_ENOMEM when out of memory (nothing sent). Thread safety: any thread. */
+ * on_offloaded. KVO_ENOMEM when out of memory: nothing sent, except at a branch tier, where the copy
+ * down the first of its two pipelines may be on its way when the second refuses (*out is {0}).
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
 /* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
@@ -1392,8 +1395,10 @@ static void kvo__disk_note(kvo__disk *d, kvo_copy_job *job, size_t i, int e, int
     }
     job->results[i] = kvo__errno_result(e);
     (*io_errors)++;
-    snprintf(msg, msg_size, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
-    if (*result == KVO_OK) *result = job->results[i];
+    if (*result == KVO_OK) { /* the message, like the result, tells of the first failure */
+        *result = job->results[i];
+        snprintf(msg, msg_size, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
+    }
 }
 
 /* Write the job's slots in order; with two or more, the next slot is prepared on a second thread while
@@ -1461,8 +1466,10 @@ static int kvo__disk_read_job(kvo__disk *d, kvo_copy_job *job, const kvo__geom *
         if (!e && !kvo__disk_verify(d, &job->hashes[i], buf, data)) {
             job->results[i] = KVO_ECHECKSUM;
             (*checksum_errors)++;
-            snprintf(msg, msg_size, "%s: slot %u failed its header or checksum check", d->path, slot);
-            if (result == KVO_OK) result = KVO_ECHECKSUM;
+            if (result == KVO_OK) {
+                result = KVO_ECHECKSUM;
+                snprintf(msg, msg_size, "%s: slot %u failed its header or checksum check", d->path, slot);
+            }
             continue;
         }
         if (!e && data == buf + KVO__HEADER_BYTES) kvo__scatter(mem, job->dst_idx[i], data);
@@ -1770,7 +1777,8 @@ static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
         cap = c->cap;
         token = c->token;
     } else {
-        while (cap < n) cap *= 2;
+        while (cap < n) cap *= 2; /* n <= UINT32_MAX (the entry points'), so this ends without wrapping */
+        if (cap > (SIZE_MAX - sizeof *c) / kvo__container_bytes(1)) return NULL; /* a 32-bit size_t */
         if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
     }
     memset(c, 0, sizeof *c);
@@ -2980,7 +2988,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 {
     kvo__container *c;
     kvo_result r;
-    if (!pipeline || !out || (n && !blocks)) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -3052,7 +3060,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
     kvo__container *c;
     kvo_result r;
     size_t found;
-    if (!pipeline || !out || (n && !hashes)) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -3264,28 +3272,29 @@ static size_t kvo__take_failed(kvo_pipeline *pl, kvb_weak **out)
  * separate transfer, the blocks whose copy down that pipeline failed before (eager mode): a later offer
  * of those stops at this tier, which holds them, so this is their next try. *out gets the first
  * transfer of w (n may be 0); the handles are released when the transfers are done
- * (kvo__manager_down_done). The caller holds the edge of `tier`. */
+ * (kvo__manager_down_done). An enqueue refused (out of memory) ends the sends there, retries included,
+ * and *out is left as it was: with the first refused nothing is sent; at a branch, a refusal of the
+ * second leaves the first on its way. The caller holds the edge of `tier`. */
 static kvo_result kvo__manager_send(kvo_manager *m, uint32_t tier, const kvb_weak *w, size_t n, kvo_transfer *out)
 {
     kvo__edge *e = &m->edges[tier];
-    kvo_result r = KVO_OK, ri;
+    kvo_result r;
+    kvo_transfer sent = {0};
     uint32_t i;
-    int first = 1;
     for (i = 0; i + 1 < m->cfg.num_tiers; i++) {
         kvo_transfer t;
         size_t again;
         if (!m->down[i] || m->from[i] != tier) continue;
         if (n) {
-            ri = kvo_enqueue(m->down[i], w, n, NULL, &t);
-            if (first && out && ri == KVO_OK) *out = t;
-            if (first) r = ri;
-            first = 0;
+            if ((r = kvo_enqueue(m->down[i], w, n, NULL, &t)) != KVO_OK) return r;
+            if (!sent.id) sent = t;
         }
         if ((again = kvo__take_failed(m->down[i], &e->retry)) > 0)
             (void)kvo_enqueue(m->down[i], e->retry, again, NULL, &t); /* refused (out of memory): lost, as a
                                                                          failed offer is */
     }
-    return r;
+    if (out && sent.id) *out = sent;
+    return KVO_OK;
 }
 
 /* An offload into tier + 1 finished: eager mode sends what landed on down. */
@@ -3392,10 +3401,10 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
 {
     uint32_t i;
     if (!manager) return;
-    for (i = 0; i < KVO_MAX_TIERS; i++) { /* top down, so chained offloads find their next stage */
-        kvo_pipeline_destroy(manager->down[i]);
-        manager->down[i] = NULL;
-    }
+    /* Top down, so chained offloads find their next stage: a copy landing in tier i + 1 goes on down
+     * pipelines from that tier, which come later. Their callbacks read down[] (kvo__manager_send) while
+     * this runs: it is left as it is, and a destroyed pipeline's entry is never one they use. */
+    for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->down[i]);
     for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
     for (i = 0; i < KVO_MAX_TIERS; i++) {
         stbds_arrfree(manager->edges[i].scratch);

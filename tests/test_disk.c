@@ -319,7 +319,7 @@ static void test_corrupted_slot_is_a_miss(void)
 
 /* A transfer's message is about its own failure. Two loads in one backend job, the first block's slot
  * corrupted: that load's message is the disk backend's, naming the slot. Both slots corrupted: the
- * job's one message names the slot of the last failure only, which is the other load's. Before, each
+ * job's one message names the slot of the first failure only, which is the other load's. Before, each
  * container took the job's message, so the first load said "slot <the other's> failed ..."; now a
  * container gets the backend's words only when every failed copy of the job is its own, else the
  * backend's name and its own error. */
@@ -380,6 +380,45 @@ static void test_message_of_a_shared_job_is_each_transfers_own(void)
         KVT_EQ(kvo_transfer_release(p, a), KVO_OK);
         KVT_EQ(kvo_transfer_release(p, b), KVO_OK);
     }
+    kvo_pipeline_destroy(p);
+    KVT_EQ(of_active(g1), 0);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
+/* One load of two blocks whose slots are both corrupted: its message, like its error, is about the
+ * first failure. Before, the backend rewrote the job's message at every failed copy, so it named the
+ * last slot that failed. */
+static void test_message_names_the_first_failure(void)
+{
+    disk d;
+    kvb_hash h[3], ask[2];
+    char first[32], last[32];
+    if (!disk_open(&d, 0)) return;
+    of_chain(41, 3, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_register(g2, h, 3, NULL, NULL);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 3).transferred, 3);
+    snprintf(first, sizeof first, "slot %u ", disk_index_of(d.pool, h[0]));
+    snprintf(last, sizeof last, "slot %u ", disk_index_of(d.pool, h[2]));
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, disk_index_of(d.pool, h[0])) + 4096 + 5);
+    flip_byte(d.path, kvo_disk_slot_offset(d.backend, disk_index_of(d.pool, h[2])) + 4096 + 5);
+    kvb_pool *g1 = of_mem_pool(NB, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_clock clock = {1000000};
+    kvo_pipeline_config pc = of_config(d.pool, g1, d.backend, KVO_MODE_POLL, &clock);
+    kvo_pipeline *p = of_pipeline(&pc);
+    kvo_transfer t;
+    ask[0] = h[0];
+    ask[1] = h[2]; /* onboarding matches each hash on its own: both are loaded in one job */
+    KVT_EQ(kvo_onboard(p, ask, 2, NULL, &t), KVO_OK);
+    of_pump(p, &clock, t, 1000, 100);
+    kvo_transfer_info info = of_info(p, t);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(info.error, KVO_ECHECKSUM);
+    KVT_CHECK(strstr(info.message, first) != NULL);
+    KVT_CHECK(strstr(info.message, last) == NULL);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
     kvo_pipeline_destroy(p);
     KVT_EQ(of_active(g1), 0);
     kvb_pool_destroy(g1);
@@ -763,6 +802,7 @@ int main(void)
     KVT_RUN(test_round_trip_layer_separate);
     KVT_RUN(test_corrupted_slot_is_a_miss);
     KVT_RUN(test_message_of_a_shared_job_is_each_transfers_own);
+    KVT_RUN(test_message_names_the_first_failure);
     KVT_RUN(test_old_format_version_is_a_miss);
     KVT_RUN(test_checksum_function);
     KVT_RUN(test_bad_paths_and_config);

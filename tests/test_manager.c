@@ -15,6 +15,8 @@
 #include "kvtest.h"
 #include "offload_fixtures.h"
 
+#include <stdatomic.h>
+
 typedef struct tiers {
     kvb_pool *g1, *g2, *g3;
     kvo_backend *mem, *disk;
@@ -416,6 +418,39 @@ static void test_eager_threaded(void)
     tiers_close(&t);
 }
 
+/* A slow on_offloaded hook of the second hop (G2 -> G3, on that pipeline's thread) is running when the
+ * manager is destroyed: the destroy waits for it, and the hop's callback reads the manager's pipelines
+ * while the destroy goes through them. Before, the destroy cleared each pipeline's entry as it went,
+ * a data race with that read (ThreadSanitizer, make tsan). */
+static atomic_int slow_hook_in;
+static void slow_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
+{
+    (void)user;
+    (void)t;
+    (void)info;
+    if (tier == 1) {
+        atomic_store(&slow_hook_in, 1);
+        of_sleep_us(200000);
+    }
+}
+
+static void test_destroy_while_a_hook_runs(void)
+{
+    tiers t;
+    kvb_hash h[4];
+    kvb_block b[4];
+    tiers_open(&t, 16, 16, 1, KVO_OFFLOAD_EAGER, 0, KVO_MODE_THREADS);
+    atomic_store(&slow_hook_in, 0);
+    KVT_EQ(kvo_manager_claim_offloaded(t.m, slow_offloaded, NULL), KVO_OK);
+    of_chain(93, 4, h);
+    of_register(t.g1, h, 4, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 4, NULL), KVO_OK);
+    KVT_EQ(kvb_release(t.g1, b, 4, NULL), KVB_OK);
+    for (int i = 0; i < 10000 && !atomic_load(&slow_hook_in); i++) of_sleep_us(1000);
+    KVT_CHECK(atomic_load(&slow_hook_in));
+    tiers_close(&t); /* while the hook sleeps */
+}
+
 /* Four tiers with G4 beside G3, both fed from G2. */
 static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
 {
@@ -608,6 +643,7 @@ int main(void)
     KVT_RUN(test_lazy_backs_eviction_candidates);
     KVT_RUN(test_lazy_reserve_above_the_tier);
     KVT_RUN(test_eager_threaded);
+    KVT_RUN(test_destroy_while_a_hook_runs);
     KVT_RUN(test_branch_four_tiers);
     KVT_RUN(test_branch_lazy);
     KVT_RUN(test_block_lost_below_is_stored_again_when_it_lands_above);

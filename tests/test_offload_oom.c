@@ -262,6 +262,69 @@ static void test_manager_offer_out_of_memory(void)
         }
 }
 
+/* At a branch (G2 feeds G3 and G4), an offer refused out of memory sends nothing down the pipeline it
+ * did not reach: the second pipeline never gets the blocks, and with the first refused, neither tier
+ * gets any. Before, the offer went on down the second pipeline after the first refused, and returned
+ * KVO_ENOMEM with the blocks on their way to G4. */
+static void test_manager_offer_at_a_branch_out_of_memory(void)
+{
+    int refused_first = 0, refused_second = 0;
+    for (long at = 0; at < MAX_N; at++) {
+        kvb_pool *pools[4];
+        kvo_backend *mem;
+        kvo_manager *m;
+        kvo_manager_stats ms;
+        kvb_hash h[4];
+        kvb_block strong[4];
+        kvo_transfer t = {77};
+        for (int i = 0; i < 4; i++) pools[i] = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+        KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+        of_chain(5, 4, h);
+        of_register(pools[1], h, 4, strong, NULL);
+        kvo_manager_config mc;
+        memset(&mc, 0, sizeof mc);
+        mc.num_tiers = 4;
+        mc.branch_from = 1;
+        for (int i = 0; i < 4; i++) mc.pools[i] = pools[i];
+        mc.down[0] = mc.down[1] = mc.down[2] = mem;
+        mc.pipeline.mode = KVO_MODE_POLL;
+        mc.pipeline.min_batch = 1;
+        KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+        oom_arm(at, 0);
+        oom_iters++;
+        kvo_result r = kvo_manager_offer(m, 1, strong, 4, &t);
+        int fired = oom_fired;
+        oom_disarm();
+        KVT_CHECK(r == KVO_OK || r == KVO_ENOMEM);
+        KVT_EQ(kvo_manager_get_stats(m, &ms), KVO_OK);
+        if (r == KVO_ENOMEM) {
+            KVT_EQ(t.id, 0);
+            KVT_EQ(ms.down[2].enqueued, 0); /* G2 -> G4, the second: never reached */
+            refused_first += ms.down[1].enqueued == 0;
+            refused_second += ms.down[1].enqueued == 1;
+        } else {
+            KVT_EQ(ms.down[1].enqueued, 1);
+            KVT_EQ(ms.down[2].enqueued, 1);
+        }
+        KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+        if (r == KVO_ENOMEM && ms.down[1].enqueued == 0) {
+            KVT_EQ(of_present(pools[2], h, 4), 0);
+            KVT_EQ(of_present(pools[3], h, 4), 0);
+        }
+        if (r == KVO_OK) KVT_EQ(of_present(pools[3], h, 4), 4);
+        kvo_manager_destroy(m);
+        KVT_EQ(kvb_release(pools[1], strong, 4, NULL), KVB_OK);
+        for (int i = 0; i < 4; i++) {
+            KVT_EQ(of_active(pools[i]), 0);
+            kvb_pool_destroy(pools[i]);
+        }
+        kvo_backend_destroy(mem);
+        if (!fired) break;
+    }
+    KVT_CHECK(refused_first > 0);
+    KVT_CHECK(refused_second > 0);
+}
+
 int main(void)
 {
     of_watchdog(300);
@@ -270,6 +333,7 @@ int main(void)
     KVT_RUN(test_stages_out_of_memory);
     KVT_RUN(test_onboard_out_of_memory);
     KVT_RUN(test_manager_offer_out_of_memory);
+    KVT_RUN(test_manager_offer_at_a_branch_out_of_memory);
     printf("     %ld runs out of memory; %ld destinations with a child count lost\n", oom_iters, counts_lost);
     return kvt_summary();
 }

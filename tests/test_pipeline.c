@@ -821,6 +821,25 @@ static void test_enqueue_of_nothing(void)
     rig_close(&r);
 }
 
+/* A count above UINT32_MAX (an underflowed length, say) is refused at once, for an offload and for an
+ * onboarding alike. Before, sizing its container doubled a capacity until it wrapped to 0 and spun for
+ * ever, the pipeline locked. */
+static void test_enqueue_of_too_many(void)
+{
+    rig r;
+    rig_open(&r, 8);
+    kvo_transfer t = {77};
+    KVT_EQ(kvo_enqueue(r.p, r.weak, (size_t)-1, NULL, &t), KVO_EINVAL);
+    KVT_EQ(kvo_onboard(r.p, r.h, (size_t)-1, NULL, &t), KVO_EINVAL);
+    if (sizeof(size_t) > 4) KVT_EQ(kvo_enqueue(r.p, r.weak, (size_t)UINT32_MAX + 1, NULL, &t), KVO_EINVAL);
+    KVT_EQ(t.id, 77);
+    KVT_EQ(kvo_enqueue(r.p, r.weak, 8, NULL, &t), KVO_OK); /* the pipeline goes on */
+    of_polls(r.p, &r.clock, 5000, 10);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    rig_close(&r);
+}
+
 static void test_enqueue_with_cancelled_token(void)
 {
     rig r;
@@ -1913,6 +1932,7 @@ int main(void)
     KVT_RUN(test_cancel_after_upgrade_completes);
     KVT_RUN(test_finished_cancelled_and_released_handles);
     KVT_RUN(test_enqueue_of_nothing);
+    KVT_RUN(test_enqueue_of_too_many);
     KVT_RUN(test_enqueue_with_cancelled_token);
     KVT_RUN(test_wait_in_poll_mode);
     KVT_RUN(test_stale_weak_refs_are_dropped);
