@@ -634,12 +634,14 @@ KVB_API kvb_result kvb_block_compute_done(kvb_pool *pool, kvb_block block);
 
 /* Complete -> Registered, computing each hash. With KVB_DUP_REJECT a block whose hash is already
  * present is reset and out[i] is the existing block (the reference moves to it); otherwise out[i] =
- * blocks[i]. out may equal blocks. All or nothing. Thread safety: safe from any thread. */
+ * blocks[i]. out may equal blocks. All or nothing: KVB_ENOMEM (nothing changed) when there is no memory
+ * to count children whose parent is not cached (a leaves-first policy keeps such counts).
+ * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t n, kvb_block *out);
 
 /* Empty -> Registered with given hashes (content computed elsewhere: onboarding, replay); parents may be
- * NULL (all roots). Each block counts block_tokens tokens. Duplicates as kvb_register. Any 128-bit values
- * will do, sequence numbers included: the pool mixes them before it places them.
+ * NULL (all roots). Each block counts block_tokens tokens. Duplicates and KVB_ENOMEM as kvb_register. Any
+ * 128-bit values will do, sequence numbers included: the pool mixes them before it places them.
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, size_t n,
                                        const kvb_hash *hashes, const kvb_hash *parents, kvb_block *out);
@@ -752,7 +754,8 @@ KVB_API kvb_result kvb_seq_append_new(kvb_seq *seq, const uint32_t *tokens, size
 /* Mark tokens [0, num_tokens) computed: each block that ends within them goes through
  * ReadyForScheduling, Inflight, compute done; full ones are registered (a duplicate may be replaced by
  * the existing block). KVB_ERANGE past the appended tokens; KVB_ENOMEM (nothing changed) when a pool
- * with an event callback has no memory for the events. Thread safety: one thread per sequence. */
+ * with an event callback has no memory for the events, or there is none to count orphaned children
+ * (kvb_register). Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens);
 
 /* Batches for an engine's step (e.g. one sampled token for each decoding request): the pool is locked
@@ -1604,12 +1607,17 @@ static uint64_t kvb__ctab_slot(const kvb__ctab *t, const kvb_hash *h)
     return s;
 }
 
-/* Room for one more hash: double the table (rehash) at two thirds full. Returns 0 when out of memory. */
-static int kvb__ctab_room(kvb__ctab *t)
+/* Room for k more hashes: the table doubles (rehash) until they fit below two thirds full. Returns 0 when
+ * out of memory (the table as it was). */
+static int kvb__ctab_reserve(kvb__ctab *t, uint64_t k)
 {
-    uint64_t n = t->e ? (t->mask + 1) * 2 : 64, i;
+    uint64_t n = t->e ? t->mask + 1 : 32, i;
     kvb__ctab g;
-    if (t->e && (uint64_t)(t->used + 1) * 3 < (t->mask + 1) * 2) return 1;
+    if (t->e && (t->used + k) * 3 < (t->mask + 1) * 2) return 1;
+    do
+        n *= 2;
+    while ((t->used + k) * 3 >= n * 2);
+    if (n > SIZE_MAX / sizeof *g.e) return 0;
     g.e = (kvb__count *)KVB_MALLOC((size_t)n * sizeof *g.e);
     if (!g.e) return 0;
     memset(g.e, 0, (size_t)n * sizeof *g.e);
@@ -1621,6 +1629,8 @@ static int kvb__ctab_room(kvb__ctab *t)
     *t = g;
     return 1;
 }
+
+static int kvb__ctab_room(kvb__ctab *t) { return kvb__ctab_reserve(t, 1); }
 
 /* Forget the hash at slot s (backward-shift deletion). */
 static void kvb__ctab_delete(kvb__ctab *t, uint64_t s)
@@ -1689,6 +1699,22 @@ static void kvb__orphans_add(kvb_pool *p, const kvb_hash *h, uint32_t n) { (void
 
 static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_sub(&p->orphans, h, 1, 0); }
 
+/* Room for k more orphaned parents, made by a call that registers blocks before it changes anything: a
+ * block registered while its parent is not cached is counted there, and a count lost to a failed growth
+ * would let the parent, once cached, go before its child. k: the blocks whose parent may be missing
+ * (those not chained to the block registered just before them). 0 when out of memory. */
+static int kvb__orphans_room(kvb_pool *p, size_t k) { return !p->track_kids || !k || kvb__ctab_reserve(&p->orphans, k); }
+
+/* Blocks i of a call registering hashes[0..n) under parents[0..n) (NULL: roots) whose parent is not
+ * hashes[i - 1]: those whose parent may be missing. */
+static size_t kvb__unchained(const kvb_hash *hashes, const kvb_hash *parents, size_t n)
+{
+    size_t i, k = 0;
+    for (i = 0; parents && i < n; i++)
+        k += !kvb__hash_is_root(&parents[i]) && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]));
+    return k;
+}
+
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
@@ -1737,7 +1763,9 @@ static inline void kvb__kids_add(kvb_pool *p, const kvb_hash *parent, int delta,
     uint32_t holder;
     if (!p->track_kids || kvb__hash_is_root(parent)) return;
     if ((holder = kvb__find_near(p, parent, near)) != KVB__NIL) {
-        if ((p->meta[holder].kids += delta > 0 ? 1u : UINT32_MAX) == 0) kvb__became_leaf(p, holder);
+        kvb__meta *h = &p->meta[holder];
+        if (delta > 0) h->kids++;
+        else if (h->kids && !--h->kids) kvb__became_leaf(p, holder); /* 0 stays 0: a count lost (below) */
     } else if (delta > 0) kvb__orphans_add(p, parent, 1);
     else kvb__orphans_drop(p, parent);
 }
@@ -2943,11 +2971,15 @@ static uint32_t kvb__arc_victim(kvb_pool *p, uint32_t lvl)
 static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 {
     uint32_t target = p->cfg.num_blocks / 10 ? p->cfg.num_blocks / 10 : 1, steps = 0, q;
+    uint32_t leafless = KVB__NIL; /* the queue the last pass went through to its end without a leaf */
     for (q = 0; q < 4 && steps < KVB__S3_SCAN_LIMIT; q++) {
         uint32_t cls = (p->n_cls[KVB__T1] >= target || !p->rings[lvl * KVB__CLASSES + KVB__T2].live) ? KVB__T1 : KVB__T2;
-        uint32_t rid = lvl * KVB__CLASSES + cls;
-        kvb__ring *r = &p->rings[rid];
+        uint32_t rid;
+        kvb__ring *r;
         size_t i;
+        if (cls == leafless) cls ^= 1u; /* its leaves may be in the other one (a child back from the ghost) */
+        rid = lvl * KVB__CLASSES + cls;
+        r = &p->rings[rid];
         if (!r->live) cls ^= 1u, rid = lvl * KVB__CLASSES + cls, r = &p->rings[rid];
         kvb__ring_advance_to(p, r, 2); /* past the dead (not rescanned), fetching what comes */
         for (i = r->head; i < stbds_arrlenu(r->e) && steps < KVB__S3_SCAN_LIMIT; i++) {
@@ -2974,6 +3006,7 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
             }
             if (kvb__is_leaf(p, v)) return v;
         }
+        leafless = i >= stbds_arrlenu(r->e) ? cls : KVB__NIL;
     }
     return KVB__NIL;
 }
@@ -2989,18 +3022,20 @@ static uint32_t kvb__policy_victim(kvb_pool *p)
         return (i < p->cfg.num_blocks && (p->meta[i].flags & KVB__F_INACTIVE)) ? i : KVB__NIL;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) {
+        /* FOL, ARC and S3-FIFO: leaves only, so a higher level's leaf goes before a lower level's parent */
         if (p->cfg.eviction == KVB_EVICT_FOL) {
-            if ((i = kvb__fol_victim(p, lvl, 1)) != KVB__NIL || (i = kvb__fol_victim(p, lvl, 0)) != KVB__NIL) return i;
+            if ((i = kvb__fol_victim(p, lvl, 1)) != KVB__NIL) return i;
             continue;
         }
         if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
         if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
-        if (!p->rings[lvl * KVB__CLASSES].live) continue;
+        if (kvb__two_lists(p) || !p->rings[lvl * KVB__CLASSES].live) continue;
         kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
     }
     for (lvl = 0; lvl < p->cfg.priority_levels; lvl++) /* only inner blocks left: oldest of the lowest level */
-        if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, 0)) != KVB__NIL ||
+        if ((p->cfg.eviction == KVB_EVICT_FOL && (i = kvb__fol_victim(p, lvl, 0)) != KVB__NIL) ||
+            (i = kvb__ring_victim(p, lvl * KVB__CLASSES, 0)) != KVB__NIL ||
             (kvb__two_lists(p) && (i = kvb__ring_victim(p, lvl * KVB__CLASSES + KVB__T2, 0)) != KVB__NIL))
             return i;
     return KVB__NIL;
@@ -3093,7 +3128,9 @@ static inline void kvb__unindex(kvb_pool *p, uint32_t idx)
         } else {
             kvb__emit(p, KVB_EVENT_REMOVED, m);
             kvb__index_delete(p, s);
-            if (m->kids) kvb__orphans_add(p, &m->hash, m->kids); /* its children outlive it */
+            /* its children outlive it; out of memory their count is lost (a parent evicted before its
+             * children is the inner-only fallback's, or kvb_invalidate's) */
+            if (m->kids) kvb__orphans_add(p, &m->hash, m->kids);
         }
     } else if (m->flags & KVB__F_DUP) {
         uint32_t c = kvb__find(p, &m->hash);
@@ -3891,6 +3928,7 @@ KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t 
         return KVB_ENOMEM;
     }
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_COMPLETE, idx);
+    if (r == KVB_OK && !kvb__orphans_room(pool, n)) r = KVB_ENOMEM; /* parents chained or not: unknown yet */
     for (i = 0; r == KVB_OK && i < n; i++) {
         kvb__meta *m = &pool->meta[idx[i]];
         kvb__mut *mu = kvb__mut_of(pool, idx[i]);
@@ -3927,6 +3965,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
     if (kvb__two_lists(pool)) /* and their ghost lookups */
         for (i = 0; i < n && i < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i]);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
+    if (r == KVB_OK && !kvb__orphans_room(pool, kvb__unchained(hashes, parents, n))) r = KVB_ENOMEM;
     if (r == KVB_OK && pool->cfg.duplicates != KVB_DUP_REJECT && n <= KVB__SCRATCH) {
         /* every block is registered: the metadata of all first, while the index slots come in */
         for (i = 0; i < n; i++) kvb__register_meta(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
@@ -4143,18 +4182,45 @@ static size_t kvb__fol_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size
     return k;
 }
 
+/* ARC's eviction order of one level without evicting (kvb__arc_victim's rule, blocks in use passed
+ * over): T1's oldest while T1 holds more than the target, else T2's, each eviction one block less in
+ * its list; *t1 = T1's size, carried from level to level. */
+static size_t kvb__arc_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_t max, uint32_t *t1)
+{
+    const kvb__ring *r1 = &p->rings[lvl * KVB__CLASSES + KVB__T1], *r2 = &p->rings[lvl * KVB__CLASSES + KVB__T2];
+    size_t i1 = r1->head, i2 = r2->head, k = 0;
+    while (k < max) {
+        while (i1 < stbds_arrlenu(r1->e) && !kvb__ring_valid(p, r1, &r1->e[i1])) i1++;
+        while (i2 < stbds_arrlenu(r2->e) && !kvb__ring_valid(p, r2, &r2->e[i2])) i2++;
+        if (i1 < stbds_arrlenu(r1->e) && ((*t1 > 0 && (double)*t1 > p->arc_p) || i2 >= stbds_arrlenu(r2->e))) {
+            out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i1++].idx));
+            (*t1)--;
+        } else if (i2 < stbds_arrlenu(r2->e)) {
+            out[k++] = kvb_weak_of(kvb__block_of(p, r2->e[i2++].idx));
+        } else {
+            break;
+        }
+    }
+    return k;
+}
+
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
 {
     size_t k = 0, i;
-    uint32_t lvl, c;
+    uint32_t lvl, c, t1;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
+    t1 = pool->n_cls[KVB__T1];
     for (lvl = 0; lvl < pool->cfg.priority_levels && k < max; lvl++) {
         if (pool->cfg.eviction == KVB_EVICT_FOL) {
             k += kvb__fol_candidates(pool, lvl, out + k, max - k);
             continue;
         }
-        for (c = 0; c < (kvb__two_lists(pool) ? 2u : 1u); c++) { /* ARC, S3-FIFO: T1 / small queue first */
+        if (pool->cfg.eviction == KVB_EVICT_ARC) {
+            k += kvb__arc_candidates(pool, lvl, out + k, max - k, &t1);
+            continue;
+        }
+        for (c = 0; c < (kvb__two_lists(pool) ? 2u : 1u); c++) { /* S3-FIFO: the small queue first */
             const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES + c];
             for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
                 if (kvb__ring_valid(pool, r, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
@@ -4824,7 +4890,8 @@ KVB_API kvb_result kvb_seq_commit(kvb_seq *seq, size_t num_tokens)
     if (!seq) return KVB_EINVAL;
     if (num_tokens > stbds_arrlenu(seq->tokens)) return KVB_ERANGE;
     pthread_mutex_lock(&seq->pool->lock);
-    if (seq->pool->cfg.on_events && !kvb__events_room(seq->pool, kvb__seq_commit_blocks(seq, num_tokens)))
+    if ((seq->pool->cfg.on_events && !kvb__events_room(seq->pool, kvb__seq_commit_blocks(seq, num_tokens))) ||
+        !kvb__orphans_room(seq->pool, kvb__seq_commit_blocks(seq, num_tokens) != 0))
         r = KVB_ENOMEM;
     else
         kvb__seq_commit_locked(seq, num_tokens);
@@ -4841,10 +4908,15 @@ KVB_API kvb_result kvb_seq_commit_many(kvb_seq *const *seqs, const size_t *num_t
     for (i = 0; i < n; i++)
         if (num_tokens[i] > stbds_arrlenu(seqs[i]->tokens)) return KVB_ERANGE;
     pthread_mutex_lock(&seqs[0]->pool->lock);
-    if (seqs[0]->pool->cfg.on_events) {
-        size_t events = 0;
-        for (i = 0; i < n; i++) events += kvb__seq_commit_blocks(seqs[i], num_tokens[i]);
-        if (!kvb__events_room(seqs[0]->pool, events)) {
+    {
+        size_t events = 0, firsts = 0; /* a sequence's first block committed: chained to one of its own */
+        for (i = 0; i < n; i++) {
+            size_t k = kvb__seq_commit_blocks(seqs[i], num_tokens[i]);
+            events += k;
+            firsts += k != 0;
+        }
+        if ((seqs[0]->pool->cfg.on_events && !kvb__events_room(seqs[0]->pool, events)) ||
+            !kvb__orphans_room(seqs[0]->pool, firsts)) {
             pthread_mutex_unlock(&seqs[0]->pool->lock);
             return KVB_ENOMEM;
         }
@@ -5425,8 +5497,9 @@ KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pi
 KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
 
 /* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
- * when the batch is upgraded. KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of
- * memory (nothing enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
+ * when the batch is upgraded. KVO_EINVAL for n above UINT32_MAX (a transfer counts its blocks in 32
+ * bits), KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of memory (nothing
+ * enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
  * KVO_ENOMEM. Thread safety: any thread. */
 KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
@@ -5437,8 +5510,8 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
  * and then takes the block from the destination, so two requests with a common prefix move it once;
  * should that copy fail, this transfer loads the block itself), then in the source (references taken
  * at once); a hash in none of them is a miss and ends the request there (longest prefix).
- * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks.
- * Thread safety: any thread. */
+ * The destination blocks, one strong reference each, are taken with kvo_transfer_take_blocks. Results as
+ * kvo_enqueue's. Thread safety: any thread. */
 KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
@@ -5512,7 +5585,9 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
  * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
  * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
- * on_offloaded. KVO_ENOMEM when out of memory (nothing sent). Thread safety: any thread. */
+ * on_offloaded. KVO_ENOMEM when out of memory: nothing sent, except at a branch tier, where the copy
+ * down the first of its two pipelines may be on its way when the second refuses (*out is {0}).
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
 /* Pump the pipelines (poll mode) and, in lazy mode, send down the eviction candidates. Call once per
@@ -6408,8 +6483,10 @@ static void kvo__disk_note(kvo__disk *d, kvo_copy_job *job, size_t i, int e, int
     }
     job->results[i] = kvo__errno_result(e);
     (*io_errors)++;
-    snprintf(msg, msg_size, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
-    if (*result == KVO_OK) *result = job->results[i];
+    if (*result == KVO_OK) { /* the message, like the result, tells of the first failure */
+        *result = job->results[i];
+        snprintf(msg, msg_size, "%s: %s slot %u: %s", d->path, writing ? "write" : "read", slot, strerror(e));
+    }
 }
 
 /* Write the job's slots in order; with two or more, the next slot is prepared on a second thread while
@@ -6477,8 +6554,10 @@ static int kvo__disk_read_job(kvo__disk *d, kvo_copy_job *job, const kvo__geom *
         if (!e && !kvo__disk_verify(d, &job->hashes[i], buf, data)) {
             job->results[i] = KVO_ECHECKSUM;
             (*checksum_errors)++;
-            snprintf(msg, msg_size, "%s: slot %u failed its header or checksum check", d->path, slot);
-            if (result == KVO_OK) result = KVO_ECHECKSUM;
+            if (result == KVO_OK) {
+                result = KVO_ECHECKSUM;
+                snprintf(msg, msg_size, "%s: slot %u failed its header or checksum check", d->path, slot);
+            }
             continue;
         }
         if (!e && data == buf + KVO__HEADER_BYTES) kvo__scatter(mem, job->dst_idx[i], data);
@@ -6786,7 +6865,8 @@ static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
         cap = c->cap;
         token = c->token;
     } else {
-        while (cap < n) cap *= 2;
+        while (cap < n) cap *= 2; /* n <= UINT32_MAX (the entry points'), so this ends without wrapping */
+        if (cap > (SIZE_MAX - sizeof *c) / kvo__container_bytes(1)) return NULL; /* a 32-bit size_t */
         if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
     }
     memset(c, 0, sizeof *c);
@@ -7996,7 +8076,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 {
     kvo__container *c;
     kvo_result r;
-    if (!pipeline || !out || (n && !blocks)) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -8068,7 +8148,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
     kvo__container *c;
     kvo_result r;
     size_t found;
-    if (!pipeline || !out || (n && !hashes)) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -8280,28 +8360,29 @@ static size_t kvo__take_failed(kvo_pipeline *pl, kvb_weak **out)
  * separate transfer, the blocks whose copy down that pipeline failed before (eager mode): a later offer
  * of those stops at this tier, which holds them, so this is their next try. *out gets the first
  * transfer of w (n may be 0); the handles are released when the transfers are done
- * (kvo__manager_down_done). The caller holds the edge of `tier`. */
+ * (kvo__manager_down_done). An enqueue refused (out of memory) ends the sends there, retries included,
+ * and *out is left as it was: with the first refused nothing is sent; at a branch, a refusal of the
+ * second leaves the first on its way. The caller holds the edge of `tier`. */
 static kvo_result kvo__manager_send(kvo_manager *m, uint32_t tier, const kvb_weak *w, size_t n, kvo_transfer *out)
 {
     kvo__edge *e = &m->edges[tier];
-    kvo_result r = KVO_OK, ri;
+    kvo_result r;
+    kvo_transfer sent = {0};
     uint32_t i;
-    int first = 1;
     for (i = 0; i + 1 < m->cfg.num_tiers; i++) {
         kvo_transfer t;
         size_t again;
         if (!m->down[i] || m->from[i] != tier) continue;
         if (n) {
-            ri = kvo_enqueue(m->down[i], w, n, NULL, &t);
-            if (first && out && ri == KVO_OK) *out = t;
-            if (first) r = ri;
-            first = 0;
+            if ((r = kvo_enqueue(m->down[i], w, n, NULL, &t)) != KVO_OK) return r;
+            if (!sent.id) sent = t;
         }
         if ((again = kvo__take_failed(m->down[i], &e->retry)) > 0)
             (void)kvo_enqueue(m->down[i], e->retry, again, NULL, &t); /* refused (out of memory): lost, as a
                                                                          failed offer is */
     }
-    return r;
+    if (out && sent.id) *out = sent;
+    return KVO_OK;
 }
 
 /* An offload into tier + 1 finished: eager mode sends what landed on down. */
@@ -8408,10 +8489,10 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager)
 {
     uint32_t i;
     if (!manager) return;
-    for (i = 0; i < KVO_MAX_TIERS; i++) { /* top down, so chained offloads find their next stage */
-        kvo_pipeline_destroy(manager->down[i]);
-        manager->down[i] = NULL;
-    }
+    /* Top down, so chained offloads find their next stage: a copy landing in tier i + 1 goes on down
+     * pipelines from that tier, which come later. Their callbacks read down[] (kvo__manager_send) while
+     * this runs: it is left as it is, and a destroyed pipeline's entry is never one they use. */
+    for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->down[i]);
     for (i = 0; i < KVO_MAX_TIERS; i++) kvo_pipeline_destroy(manager->up[i]);
     for (i = 0; i < KVO_MAX_TIERS; i++) {
         stbds_arrfree(manager->edges[i].scratch);

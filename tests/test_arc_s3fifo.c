@@ -267,6 +267,62 @@ static void prefix_rule(kvb_evict_policy ev)
 static void test_arc_no_orphans(void) { prefix_rule(KVB_EVICT_ARC); }
 static void test_s3fifo_no_orphans(void) { prefix_rule(KVB_EVICT_S3FIFO); }
 
+/* Two priority levels: a parent P inactive at level 0 (its child still held), a leaf L inactive at level
+ * 1. The eviction takes L: a leaf of any level goes before a parent (the rule LINEAGE keeps too). Before,
+ * FOL, ARC and S3-FIFO fell back to level 0's oldest inner block at once, and P went. */
+static void test_leaf_of_a_higher_level_before_a_parent(void)
+{
+    static const kvb_evict_policy pol[] = {KVB_EVICT_LINEAGE, KVB_EVICT_FOL, KVB_EVICT_ARC, KVB_EVICT_S3FIFO};
+    for (size_t k = 0; k < sizeof pol / sizeof pol[0]; k++) {
+        kvb_pool_config cfg = fx_config(3);
+        kvb_pool *pool;
+        kvb_block b[3], o[3], nb;
+        kvb_hash h[3] = {key_hash(1), key_hash(2), key_hash(3)}, par[2];
+        kvb_release_opts level1 = {0, 0};
+        par[0] = fx_hash(0, 0);
+        par[1] = h[0];
+        cfg.eviction = pol[k];
+        cfg.priority_levels = 2;
+        pool = fx_pool_from(&cfg);
+        KVT_EQ(kvb_alloc(pool, 3, b), KVB_OK);
+        KVT_EQ(kvb_register_hashed(pool, b, 2, h, par, o), KVB_OK);         /* P, and C its child */
+        KVT_EQ(kvb_register_hashed(pool, b + 2, 1, h + 2, NULL, o + 2), KVB_OK); /* L, a root */
+        KVT_EQ(kvb_release(pool, &o[0], 1, NULL), KVB_OK);                  /* P: level 0, C still held */
+        level1.priority = 1;
+        KVT_EQ(kvb_release(pool, &o[2], 1, &level1), KVB_OK);              /* L: level 1 */
+        KVT_EQ(kvb_alloc(pool, 1, &nb), KVB_OK);                           /* one eviction */
+        KVT_EQ(fx_lookup(pool, &h[0], 1), 1);
+        KVT_EQ(fx_lookup(pool, &h[2], 1), 0);
+        FX_CHECK_POOL(pool);
+        KVT_EQ(kvb_release(pool, &nb, 1, NULL), KVB_OK);
+        KVT_EQ(kvb_release(pool, &o[1], 1, NULL), KVB_OK);
+        kvb_pool_destroy(pool);
+    }
+}
+
+/* S3-FIFO: the small queue holds only a parent P (at its target size) and P's child C, hit once, waits
+ * in the main queue. The victim is C, the leaf: a pass that finds no leaf in one queue looks in the
+ * other. Before, four passes went through the small queue and P was evicted, C orphaned. */
+static void test_s3fifo_leaf_in_the_main_queue_before_a_parent(void)
+{
+    kvb_pool *pool = policy_pool(KVB_EVICT_S3FIFO, 3, NULL);
+    kvb_hash h[2];
+    kvb_block b[2], c, nb[2];
+    size_t got = 0;
+    h[0] = key_hash(1);
+    h[1] = fx_hash(h[0].lo * 31 + 7, 2);
+    KVT_EQ(kvb_request_begin(pool, h, 2, b, &got), KVB_OK); /* P and C enter the small queue */
+    KVT_EQ(kvb_release(pool, b, 2, NULL), KVB_OK);
+    KVT_EQ(kvb_upgrade(pool, kvb_weak_of(b[1]), &c), KVB_OK); /* a hit on C */
+    KVT_EQ(kvb_release(pool, &c, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 2, nb), KVB_OK); /* the free block, then one eviction */
+    KVT_EQ(fx_lookup(pool, &h[0], 1), 1);  /* P stays */
+    KVT_EQ(fx_lookup(pool, h, 2), 1);      /* C went */
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, nb, 2, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+}
+
 /* Eviction candidates name inactive blocks only, T1 / the small queue first. */
 static void test_candidates(void)
 {
@@ -285,6 +341,40 @@ static void test_candidates(void)
     }
 }
 
+/* ARC's candidates follow its victim rule: with T1 at or below the target (after a ghost hit in B1),
+ * T2's oldest goes first, and each candidate listed first is the block the next eviction takes, to the
+ * last. Before, T1 was always listed first. */
+static void test_arc_candidates_in_eviction_order(void)
+{
+    kvb_pool *pool = policy_pool(KVB_EVICT_ARC, 4, NULL);
+    kvb_block nb[4];
+    kvb_pool_stats st;
+    serve_key(pool, 1), serve_key(pool, 1), serve_key(pool, 2), serve_key(pool, 2); /* T2 = {1, 2} */
+    serve_key(pool, 3), serve_key(pool, 4);                                         /* T1 = {3, 4} */
+    serve_key(pool, 5); /* 3 goes to B1 */
+    serve_key(pool, 3); /* 4 goes; 3 comes back from B1: the target rises to 1, 3 into T2 */
+    st = fx_stats(pool);
+    KVT_EQ(st.list_blocks[0], 1);
+    KVT_EQ(st.arc_target, 1);
+    for (int j = 0; j < 4; j++) {
+        kvb_weak w[4];
+        kvb_block_info info;
+        size_t n = 0;
+        KVT_EQ(kvb_eviction_candidates(pool, 4, w, &n), KVB_OK);
+        KVT_EQ(n, (size_t)(4 - j));
+        if (!j) { /* T2 = {1, 2, 3} oldest first, then T1 = {5} */
+            KVT_EQ(fx_info(pool, w[0].id).hash.lo, key_hash(1).lo);
+            KVT_EQ(fx_info(pool, w[3].id).hash.lo, key_hash(5).lo);
+        }
+        KVT_EQ(kvb_alloc(pool, 1, &nb[j]), KVB_OK); /* one eviction */
+        KVT_CHECK(kvb_block_get_info(pool, w[0].id, &info) != KVB_OK); /* the first candidate went */
+        for (size_t i = 1; i < n; i++) KVT_EQ(kvb_block_get_info(pool, w[i].id, &info), KVB_OK);
+    }
+    KVT_EQ(kvb_release(pool, nb, 4, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     KVT_RUN(test_arc_hit_moves_to_t2);
@@ -298,6 +388,9 @@ int main(void)
     KVT_RUN(test_s3fifo_main_queue_reinserts);
     KVT_RUN(test_s3fifo_place_kept_while_in_use);
     KVT_RUN(test_s3fifo_no_orphans);
+    KVT_RUN(test_leaf_of_a_higher_level_before_a_parent);
+    KVT_RUN(test_s3fifo_leaf_in_the_main_queue_before_a_parent);
     KVT_RUN(test_candidates);
+    KVT_RUN(test_arc_candidates_in_eviction_order);
     return kvt_summary();
 }

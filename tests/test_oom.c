@@ -12,7 +12,7 @@
  * into a partial block shared with a fork (copy-on-write through more page spans than the stack holds);
  * append_many over three sequences; fork; request_begin, without and with events; commit and
  * commit_many with events; truncate into a shared block, and one that releases registered blocks;
- * block_init. Last, events that find no memory for their batch (calls that reserve none) arrive in
+ * block_init; register_hashed of children whose parent is not cached (the orphan counts). Last, events that find no memory for their batch (calls that reserve none) arrive in
  * parts, none lost, and releases that find no memory for the eviction rings cache less, under every
  * policy. */
 #include "oom_hooks.h"
@@ -373,6 +373,27 @@ static void setup_truncate_registered(world *w)
 }
 static kvb_result act_truncate_registered(world *w) { return kvb_seq_truncate(w->seq[0], 5); }
 
+/* Three blocks registered as a chain whose parent is not cached (onboarded children, say): the first
+ * is counted among the orphans, in a table the call must grow. Before, its growth failing lost the
+ * count and the call still succeeded: the parent, once cached, could go before its child, and its
+ * count wrapped to 4,294,967,295 when the child went. */
+static void setup_orphans(world *w)
+{
+    w->pool = pool_of(8, 0, w);
+    KVT_EQ(kvb_alloc(w->pool, 3, w->held), KVB_OK);
+    w->n_held = 3;
+}
+static kvb_result act_orphans(world *w)
+{
+    kvb_hash h[3], parents[3];
+    parents[0] = fx_hash(999, 999); /* not cached */
+    for (size_t i = 0; i < 3; i++) {
+        h[i] = fx_hash(1000 + i, 7);
+        if (i) parents[i] = h[i - 1];
+    }
+    return kvb_register_hashed(w->pool, w->held, 3, h, parents, w->held);
+}
+
 /* A block of a fresh pool (no mutable state made yet) initialised. */
 static void setup_block_init(world *w)
 {
@@ -399,6 +420,7 @@ static const scenario scenarios[] = {
     {"truncate: a fork into its shared block", setup_shared_paged, act_truncate_shared},
     {"truncate: registered blocks released", setup_truncate_registered, act_truncate_registered},
     {"block_init: the pool's first mutable state", setup_block_init, act_block_init},
+    {"register_hashed: children of a parent not cached", setup_orphans, act_orphans},
 };
 
 static const char *only; /* argv[1]: run the scenarios whose name contains it */
