@@ -606,6 +606,7 @@ static uint64_t kvo__mono_us(void)
 static struct timespec kvo__deadline(int64_t timeout_us)
 {
     struct timespec ts;
+    if (timeout_us < 0) timeout_us = 0; /* a deadline in the past would leave tv_nsec negative: EINVAL */
     clock_gettime(CLOCK_MONOTONIC, &ts);
     ts.tv_sec += (time_t)(timeout_us / KVO__US_PER_S);
     ts.tv_nsec += (long)(timeout_us % KVO__US_PER_S) * 1000;
@@ -2643,7 +2644,8 @@ static void kvo__batch_finish(kvo_pipeline *pl, kvo__batch *b, int result, const
     }
     if (ok && (r = kvb_register_hashed(pl->cfg.dst, keep, ok, b->hashes, b->parents, keep)) != KVB_OK) {
         for (k = 0; k < ok; k++) /* out of memory: the copies are there but cannot be found */
-            kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &keep[k], (int)r, "registering in the destination failed");
+            kvo__landing_failed(pl, b->owner[k], b->owner_i[k], &keep[k], r == KVB_ENOMEM ? KVO_ENOMEM : (int)r,
+                                "registering in the destination failed");
         ok = 0;
     }
     for (k = 0; k < ok; k++) {

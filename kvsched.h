@@ -603,7 +603,7 @@ KVS_API kvs_result kvs_bus_break_remove(kvs_bus *bus, uint32_t id);
 KVS_API kvs_result kvs_bus_pause(kvs_bus *bus);
 /* Lets a stopped thread go on (and cancels a pause not reached yet). */
 KVS_API kvs_result kvs_bus_resume(kvs_bus *bus);
-/* Wait until a thread is stopped; KVS_ETIMEDOUT after timeout_us. out may be NULL. */
+/* Wait until a thread is stopped; KVS_ETIMEDOUT after timeout_us (negative: no limit). out may be NULL. */
 KVS_API kvs_result kvs_bus_wait_paused(kvs_bus *bus, int64_t timeout_us, kvs_pause_info *out);
 /* 1 when a thread is stopped now (and where, when out is not NULL). */
 KVS_API int kvs_bus_paused(kvs_bus *bus, kvs_pause_info *out);
@@ -667,9 +667,10 @@ typedef struct kvs_console_config {
 
 typedef struct kvs_console kvs_console;
 
-/* Starts a thread serving the socket. KVS_EIO when the socket cannot be created. */
+/* Starts a thread serving the socket. KVS_EIO when the socket cannot be created, KVS_ENOMEM out of
+ * memory; a start that fails before it binds leaves an old socket at the path as it was. */
 KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *config, kvs_console **out);
-/* Stops the thread, disconnects clients, removes the socket. */
+/* Stops the thread, disconnects clients, removes the socket (unless another console has replaced it). */
 KVS_API void kvs_console_stop(kvs_console *console);
 
 /* ---- metrics ---- */
@@ -1517,10 +1518,8 @@ KVS_API kvs_result kvs_reader_read(kvs_reader *reader, kvs_event *out, size_t ma
         ring->head = (ring->head + 1) % ring->cap;
         ring->count--;
     }
-    if (out_lost) {
-        *out_lost = ring->dropped;
-        ring->dropped = 0;
-    }
+    if (out_lost) *out_lost = ring->dropped;
+    ring->dropped = 0; /* counted since the last read, whether that one asked or not */
     if (reader->bus) pthread_mutex_unlock(&reader->bus->lock);
     *out_n = n;
     return KVS_OK;
@@ -1667,11 +1666,14 @@ KVS_API kvs_result kvs_bus_wait_paused(kvs_bus *bus, int64_t timeout_us, kvs_pau
     if (!bus) return KVS_EINVAL;
     until = kvo__deadline(timeout_us);
     pthread_mutex_lock(&bus->lock);
-    while (!bus->stopped)
-        if (pthread_cond_timedwait(&bus->cond, &bus->lock, &until) == ETIMEDOUT && !bus->stopped) {
+    while (!bus->stopped) {
+        if (timeout_us < 0) {
+            pthread_cond_wait(&bus->cond, &bus->lock);
+        } else if (pthread_cond_timedwait(&bus->cond, &bus->lock, &until) == ETIMEDOUT && !bus->stopped) {
             r = KVS_ETIMEDOUT;
             break;
         }
+    }
     if (r == KVS_OK && out) *out = bus->where;
     pthread_mutex_unlock(&bus->lock);
     return r;
@@ -1806,6 +1808,14 @@ KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *
         KVB_FREE(r);
         return KVS_ENOMEM;
     }
+    pthread_mutex_lock(&bus->lock); /* room for the subscription before the log is truncated */
+    res = kvo__fit(&bus->subs, stbds_arrlenu(bus->subs) + 1) ? KVS_OK : KVS_ENOMEM;
+    pthread_mutex_unlock(&bus->lock);
+    if (res != KVS_OK) {
+        KVB_FREE(r->ring.ev);
+        KVB_FREE(r);
+        return res;
+    }
     if (config && config->log_path) {
         unsigned char h[KVS_LOG_HEADER_BYTES];
         kvs__log_header(h);
@@ -1934,6 +1944,9 @@ struct kvs_console {
     kvs_reader *reader;
     char *path;
     int listen_fd, wake[2];
+    int bound;                   /* path is a socket this console bound: sock_dev and sock_ino name it */
+    dev_t sock_dev;
+    ino_t sock_ino;
     uint64_t accept_after_us;    /* no accept before this (kvo__mono_us) */
     pthread_t thread;
     kvs__client *clients;        /* stb_ds */
@@ -2053,8 +2066,10 @@ static void kvs__console_pump(kvs_console *k)
 {
     kvs_event batch[256];
     size_t i, n;
+    uint64_t lost;
     do {
-        kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, NULL);
+        kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, &lost);
+        if (lost) stbds_hmfree(k->slots); /* a release may be among them: the live slots cannot be told now */
         for (i = 0; i < n; i++) {
             size_t j;
             kvs__console_note(k, &batch[i]);
@@ -2144,12 +2159,20 @@ static void *kvs__console_main(void *arg)
     }
 }
 
+/* The socket at k->path is still the one this console bound (another may have replaced it since). */
+static int kvs__console_owns_path(const kvs_console *k)
+{
+    struct stat st;
+    return k->bound && lstat(k->path, &st) == 0 && st.st_dev == k->sock_dev && st.st_ino == k->sock_ino;
+}
+
 KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *config, kvs_console **out)
 {
     kvs_console *k;
     struct sockaddr_un addr;
     struct stat st;
     size_t len;
+    kvs_result r = KVS_ENOMEM;
     if (!bus || !config || !config->path || !out) return KVS_EINVAL;
     len = strlen(config->path);
     if (!len || len >= sizeof addr.sun_path) return KVS_EINVAL;
@@ -2159,34 +2182,39 @@ KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *con
     memset(k, 0, sizeof *k);
     k->bus = bus;
     k->listen_fd = k->wake[0] = k->wake[1] = -1;
+    /* all that can fail but the socket first: a start that fails leaves an old socket there */
     k->path = (char *)KVB_MALLOC(len + 1);
-    if (!kvs__ring_init(&k->history, config->history ? config->history : 8192) || !k->path) goto fail;
+    if (!kvs__ring_init(&k->history, config->history ? config->history : 8192) || !k->path ||
+        (r = kvs_reader_open(bus, 0, 65536, &k->reader)) != KVS_OK)
+        goto fail;
     memcpy(k->path, config->path, len + 1);
+    r = KVS_EIO;
+    if (pipe(k->wake) != 0) goto fail;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
     memcpy(addr.sun_path, config->path, len);
     unlink(config->path);
     /* bind, then 0600, then listen: nobody can connect before the mode is set */
     if ((k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
-        bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0 || chmod(config->path, 0600) != 0 ||
-        listen(k->listen_fd, 8) != 0 || pipe(k->wake) != 0)
+        bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0)
         goto fail;
-    if (kvs_reader_open(bus, 0, 65536, &k->reader) != KVS_OK) goto fail;
+    k->bound = lstat(config->path, &st) == 0;
+    k->sock_dev = st.st_dev;
+    k->sock_ino = st.st_ino;
+    if (!k->bound || chmod(config->path, 0600) != 0 || listen(k->listen_fd, 8) != 0) goto fail;
     if (pthread_create(&k->thread, NULL, kvs__console_main, k) != 0) goto fail;
     *out = k;
     return KVS_OK;
 fail:
     if (k->reader) kvs_reader_close(k->reader);
-    if (k->listen_fd >= 0) {
-        close(k->listen_fd);
-        unlink(config->path);
-    }
+    if (k->listen_fd >= 0) close(k->listen_fd);
+    if (k->path && kvs__console_owns_path(k)) unlink(k->path);
     if (k->wake[0] >= 0) close(k->wake[0]);
     if (k->wake[1] >= 0) close(k->wake[1]);
     KVB_FREE(k->history.ev);
     KVB_FREE(k->path);
     KVB_FREE(k);
-    return KVS_EIO;
+    return r;
 }
 
 KVS_API void kvs_console_stop(kvs_console *console)
@@ -2201,7 +2229,7 @@ KVS_API void kvs_console_stop(kvs_console *console)
     close(console->listen_fd);
     close(console->wake[0]);
     close(console->wake[1]);
-    unlink(console->path);
+    if (kvs__console_owns_path(console)) unlink(console->path); /* not a newer console's */
     KVB_FREE(console->history.ev);
     KVB_FREE(console->path);
     KVB_FREE(console);
@@ -3467,8 +3495,9 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     KVB_FREE(sched);
 }
 
-/* ADD: the id it will get, its parameters; then its extra keys (lo, hi words) and prompt. */
-static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
+/* ADD: the request's id, its parameters; then its extra keys (lo, hi words) and prompt (s->words has room
+ * for them). */
+static void kvs__emit_add(kvs_sched *s, const kvs_request *rq, uint64_t id)
 {
     kvs_event e;
     uint32_t *words;
@@ -3477,7 +3506,7 @@ static void kvs__emit_add(kvs_sched *s, const kvs_request *rq)
     words = stbds_arraddnptr(s->words, 2 * rq->num_extra + rq->num_prompt);
     memset(&e, 0, sizeof e);
     e.kind = KVS_EV_ADD;
-    e.request = s->next_id;
+    e.request = id;
     e.u.add.num_prompt = rq->num_prompt;
     e.u.add.salt = rq->salt;
     e.u.add.max_new_tokens = rq->max_new_tokens;
@@ -3495,16 +3524,15 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
 {
     kvs__req *r;
     size_t need, room;
+    int add_event;
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
     if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
-        return KVS_ETOOBIG; /* before the event: it would name an id the next add takes */
-    if (kvs__wants(sched->cfg.bus, KVS_EV_ADD)) {
-        if (!kvo__fit(&sched->words, 2 * request->num_extra + request->num_prompt)) return KVS_ENOMEM;
-        kvs__emit_add(sched, request);
-    }
+        return KVS_ETOOBIG;
+    add_event = kvs__wants(sched->cfg.bus, KVS_EV_ADD); /* asked once: the room below is for it */
+    if (add_event && !kvo__fit(&sched->words, 2 * request->num_extra + request->num_prompt)) return KVS_ENOMEM;
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding
      * does not reallocate step after step */
     room = request->num_prompt + (request->max_new_tokens && request->max_new_tokens <= 4096 ? request->max_new_tokens : 256);
@@ -3534,6 +3562,8 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
         kvs__req_spare(sched, r);
         return KVS_ENOMEM;
     }
+    /* the event once nothing can fail: a refused add names no id (the next add takes it) */
+    if (add_event) kvs__emit_add(sched, request, r->id);
     r->at = stbds_arrlenu(sched->all);
     stbds_arrput(sched->all, r);
     kvs__queue_insert(&sched->waiting, r);

@@ -2716,6 +2716,122 @@ static void console_out_of_descriptors_backs_off(void)
     kvs_bus_destroy(bus);
 }
 
+/* A reader's lost count is of the events dropped since the last read, whether that read asked for the
+ * count or not. Before, a read without out_lost left the old drops to be reported by the next one. */
+static void reader_lost_counts_since_the_last_read(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_reader *r = NULL;
+    kvs_event ev = sample_event(KVS_EV_SLOT), out[4];
+    size_t n = 0;
+    uint64_t lost = 99;
+    KVT_EQ(kvs_reader_open(bus, 0, 2, &r), KVS_OK);
+    if (!r) return;
+    for (int i = 0; i < 5; i++) KVT_EQ(kvs_bus_publish(bus, &ev), KVS_OK); /* 3 dropped */
+    KVT_EQ(kvs_reader_read(r, out, 4, &n, NULL), KVS_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(kvs_bus_publish(bus, &ev), KVS_OK);
+    KVT_EQ(kvs_reader_read(r, out, 4, &n, &lost), KVS_OK);
+    KVT_EQ(n, 1);
+    KVT_EQ(lost, 0);
+    for (int i = 0; i < 3; i++) KVT_EQ(kvs_bus_publish(bus, &ev), KVS_OK); /* 1 dropped */
+    KVT_EQ(kvs_reader_read(r, out, 4, &n, &lost), KVS_OK);
+    KVT_EQ(n, 2);
+    KVT_EQ(lost, 1);
+    kvs_reader_close(r);
+    kvs_bus_destroy(bus);
+}
+
+/* kvs_bus_wait_paused with a negative timeout waits without a limit, and a deadline in the past is a
+ * valid one. Before, a negative timeout made a deadline with a negative tv_nsec, which
+ * pthread_cond_timedwait refuses (EINVAL, not ETIMEDOUT): the wait spun on a core for ever. */
+static void wait_paused_negative_timeout(void)
+{
+    kvs_bus *bus = new_bus();
+    struct timespec dl = kvo__deadline(-982088);
+    kvs_pause_info info;
+    KVT_CHECK(dl.tv_nsec >= 0 && dl.tv_nsec < 1000000000L);
+    dl = kvo__deadline(-3000000);
+    KVT_CHECK(dl.tv_nsec >= 0 && dl.tv_nsec < 1000000000L);
+    KVT_EQ(kvs_bus_wait_paused(bus, 0, &info), KVS_ETIMEDOUT);
+    pthread_mutex_lock(&bus->lock); /* a thread stopped (as a hook stops one), then the wait */
+    bus->stopped = 1;
+    pthread_mutex_unlock(&bus->lock);
+    KVT_EQ(kvs_bus_wait_paused(bus, -5, &info), KVS_OK);
+    pthread_mutex_lock(&bus->lock);
+    bus->stopped = 0;
+    pthread_mutex_unlock(&bus->lock);
+    kvs_bus_destroy(bus);
+}
+
+/* Console B replaces console A's socket (the documented takeover); stopping A then leaves B's socket,
+ * and clients still reach B. Before, A's stop removed whatever was at the path. */
+static void console_stop_leaves_a_newer_consoles_socket(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *a = NULL, *b = NULL;
+    kvs_console_config cc;
+    unsigned char head[KVS_LOG_HEADER_BYTES];
+    struct stat st;
+    char path[64];
+    int fd;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_takeover_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &a), KVS_OK);
+    KVT_EQ(kvs_console_start(bus, &cc, &b), KVS_OK);
+    if (!a || !b) return;
+    kvs_console_stop(a);
+    KVT_EQ(lstat(path, &st), 0);
+    fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    KVT_EQ(connect_console(fd, path), 0);
+    KVT_CHECK(recv_within(fd, head, sizeof head, 5000));
+    close(fd);
+    kvs_console_stop(b);
+    KVT_CHECK(lstat(path, &st) != 0); /* its own socket goes with it */
+    kvs_bus_destroy(bus);
+}
+
+/* A start that fails (here out of file descriptors) leaves the socket of the console serving the path:
+ * it keeps taking clients. Before, the old socket was removed first, whatever happened next. */
+static void console_failed_start_leaves_the_old_socket(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *a = NULL, *b = (kvs_console *)1;
+    kvs_console_config cc;
+    unsigned char head[KVS_LOG_HEADER_BYTES];
+    struct rlimit saved, low;
+    struct stat st;
+    char path[64];
+    int client, probe, fill[64], filled = 0, i;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_failstart_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &a), KVS_OK);
+    if (!a) return;
+    client = socket(AF_UNIX, SOCK_STREAM, 0); /* made now: later there is no descriptor for it */
+    KVT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
+    probe = open("/dev/null", O_RDONLY);
+    KVT_CHECK(probe >= 0);
+    low = saved;
+    low.rlim_cur = (rlim_t)probe + 32;
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    while (filled < 64 && (fill[filled] = dup(probe)) >= 0) filled++;
+    KVT_CHECK(filled < 64 && errno == EMFILE);
+    KVT_EQ(kvs_console_start(bus, &cc, &b), KVS_EIO);
+    for (i = 0; i < filled; i++) close(fill[i]);
+    close(probe);
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    KVT_CHECK(b == (kvs_console *)1);
+    KVT_EQ(lstat(path, &st), 0);
+    KVT_CHECK(S_ISSOCK(st.st_mode));
+    KVT_EQ(connect_console(client, path), 0);
+    KVT_CHECK(recv_within(client, head, sizeof head, 5000));
+    close(client);
+    kvs_console_stop(a);
+    kvs_bus_destroy(bus);
+}
+
 static void null_arguments_are_invalid(void)
 {
     kvs_bus *bus = new_bus();
@@ -2877,6 +2993,10 @@ int main(void)
     /* 7 */
     KVT_RUN(console_drops_an_overlong_line_whole);
     KVT_RUN(console_out_of_descriptors_backs_off);
+    KVT_RUN(console_stop_leaves_a_newer_consoles_socket);
+    KVT_RUN(console_failed_start_leaves_the_old_socket);
+    KVT_RUN(reader_lost_counts_since_the_last_read);
+    KVT_RUN(wait_paused_negative_timeout);
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);
     return kvt_summary();

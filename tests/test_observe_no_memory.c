@@ -12,6 +12,7 @@
 #include "kvsched.h"
 #include "kvtest.h"
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 enum { MANY = 40, LOGGED = 300 };
@@ -190,11 +191,67 @@ static void test_log_read_out_of_memory(void)
     kvs_bus_destroy(bus);
 }
 
+/* A recorder created over an existing log with every allocation failing in turn: KVS_ENOMEM leaves the
+ * log as it was (the room for the subscription is made before the file is truncated). Before, the log
+ * was emptied and then the subscription failed. */
+static void test_recorder_create_out_of_memory(void)
+{
+    char path[64];
+    kvs_bus *bus = new_bus();
+    kvs_recorder *rec = NULL;
+    kvs_recorder_config rc;
+    struct stat st;
+    off_t full;
+    int fd, refused = 0;
+    snprintf(path, sizeof path, "/tmp/kvobs-oomrec-XXXXXX");
+    fd = mkstemp(path);
+    KVT_CHECK(fd >= 0);
+    if (fd < 0 || !bus) return;
+    close(fd);
+    memset(&rc, 0, sizeof rc);
+    rc.log_path = path;
+    KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_OK);
+    for (int i = 0; i < LOGGED; i++) publish_step(bus);
+    kvs_recorder_destroy(rec);
+    KVT_EQ(stat(path, &st), 0);
+    full = st.st_size;
+    static int others;
+    for (int more = 0; more < MANY; more++) { /* one subscriber more each time: the array is full now and then */
+        KVT_EQ(kvs_bus_subscribe(bus, 0, count_call, &others, NULL), KVS_OK);
+        for (long at = 0;; at++) {
+            kvs_result r;
+            int fired;
+            rec = NULL;
+            oom_arm(at, 1);
+            r = kvs_recorder_create(bus, &rc, &rec);
+            fired = oom_fired;
+            oom_disarm();
+            if (r == KVS_OK) {
+                kvs_recorder_destroy(rec); /* an empty log now: written again for the next try */
+                KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_OK);
+                for (int i = 0; i < LOGGED; i++) publish_step(bus);
+                kvs_recorder_destroy(rec);
+            } else {
+                KVT_EQ(r, KVS_ENOMEM);
+                KVT_CHECK(rec == NULL);
+                refused++;
+            }
+            KVT_EQ(stat(path, &st), 0);
+            KVT_EQ(st.st_size, full);
+            if (!fired) break;
+        }
+    }
+    KVT_CHECK(refused >= 2);
+    unlink(path);
+    kvs_bus_destroy(bus);
+}
+
 int main(void)
 {
     KVT_RUN(test_subscribe_out_of_memory);
     KVT_RUN(test_reader_open_out_of_memory);
     KVT_RUN(test_break_add_out_of_memory);
     KVT_RUN(test_log_read_out_of_memory);
+    KVT_RUN(test_recorder_create_out_of_memory);
     return kvt_summary();
 }

@@ -29,7 +29,7 @@ typedef struct world {
 
 /* A device pool of num_blocks; with `tiers`, a host tier under an eager manager (poll mode): the
  * connector offers every registered block and onboards what the host holds. */
-static void world_open(world *w, uint32_t num_blocks, int tiers)
+static void world_open(world *w, uint32_t num_blocks, int tiers, kvs_bus *bus)
 {
     kvb_pool_config pc;
     kvs_sched_config sc;
@@ -40,6 +40,7 @@ static void world_open(world *w, uint32_t num_blocks, int tiers)
     KVT_EQ(kvb_pool_create(&pc, &w->dev), KVB_OK);
     memset(&sc, 0, sizeof sc);
     sc.device = w->dev;
+    sc.bus = bus;
     if (tiers) {
         kvo_manager_config mc;
         pc.num_blocks = 64;
@@ -128,7 +129,7 @@ static void test_add_out_of_memory(void)
         for (long at = 0; at < MAX_N; at++) {
             world w;
             kvs_sched_stats before, after;
-            world_open(&w, 24, 0); /* 6 prompts of 3 blocks and their tokens do not all fit: preemption */
+            world_open(&w, 24, 0, NULL); /* 6 prompts of 3 blocks and their tokens do not all fit: preemption */
             for (uint32_t i = 0; i < 3; i++) KVT_EQ(world_add(&w, i), KVS_OK);
             (void)world_step(&w);
             KVT_EQ(kvs_sched_get_stats(w.s, &before), KVS_OK);
@@ -150,6 +151,45 @@ static void test_add_out_of_memory(void)
         }
 }
 
+/* The ADD event of an add refused out of memory is never published: the log would name an id the next
+ * add takes (two ADDs for one request, and a replay with a request too many). The ADD of the add that
+ * succeeds names the id it returns. Before, the event went out before the add made its room. */
+static int adds_seen;
+static uint64_t last_add;
+static void count_adds(void *user, const kvs_event *e)
+{
+    (void)user;
+    if (e->kind != KVS_EV_ADD) return;
+    adds_seen++;
+    last_add = e->request;
+}
+
+static void test_add_out_of_memory_publishes_no_add(void)
+{
+    for (int sticky = 0; sticky < 2; sticky++)
+        for (long at = 0; at < MAX_N; at++) {
+            world w;
+            kvs_bus *bus = NULL;
+            KVT_EQ(kvs_bus_create(NULL, &bus), KVS_OK);
+            KVT_EQ(kvs_bus_subscribe(bus, KVS_EV_MASK(KVS_EV_ADD), count_adds, NULL, NULL), KVS_OK);
+            world_open(&w, 24, 0, bus);
+            for (uint32_t i = 0; i < 3; i++) KVT_EQ(world_add(&w, i), KVS_OK);
+            adds_seen = 0;
+            oom_arm(at, sticky);
+            kvs_result r = world_add(&w, 3);
+            int fired = oom_fired;
+            oom_disarm();
+            KVT_CHECK(r == KVS_OK || r == KVS_ENOMEM);
+            KVT_EQ(adds_seen, r == KVS_OK ? 1 : 0);
+            if (r == KVS_OK) KVT_EQ(last_add, w.id[w.n - 1]);
+            KVT_EQ(world_add(&w, 4), KVS_OK); /* the memory is back */
+            KVT_EQ(last_add, w.id[w.n - 1]);
+            world_finish(&w);
+            kvs_bus_destroy(bus);
+            if (!fired) break;
+        }
+}
+
 /* Requests added with the memory there, then steps with allocations failing (from the Nth on, or only
  * the Nth): every call succeeds and every request finishes. Four requests run first, so the step's lists
  * hold four; then two more come, and the next step plans six items: with a device that holds them all
@@ -160,7 +200,7 @@ static void steps_without_memory(uint32_t num_blocks, int tiers)
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0; at < MAX_N; at++) {
             world w;
-            world_open(&w, num_blocks, tiers);
+            world_open(&w, num_blocks, tiers, NULL);
             for (uint32_t i = 0; i < 4; i++) KVT_EQ(world_add(&w, i), KVS_OK);
             for (int i = 0; i < 2; i++) (void)world_step(&w); /* the step's lists hold 4 */
             for (uint32_t i = 4; i < REQS; i++) KVT_EQ(world_add(&w, i), KVS_OK);
@@ -181,6 +221,7 @@ int main(void)
 {
     of_watchdog(300);
     KVT_RUN(test_add_out_of_memory);
+    KVT_RUN(test_add_out_of_memory_publishes_no_add);
     KVT_RUN(test_steps_without_memory_all_running);
     KVT_RUN(test_steps_without_memory_preempting);
     KVT_RUN(test_steps_without_memory_host_tier);
