@@ -2066,7 +2066,7 @@ static void kvs__console_pump(kvs_console *k)
 {
     kvs_event batch[256];
     size_t i, n;
-    uint64_t lost;
+    uint64_t lost = 0;
     do {
         kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, &lost);
         if (lost) stbds_hmfree(k->slots); /* a release may be among them: the live slots cannot be told now */
