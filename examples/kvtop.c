@@ -441,6 +441,7 @@ typedef struct app {
     const char *source;
     int log_mode, once, styled;
     int sock;                  /* -1: none (a log, or the engine went away) */
+    int not_a_console;         /* the socket sent something other than a kvcache event stream */
     stream in;
     uint64_t pinned;           /* --request, or chosen with j/k; 0: follow */
     uint64_t followed;         /* the request followed when not pinned */
@@ -842,6 +843,7 @@ static int read_socket(app *a)
     a->in.len += (size_t)n;
     if (stream_feed(&a->in, &a->m) != 0) {
         disconnect(a, "not a kvcache event stream (bad header): disconnected");
+        a->not_a_console = 1;
         return 0;
     }
     return 1;
@@ -1182,6 +1184,10 @@ int main(int argc, char **argv)
         if (isatty(STDOUT_FILENO)) terminal_size(&a);
         render(&a, &the_frame);
         emit(&a, &the_frame);
+        if (a.not_a_console) { /* the frame says so; the socket could not be read */
+            model_free(&a.m);
+            return 1;
+        }
     } else {
         if (terminal_raw() != 0) {
             fprintf(stderr, "kvtop: cannot set up the terminal: %s\n", strerror(errno));

@@ -73,7 +73,8 @@
  *   start as a Poisson process (SYN_RATE per second); a turn comes an exponential think time (mean
  *   SYN_THINK_S) after the previous one finished. 16-token blocks by default.
  *   Mooncake traces (--trace FILE): one JSON object a line, {"timestamp": ms, "input_length": n,
- *   "output_length": n, "hash_ids": [...]}; each hash id names one block of --block-tokens tokens
+ *   "output_length": n, "hash_ids": [...]}; timestamps may count from anywhere (epoch milliseconds too:
+ *   the clock starts at the first arrival); each hash id names one block of --block-tokens tokens
  *   (default 512) together with its whole prefix, and becomes that many synthetic tokens derived from
  *   (id, position); an input_length beyond the ids adds tokens unique to the request. output_length may
  *   be left out with --sequential, which never decodes. Malformed lines are reported (the first 5 with
@@ -149,6 +150,7 @@
 #define KVCACHE_IMPLEMENTATION /* the library's implementation is compiled in this file only */
 #include "serve_sim/sim.h"
 
+#include <ctype.h>
 #include <errno.h>
 #include <math.h>
 #include <stddef.h>
@@ -302,7 +304,7 @@ static void parse_engines(options *o)
             die(2, "--engines: '%s' is not auto or a number 1..%d", o->engines_arg, MAX_ENGINES);
         o->engines = (uint32_t)n;
     }
-    if (o->engines == 1) return;
+    if (o->engines == 1 || (!o->engines && !o->sequential)) return; /* auto: size_fleet checks what it chose */
     if (o->sequential) die(2, "--sequential replays one cache: drop --engines (or --check-lru, which implies --sequential)");
     if (o->console || o->record || o->metrics)
         die(2, "--console, --record and --metrics observe one engine: drop --engines");
@@ -311,16 +313,18 @@ static void parse_engines(options *o)
 /* --shard I/N: 0 <= I < N. */
 static void parse_shard(options *o)
 {
-    unsigned i, n;
-    char tail;
+    unsigned long i = 0, n = 0;
+    char *slash = NULL, *end = NULL;
     o->shard = 0;
     o->shards = 1;
     if (!o->shard_arg) return;
-    if (sscanf(o->shard_arg, "%u/%u%c", &i, &n, &tail) != 2 || !n || i >= n || n > 1u << 20 ||
-        strchr(o->shard_arg, '-') || strchr(o->shard_arg, ' '))
-        die(2, "--shard: '%s' is not I/N with 0 <= I < N", o->shard_arg);
-    o->shard = i;
-    o->shards = n;
+    errno = 0;
+    if (isdigit((unsigned char)o->shard_arg[0])) i = strtoul(o->shard_arg, &slash, 10);
+    if (slash && *slash == '/' && isdigit((unsigned char)slash[1])) n = strtoul(slash + 1, &end, 10);
+    if (errno || !end || *end || !n || i >= n || n > 1u << 20) /* strtoul wraps nothing: ERANGE */
+        die(2, "--shard: '%s' is not I/N with 0 <= I < N <= %u", o->shard_arg, 1u << 20);
+    o->shard = (uint32_t)i;
+    o->shards = (uint32_t)n;
 }
 
 static void parse_options(int argc, char **argv, options *o)

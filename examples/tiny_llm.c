@@ -412,7 +412,7 @@ typedef struct tiers {
     kvb_pool *pool[3]; /* G3 is metadata only: its bytes live in the file */
     kvo_backend *mem, *disk;
     kvo_manager *manager;
-    char dir[128], path[160];
+    char dir[4096], path[4096 + 16];
     char note[128];    /* what the disk backend said (the O_DIRECT fallback) */
 } tiers;
 
@@ -439,7 +439,11 @@ static int tiers_open(tiers *t, uint32_t g1, uint32_t g2, uint32_t g3)
     uint64_t block_bytes = 0;
     memset(t, 0, sizeof *t);
     memset(&pc, 0, sizeof pc);
-    snprintf(t->dir, sizeof t->dir, "%s/tiny_llm.XXXXXX", tmp && *tmp ? tmp : "/tmp");
+    if ((size_t)snprintf(t->dir, sizeof t->dir, "%s/tiny_llm.XXXXXX", tmp && *tmp ? tmp : "/tmp") >= sizeof t->dir) {
+        fprintf(stderr, "tiny_llm: TMPDIR is too long (%zu bytes)\n", strlen(tmp));
+        t->dir[0] = 0;
+        return -1;
+    }
     if (!mkdtemp(t->dir)) {
         fprintf(stderr, "tiny_llm: cannot create %s for the disk tier (set TMPDIR)\n", t->dir);
         t->dir[0] = 0;

@@ -24,6 +24,9 @@
 #define WORKLOADS_IMPLEMENTATION
 #include "workloads.h"
 
+#include <ctype.h>
+#include <errno.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,6 +47,26 @@ static void die(const char *msg)
 {
     fprintf(stderr, "workloads: %s\n", msg);
     exit(2);
+}
+
+/* An option's value out of its range. */
+static void die2(const char *opt, const char *what, uint64_t lo, uint64_t hi, const char *v)
+{
+    fprintf(stderr, "workloads: %s: '%s' is not %s in %llu..%llu\n", opt, v, what, (unsigned long long)lo,
+            (unsigned long long)hi);
+    exit(2);
+}
+
+/* --scale: a finite factor in (0, 1000] (prompt lengths are multiplied by it). */
+static double scale_arg(const char *v)
+{
+    char *end = NULL;
+    double x = strtod(v, &end);
+    if (end == v || *end || !isfinite(x) || x <= 0 || x > 1000) {
+        fprintf(stderr, "workloads: --scale: '%s' is not a number in (0, 1000]\n", v);
+        exit(2);
+    }
+    return x;
 }
 
 /* Block hit rate of one pool over the trace (wl_replay: as serve_sim --sequential replays). */
@@ -254,12 +277,24 @@ static void write_trace(const char *shape_name, const char *path, const sweep_op
         }
         fprintf(f, "]}\n");
     }
-    fclose(f);
+    if (ferror(f) | fclose(f)) die("cannot write the trace file (disk full?)");
     fprintf(stderr, "%s: %zu requests, %llu prompt blocks, %zu distinct\n", path, w.n,
             (unsigned long long)w.total_blocks, n);
     free(keys);
     free(ids);
     wl_free(&w);
+}
+
+/* A whole decimal number in [lo, hi], else die naming the option. */
+static uint64_t number_arg(const char *opt, const char *v, uint64_t lo, uint64_t hi)
+{
+    char *end = NULL;
+    unsigned long long x;
+    errno = 0;
+    x = isdigit((unsigned char)v[0]) ? strtoull(v, &end, 10) : 0;
+    if (!end || *end || errno || x < lo || x > hi)
+        die2(opt, "a whole number", lo, hi, v);
+    return (uint64_t)x;
 }
 
 static void parse_caps(const char *s, sweep_opts *o)
@@ -308,23 +343,23 @@ int main(int argc, char **argv)
             if (!strcmp(a, "--partial-tail")) o.flags |= WL_PARTIAL_TAIL;
             continue;
         }
-        if (!strcmp(a, "--write") && v && i + 2 < argc) {
+        if (!strcmp(a, "--write")) {
+            if (!v || i + 2 >= argc) die("--write needs SHAPE FILE");
             write_shape = v;
             write_path = argv[i + 2];
             i += 2;
             continue;
         } else if (!v) die("missing value (see the comment at the top of examples/workloads.c)");
-        else if (!strcmp(a, "--block-tokens")) o.block_tokens = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--requests")) o.requests = (uint32_t)strtoul(v, NULL, 10);
-        else if (!strcmp(a, "--seed")) o.seed = strtoull(v, NULL, 10);
-        else if (!strcmp(a, "--scale")) o.scale = strtod(v, NULL);
+        else if (!strcmp(a, "--block-tokens")) o.block_tokens = (uint32_t)number_arg(a, v, 1, 32768);
+        else if (!strcmp(a, "--requests")) o.requests = (uint32_t)number_arg(a, v, 1, 10000000);
+        else if (!strcmp(a, "--seed")) o.seed = number_arg(a, v, 0, UINT64_MAX);
+        else if (!strcmp(a, "--scale")) o.scale = scale_arg(v);
         else if (!strcmp(a, "--capacities")) parse_caps(v, &o);
         else if (!strcmp(a, "--shapes")) parse_shapes(v, &o);
         else die("unknown option (see the comment at the top of examples/workloads.c)");
         i++;
     }
-    if (!o.block_tokens || !o.requests || o.scale <= 0) die("--block-tokens, --requests and --scale must be positive");
-    if (o.block_tokens > 32768) die("--block-tokens: at most 32768 (a pool's limit)");
+
     if (write_shape) write_trace(write_shape, write_path, &o);
     if (do_list)
         for (i = 0; i < WL__COUNT; i++) {

@@ -6,7 +6,9 @@
 # timestamps are read, not skipped; a trace with more than 1% of its lines malformed exits 2 unless
 # --skip-bad (a file in another format says so in a few lines, a gzip'd one in one), one cut off mid-line
 # replays the rest with a warning; output_length may be left out with
-# --sequential, not without. Ends with
+# --sequential, not without; timestamps that count from anywhere (epoch ms) start the clock at the first
+# arrival (the queue samples once spun up to it, for ever); a directory or an empty prompt is an error
+# that says so; --check-lru matches on a trace that reuses an id under another prefix. Ends with
 # "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 T=examples/traces/small.jsonl
@@ -89,5 +91,21 @@ $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ 
     bad "--timing-runs 0"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"
 $SIM --sequential --trace $T --fol-step x >/dev/null 2>&1; [ $? -eq 2 ] && ok "bad --fol-step exits 2" || bad "bad --fol-step"
+ft=$(mktemp /tmp/eviction_sim.XXXXXX)
+printf '{"timestamp": 1700000000000, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}\n{"timestamp": 1700000060000, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}\n' >"$ft"
+out=$(timeout 60 $SIM --trace "$ft" --block-tokens 512 --json 2>&1)
+echo "$out" | python3 -c 'import json,sys; d=json.load(sys.stdin); sys.exit(0 if 60 <= d["sim_seconds"] < 120 else 1)' 2>/dev/null &&
+    ok "epoch timestamps: the clock starts at the first arrival (60 s simulated)" || bad "epoch timestamps: $out"
+printf '{"timestamp": 0, "input_length": 0, "output_length": 4, "hash_ids": []}\n' >"$ft"
+err=$($SIM --trace "$ft" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && echo "$err" | grep -q "empty prompt" && ok "an empty prompt is a malformed line" || bad "empty prompt: exit $rc: $err"
+printf '{"timestamp": 0, "input_length": 32, "output_length": 4, "hash_ids": [0, 1]}\n{"timestamp": 1, "input_length": 16, "output_length": 4, "hash_ids": [1]}\n' >"$ft"
+$SIM --check-lru --trace "$ft" --block-tokens 16 --host-blocks 0 --device-blocks 8 >/dev/null 2>&1 &&
+    ok "--check-lru matches when an id comes back under another prefix" || bad "--check-lru with an id under another prefix"
+rm -f "$ft"
+d=$(mktemp -d /tmp/eviction_sim.XXXXXX)
+err=$($SIM --trace "$d" 2>&1 >/dev/null); rc=$?
+[ $rc -eq 2 ] && echo "$err" | grep -q "Is a directory" && ok "a directory for --trace says so" || bad "--trace DIR: exit $rc: $err"
+rmdir "$d"
 echo "$pass passed, $fail failed"
 [ "$fail" -eq 0 ]

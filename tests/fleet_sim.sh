@@ -8,7 +8,9 @@
 #    not), and keeps TTFT p99 within three full scheduler steps (5 ms + 8192 tokens x 60 us each);
 #  - --engines 1 on a trace that overloads one engine warns on stderr and says so in the JSON;
 #    --engines auto on it runs several engines and does not warn;
-#  - the same fleet run twice gives the same report; bad combinations are refused with exit 2.
+#  - the same fleet run twice gives the same report; bad combinations (and --shard values past 32 bits)
+#    are refused with exit 2, and so are workloads' bad numbers and unwritable output; --engines auto goes
+#    with --record when it chooses one engine.
 # Run from the repository root after `make build/serve_sim build/workloads`. Ends with "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
 WORKLOADS=${WORKLOADS:-build/workloads}
@@ -126,13 +128,26 @@ sys.exit(0 if strip(json.load(open(sys.argv[1]))) == strip(json.load(open(sys.ar
 EOF
     then ok "the same fleet run twice reports the same"
     else bad "two runs of the same fleet differ"; fi
-for args in "--engines 2 --sequential" "--engines 0" "--engines 2 --record $dir/x.log" "--route nearest"; do
+for args in "--engines 2 --sequential" "--engines 0" "--engines 2 --record $dir/x.log" "--route nearest" \
+    "--shard 1/4294967298" "--shard 0/4294967297" "--shard 2/2"; do
     # shellcheck disable=SC2086
     "$SIM" --requests 10 $args >/dev/null 2>"$dir/refused.err"
     rc=$?
     if [ $rc -eq 2 ]; then ok "refused with exit 2: $args"
     else bad "$args: exit $rc, expected 2"; fi
 done
+
+for args in "--list --requests 4294967297" "--list --requests 10x" "--list --block-tokens 4294967808" \
+    "--list --scale nan" "--write chat /dev/full --requests 20" "--write chat"; do
+    # shellcheck disable=SC2086
+    "$WORKLOADS" $args >/dev/null 2>"$dir/wl.err"
+    rc=$?
+    if [ $rc -eq 2 ] && [ -s "$dir/wl.err" ]; then ok "workloads refuses with exit 2: $args"
+    else bad "workloads $args: exit $rc, expected 2 with a message"; fi
+done
+if "$SIM" --requests 10 --engines auto --record "$dir/auto.log" >/dev/null 2>"$dir/auto.err"; then
+    ok "--engines auto with --record (it chose one engine)"
+else bad "--engines auto --record: $(cat "$dir/auto.err")"; fi
 
 echo "$passed passed, $failed failed"
 [ $failed -eq 0 ]

@@ -4,7 +4,8 @@
 # capture-pane. Checks: the slot table and the hit rate appear; `p` pauses the engine (PAUSED shown, the
 # step number stops); `r` resumes it (the step number moves again). Offline: kvtop --log --once on a log
 # that serve_sim --record wrote shows the slots and the hit rate, and a log cut 10 bytes short is
-# reported damaged at the right byte. Every wait has a deadline (10 s at most).
+# reported damaged at the right byte; a socket that is no kvcache console makes --once exit 1. Every wait
+# has a deadline (10 s at most).
 # Run from the repository root after `make build/serve_sim build/kvtop`. Ends with "N passed, N failed[, N skipped]".
 # shellcheck disable=SC2317 # the functions below run through wait_for and the trap
 SIM=${SIM:-build/serve_sim}
@@ -90,6 +91,30 @@ else
     tail -n 5 "$dir/record.out"
     failed=$((failed + 1)) # the check of the cut log cannot run either
 fi
+
+# ---- a socket that is no kvcache console: --once says so and exits 1 ----------------------------------
+other=$dir/other.sock
+python3 - "$other" <<'EOF' &
+import socket, sys, time
+s = socket.socket(socket.AF_UNIX)
+s.bind(sys.argv[1])
+s.listen(1)
+s.settimeout(10)
+c, _ = s.accept()
+c.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 64)
+time.sleep(2)
+EOF
+i=0
+while [ ! -S "$other" ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+"$TOP" --once "$other" >"$dir/other.txt" 2>&1
+rc=$?
+if [ $rc -eq 1 ] && grep -q "not a kvcache event stream" "$dir/other.txt"; then
+    ok "a socket that is no kvcache console: kvtop --once says so and exits 1"
+else
+    fail "a socket that is no kvcache console: kvtop --once exit $rc, expected 1:"
+    sed 's/^/    /' "$dir/other.txt"
+fi
+wait
 
 # ---- live: kvtop in a tmux pane on serve_sim's console ------------------------------------------------
 sock=$dir/sock

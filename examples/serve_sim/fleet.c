@@ -178,19 +178,28 @@ static engine *next_engine(const fleet *f)
     return best;
 }
 
-static void queue_sample(fleet *f, double t)
+static void queue_record(fleet *f, double at)
 {
     fleet_report *fr = f->fr;
     uint32_t i;
-    if (!fr) return;
-    while (t >= f->qnext) {
-        fr->qt = (double *)xrealloc(fr->qt, (fr->nq + 1) * sizeof *fr->qt);
-        fr->qlen = (uint32_t *)xrealloc(fr->qlen, (fr->nq + 1) * f->n * sizeof *fr->qlen);
-        fr->qt[fr->nq] = f->qnext;
-        for (i = 0; i < f->n; i++) fr->qlen[fr->nq * f->n + i] = (uint32_t)engine_queue(f->e[i]);
-        fr->nq++;
-        f->qnext += f->qstep;
-    }
+    fr->qt = (double *)xrealloc(fr->qt, (fr->nq + 1) * sizeof *fr->qt);
+    fr->qlen = (uint32_t *)xrealloc(fr->qlen, (fr->nq + 1) * f->n * sizeof *fr->qlen);
+    fr->qt[fr->nq] = at;
+    for (i = 0; i < f->n; i++) fr->qlen[fr->nq * f->n + i] = (uint32_t)engine_queue(f->e[i]);
+    fr->nq++;
+}
+
+/* The queues at each sample time t has passed: the first and the last of them when it passed several
+ * (the queues stood still in between), so a clock far past the samples (a run that drains long after a
+ * short trace) costs two samples, not millions. */
+static void queue_sample(fleet *f, double t)
+{
+    double last;
+    if (!f->fr || t < f->qnext) return;
+    last = f->qnext + floor((t - f->qnext) / f->qstep) * f->qstep;
+    queue_record(f, f->qnext);
+    if (last > f->qnext) queue_record(f, last);
+    f->qnext = last + f->qstep;
 }
 
 /* Hit totals of the fleet and the mean occupancy of each tier, for --svg. */
@@ -298,6 +307,7 @@ void run_fleet(const workload *w, const options *o, int cache_on, results *res, 
     f.loads = (double *)xcalloc(f.n, sizeof *f.loads);
     f.fr = fr;
     f.qstep = cap.span_s > 0 ? cap.span_s / 200 : 1.0;
+    f.qnext = w->n ? w->reqs[w->order[0]].arrival : 0; /* a trace's clock may start anywhere (epoch times) */
     if (fr) {
         memset(fr, 0, sizeof *fr);
         fr->n = f.n;

@@ -122,7 +122,7 @@ typedef struct sim_req {
     uint32_t num_prompt, num_output, num_blocks;
     uint32_t last_tokens;    /* trace: the prompt ends inside its last id's block, after this many tokens (0: no) */
     const kvb_hash *hashes;  /* num_blocks chained hashes (shared by the turns of a conversation) */
-    const uint64_t *keys;    /* block identities for the reference LRU (trace: the hash ids) */
+    const uint64_t *keys;    /* block identities for the reference LRU: the chained hashes' low words */
     const uint64_t *ids;     /* trace: the hash ids */
     uint32_t num_ids;
     int32_t next_turn;       /* synthetic: index of the conversation's next turn, -1 */

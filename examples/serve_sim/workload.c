@@ -250,6 +250,9 @@ static cJSON *parse_trace_line(const char *line, size_t len, const options *o, d
         if (ok && ((double)cJSON_GetArraySize(*ids) * o->block_tokens > 64.0 * 1024 * 1024 || *in > 64.0 * 1024 * 1024)) {
             snprintf(why, whylen, "prompt longer than 64 Mi tokens");
             ok = 0;
+        } else if (ok && *in < 1 && !cJSON_GetArraySize(*ids)) {
+            snprintf(why, whylen, "an empty prompt (\"input_length\" 0 and no \"hash_ids\")");
+            ok = 0;
         }
     }
     if (ok) return obj;
@@ -300,6 +303,17 @@ static void check_malformed(const workload *w, const options *o, uint32_t lines)
             o->skip_bad ? " (--skip-bad)" : " (at most 1% of the lines: replaying the rest)");
 }
 
+/* A trace's timestamps may count from anywhere (epoch milliseconds, say): the run's clock starts at the
+ * first arrival, so simulated time, the report and the charts count from there. */
+static void start_clock_at_first_arrival(workload *w)
+{
+    double first = 0;
+    size_t i;
+    for (i = 0; i < w->n; i++)
+        if (!i || w->reqs[i].arrival < first) first = w->reqs[i].arrival;
+    for (i = 0; i < w->n; i++) w->reqs[i].arrival -= first;
+}
+
 static void load_trace(workload *w, const options *o)
 {
     FILE *f = fopen(o->trace, "r");
@@ -307,7 +321,6 @@ static void load_trace(workload *w, const options *o)
     size_t linecap = 0, bufcap = 0;
     ssize_t len;
     uint32_t *buf = NULL, lineno = 0, lines = 0;
-    uint64_t tail_key = 0;
     if (!f) die(2, "%s: %s", o->trace, strerror(errno));
     w->is_trace = 1;
     while ((len = getline(&line, &linecap, f)) >= 0) {
@@ -346,18 +359,20 @@ static void load_trace(workload *w, const options *o)
                 rq->last_tokens = (uint32_t)(in - (double)(nids - 1) * o->block_tokens);
             GROW(buf, bufcap, n + 1);
             fill_prompt(w, rq, buf);
+            /* the reference LRU keys blocks by their chained hashes, as the pool does: an id reused under
+             * another prefix is another block (its KV differs) */
             hash_tokens(w, buf, n, &h, &keys);
-            for (j = nids; j < rq->num_blocks; j++) keys[j] = (UINT64_C(1) << 63) | tail_key++;
-            for (j = 0; j < nids && j < rq->num_blocks; j++) keys[j] = idv[j];
             rq->hashes = h;
             rq->keys = keys;
         }
         cJSON_Delete(obj);
     }
+    if (ferror(f)) die(2, "%s: %s", o->trace, strerror(errno)); /* a directory, an I/O error */
     free(line);
     free(buf);
     fclose(f);
     check_malformed(w, o, lines);
+    start_clock_at_first_arrival(w);
 }
 
 typedef struct arrival_key { double t; size_t i; } arrival_key;
