@@ -1669,16 +1669,6 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
  * (those not chained to the block registered just before them). 0 when out of memory. */
 static int kvb__orphans_room(kvb_pool *p, size_t k) { return !p->track_kids || !k || kvb__ctab_reserve(&p->orphans, k); }
 
-/* Blocks i of a call registering hashes[0..n) under parents[0..n) (NULL: roots) whose parent is not
- * hashes[i - 1]: those whose parent may be missing. */
-static size_t kvb__unchained(const kvb_hash *hashes, const kvb_hash *parents, size_t n)
-{
-    size_t i, k = 0;
-    for (i = 0; parents && i < n; i++)
-        k += !kvb__hash_is_root(&parents[i]) && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]));
-    return k;
-}
-
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
@@ -2976,6 +2966,17 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 }
 
 
+/* S3-FIFO's search stops after KVB__S3_SCAN_LIMIT blocks: the oldest leaf of the level's queues, small
+ * first, by the rings' own leaf search (it resumes where it stopped), before a higher level is touched. */
+static uint32_t kvb__leaf_of_level(kvb_pool *p, uint32_t lvl)
+{
+    uint32_t c, v;
+    for (c = KVB__T1; c <= KVB__T2; c++)
+        if (p->rings[lvl * KVB__CLASSES + c].live && (v = kvb__ring_victim(p, lvl * KVB__CLASSES + c, 1)) != KVB__NIL)
+            return v;
+    return KVB__NIL;
+}
+
 /* The next victim under the pool's policy, lowest priority level first; KVB__NIL for none. */
 static uint32_t kvb__policy_victim(kvb_pool *p)
 {
@@ -2992,7 +2993,9 @@ static uint32_t kvb__policy_victim(kvb_pool *p)
             continue;
         }
         if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
-        if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
+        if (p->cfg.eviction == KVB_EVICT_S3FIFO && ((i = kvb__s3_victim(p, lvl)) != KVB__NIL ||
+                                                    (i = kvb__leaf_of_level(p, lvl)) != KVB__NIL))
+            return i;
         if (kvb__two_lists(p) || !p->rings[lvl * KVB__CLASSES].live) continue;
         kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
@@ -3910,7 +3913,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     uint64_t mix[KVB__SCRATCH]; /* of the first hashes: computed for the prefetch, used to register */
-    size_t i;
+    size_t i, unchained = 0; /* blocks whose parent is not the hash before them: it may be missing */
     kvb_result r;
     kvb_hash root = {0, 0};
     if (!pool || (n && (!blocks || !out || !hashes))) return KVB_EINVAL;
@@ -3923,13 +3926,16 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         uint64_t x = kvb__mix(&hashes[i]);
         if (i < KVB__SCRATCH) mix[i] = x;
         KVB__PREFETCH(&pool->slots[x & pool->slot_mask]);
-        if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
+        if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1])) && /* else: near */
+            !kvb__hash_is_root(&parents[i])) {
             KVB__PREFETCH(kvb__home(pool, &parents[i]));
+            unchained++;
+        }
     }
     if (kvb__two_lists(pool)) /* and their ghost lookups */
         for (i = 0; i < n && i < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i]);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
-    if (r == KVB_OK && !kvb__orphans_room(pool, kvb__unchained(hashes, parents, n))) r = KVB_ENOMEM;
+    if (r == KVB_OK && !kvb__orphans_room(pool, unchained)) r = KVB_ENOMEM;
     if (r == KVB_OK && pool->cfg.duplicates != KVB_DUP_REJECT && n <= KVB__SCRATCH) {
         /* every block is registered: the metadata of all first, while the index slots come in */
         for (i = 0; i < n; i++) kvb__register_meta(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,

@@ -1705,16 +1705,6 @@ static void kvb__orphans_drop(kvb_pool *p, const kvb_hash *h) { (void)kvb__ctab_
  * (those not chained to the block registered just before them). 0 when out of memory. */
 static int kvb__orphans_room(kvb_pool *p, size_t k) { return !p->track_kids || !k || kvb__ctab_reserve(&p->orphans, k); }
 
-/* Blocks i of a call registering hashes[0..n) under parents[0..n) (NULL: roots) whose parent is not
- * hashes[i - 1]: those whose parent may be missing. */
-static size_t kvb__unchained(const kvb_hash *hashes, const kvb_hash *parents, size_t n)
-{
-    size_t i, k = 0;
-    for (i = 0; parents && i < n; i++)
-        k += !kvb__hash_is_root(&parents[i]) && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]));
-    return k;
-}
-
 /* The eviction ring of a block: its priority level and class. */
 static uint32_t kvb__ring_of(const kvb__meta *m) { return (uint32_t)m->prio * KVB__CLASSES + m->cls; }
 
@@ -3012,6 +3002,17 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 }
 
 
+/* S3-FIFO's search stops after KVB__S3_SCAN_LIMIT blocks: the oldest leaf of the level's queues, small
+ * first, by the rings' own leaf search (it resumes where it stopped), before a higher level is touched. */
+static uint32_t kvb__leaf_of_level(kvb_pool *p, uint32_t lvl)
+{
+    uint32_t c, v;
+    for (c = KVB__T1; c <= KVB__T2; c++)
+        if (p->rings[lvl * KVB__CLASSES + c].live && (v = kvb__ring_victim(p, lvl * KVB__CLASSES + c, 1)) != KVB__NIL)
+            return v;
+    return KVB__NIL;
+}
+
 /* The next victim under the pool's policy, lowest priority level first; KVB__NIL for none. */
 static uint32_t kvb__policy_victim(kvb_pool *p)
 {
@@ -3028,7 +3029,9 @@ static uint32_t kvb__policy_victim(kvb_pool *p)
             continue;
         }
         if (p->cfg.eviction == KVB_EVICT_ARC && (i = kvb__arc_victim(p, lvl)) != KVB__NIL) return i;
-        if (p->cfg.eviction == KVB_EVICT_S3FIFO && (i = kvb__s3_victim(p, lvl)) != KVB__NIL) return i;
+        if (p->cfg.eviction == KVB_EVICT_S3FIFO && ((i = kvb__s3_victim(p, lvl)) != KVB__NIL ||
+                                                    (i = kvb__leaf_of_level(p, lvl)) != KVB__NIL))
+            return i;
         if (kvb__two_lists(p) || !p->rings[lvl * KVB__CLASSES].live) continue;
         kvb__ring_advance(p, &p->rings[lvl * KVB__CLASSES]);
         if ((i = kvb__ring_victim(p, lvl * KVB__CLASSES, lineage)) != KVB__NIL) return i;
@@ -3946,7 +3949,7 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     uint64_t mix[KVB__SCRATCH]; /* of the first hashes: computed for the prefetch, used to register */
-    size_t i;
+    size_t i, unchained = 0; /* blocks whose parent is not the hash before them: it may be missing */
     kvb_result r;
     kvb_hash root = {0, 0};
     if (!pool || (n && (!blocks || !out || !hashes))) return KVB_EINVAL;
@@ -3959,13 +3962,16 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
         uint64_t x = kvb__mix(&hashes[i]);
         if (i < KVB__SCRATCH) mix[i] = x;
         KVB__PREFETCH(&pool->slots[x & pool->slot_mask]);
-        if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1]))) /* else: near */
+        if (parents && pool->track_kids && !(i && kvb__same_hash(&parents[i], &hashes[i - 1])) && /* else: near */
+            !kvb__hash_is_root(&parents[i])) {
             KVB__PREFETCH(kvb__home(pool, &parents[i]));
+            unchained++;
+        }
     }
     if (kvb__two_lists(pool)) /* and their ghost lookups */
         for (i = 0; i < n && i < KVB__SCRATCH; i++) kvb__two_lists_prefetch(pool, mix[i]);
     r = kvb__check_for_register(pool, blocks, n, KVB_STATE_EMPTY, idx);
-    if (r == KVB_OK && !kvb__orphans_room(pool, kvb__unchained(hashes, parents, n))) r = KVB_ENOMEM;
+    if (r == KVB_OK && !kvb__orphans_room(pool, unchained)) r = KVB_ENOMEM;
     if (r == KVB_OK && pool->cfg.duplicates != KVB_DUP_REJECT && n <= KVB__SCRATCH) {
         /* every block is registered: the metadata of all first, while the index slots come in */
         for (i = 0; i < n; i++) kvb__register_meta(pool, idx[i], &hashes[i], parents ? &parents[i] : &root,
@@ -6866,7 +6872,7 @@ static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
         cap = c->cap;
         token = c->token;
     } else {
-        while (cap < n) cap *= 2; /* n <= UINT32_MAX (the entry points'), so this ends without wrapping */
+        while (cap < n) cap *= 2; /* n <= SIZE_MAX / 2 (the entry points'), so this ends without wrapping */
         if (cap > (SIZE_MAX - sizeof *c) / kvo__container_bytes(1)) return NULL; /* a 32-bit size_t */
         if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
     }
@@ -8078,7 +8084,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 {
     kvo__container *c;
     kvo_result r;
-    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX || n > SIZE_MAX / 2) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -8150,7 +8156,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
     kvo__container *c;
     kvo_result r;
     size_t found;
-    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX || n > SIZE_MAX / 2) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -13007,15 +13013,13 @@ KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *con
         goto fail;
     memcpy(k->path, config->path, len + 1);
     r = KVS_EIO;
-    if (pipe(k->wake) != 0) goto fail;
+    if (pipe(k->wake) != 0 || (k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0) goto fail;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
     memcpy(addr.sun_path, config->path, len);
     unlink(config->path);
     /* bind, then 0600, then listen: nobody can connect before the mode is set */
-    if ((k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
-        bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0)
-        goto fail;
+    if (bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0) goto fail;
     k->bound = lstat(config->path, &st) == 0;
     k->sock_dev = st.st_dev;
     k->sock_ino = st.st_ino;

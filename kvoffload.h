@@ -1778,7 +1778,7 @@ static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
         cap = c->cap;
         token = c->token;
     } else {
-        while (cap < n) cap *= 2; /* n <= UINT32_MAX (the entry points'), so this ends without wrapping */
+        while (cap < n) cap *= 2; /* n <= SIZE_MAX / 2 (the entry points'), so this ends without wrapping */
         if (cap > (SIZE_MAX - sizeof *c) / kvo__container_bytes(1)) return NULL; /* a 32-bit size_t */
         if (!(c = (kvo__container *)KVB_MALLOC(kvo__container_bytes(cap)))) return NULL;
     }
@@ -2990,7 +2990,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
 {
     kvo__container *c;
     kvo_result r;
-    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !blocks) || (uint64_t)n > UINT32_MAX || n > SIZE_MAX / 2) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {
@@ -3062,7 +3062,7 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
     kvo__container *c;
     kvo_result r;
     size_t found;
-    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
+    if (!pipeline || !out || (n && !hashes) || (uint64_t)n > UINT32_MAX || n > SIZE_MAX / 2) return KVO_EINVAL;
     pthread_mutex_lock(&pipeline->lock);
     r = kvo__container_open(pipeline, n, opts, &c);
     if (r == KVO_OK) {

@@ -2189,15 +2189,13 @@ KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *con
         goto fail;
     memcpy(k->path, config->path, len + 1);
     r = KVS_EIO;
-    if (pipe(k->wake) != 0) goto fail;
+    if (pipe(k->wake) != 0 || (k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0) goto fail;
     memset(&addr, 0, sizeof addr);
     addr.sun_family = AF_UNIX;
     memcpy(addr.sun_path, config->path, len);
     unlink(config->path);
     /* bind, then 0600, then listen: nobody can connect before the mode is set */
-    if ((k->listen_fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0)) < 0 ||
-        bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0)
-        goto fail;
+    if (bind(k->listen_fd, (struct sockaddr *)&addr, sizeof addr) != 0) goto fail;
     k->bound = lstat(config->path, &st) == 0;
     k->sock_dev = st.st_dev;
     k->sock_ino = st.st_ino;

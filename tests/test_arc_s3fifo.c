@@ -300,6 +300,46 @@ static void test_leaf_of_a_higher_level_before_a_parent(void)
     }
 }
 
+/* S3-FIFO, two levels: a chain of 5,000 blocks at level 0, its leaf behind more parents than one victim
+ * scan passes (KVB__S3_SCAN_LIMIT), and 50 roots at level 1. Evictions take level 0's blocks, the leaf
+ * first, never level 1's while level 0 has a leaf. Before (a review of the multi-level fix), a scan that
+ * gave up moved on to level 1 and drained it. */
+static void test_s3fifo_long_chain_stays_at_its_level(void)
+{
+    enum { N = 5000, M = 50 };
+    kvb_pool_config cfg = fx_config(N + M);
+    kvb_pool *pool;
+    kvb_block *b = (kvb_block *)calloc(N + M, sizeof *b), nb[M];
+    kvb_hash *h = (kvb_hash *)calloc(N + M, sizeof *h), *par = (kvb_hash *)calloc(N + M, sizeof *par);
+    kvb_release_opts level1 = {0, 0};
+    kvb_block_info info;
+    uint32_t i, gone0 = 0, gone1 = 0;
+    cfg.eviction = KVB_EVICT_S3FIFO;
+    cfg.priority_levels = 2;
+    pool = fx_pool_from(&cfg);
+    for (i = 0; i < N + M; i++) {
+        h[i] = key_hash(i + 1);
+        if (i && i < N) par[i] = h[i - 1];
+    }
+    KVT_EQ(kvb_alloc(pool, N + M, b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, b, N + M, h, par, b), KVB_OK);
+    for (i = 0; i < N; i++) KVT_EQ(kvb_release(pool, b + i, 1, NULL), KVB_OK); /* oldest first: parents ahead */
+    level1.priority = 1;
+    KVT_EQ(kvb_release(pool, b + N, M, &level1), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, M, nb), KVB_OK);
+    for (i = 0; i < N + M; i++)
+        if (kvb_block_get_info(pool, kvb_weak_of(b[i]).id, &info) != KVB_OK) *(i < N ? &gone0 : &gone1) += 1;
+    KVT_EQ(gone1, 0);
+    KVT_EQ(gone0, M);
+    KVT_CHECK(kvb_block_get_info(pool, kvb_weak_of(b[N - 1]).id, &info) != KVB_OK); /* the leaf went */
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, nb, M, NULL), KVB_OK);
+    kvb_pool_destroy(pool);
+    free(b);
+    free(h);
+    free(par);
+}
+
 /* S3-FIFO: the small queue holds only a parent P (at its target size) and P's child C, hit once, waits
  * in the main queue. The victim is C, the leaf: a pass that finds no leaf in one queue looks in the
  * other. Before, four passes went through the small queue and P was evicted, C orphaned. */
@@ -390,6 +430,7 @@ int main(void)
     KVT_RUN(test_s3fifo_no_orphans);
     KVT_RUN(test_leaf_of_a_higher_level_before_a_parent);
     KVT_RUN(test_s3fifo_leaf_in_the_main_queue_before_a_parent);
+    KVT_RUN(test_s3fifo_long_chain_stays_at_its_level);
     KVT_RUN(test_candidates);
     KVT_RUN(test_arc_candidates_in_eviction_order);
     return kvt_summary();

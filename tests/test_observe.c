@@ -2792,8 +2792,9 @@ static void console_stop_leaves_a_newer_consoles_socket(void)
     kvs_bus_destroy(bus);
 }
 
-/* A start that fails (here out of file descriptors) leaves the socket of the console serving the path:
- * it keeps taking clients. Before, the old socket was removed first, whatever happened next. */
+/* A start that fails (here out of file descriptors, with none, one or two left: its pipe or its socket
+ * fails) leaves the socket of the console serving the path: it keeps taking clients. Before, the old
+ * socket was removed first, whatever happened next. */
 static void console_failed_start_leaves_the_old_socket(void)
 {
     kvs_bus *bus = new_bus();
@@ -2818,7 +2819,13 @@ static void console_failed_start_leaves_the_old_socket(void)
     KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
     while (filled < 64 && (fill[filled] = dup(probe)) >= 0) filled++;
     KVT_CHECK(filled < 64 && errno == EMFILE);
-    KVT_EQ(kvs_console_start(bus, &cc, &b), KVS_EIO);
+    for (int spare = 0; spare <= 2 && filled >= 2; spare++) {
+        struct stat now;
+        for (i = 0; i < spare; i++) close(fill[filled - 1 - i]);
+        KVT_EQ(kvs_console_start(bus, &cc, &b), KVS_EIO);
+        KVT_EQ(lstat(path, &now), 0);
+        for (i = 0; i < spare; i++) KVT_CHECK((fill[filled - 1 - i] = dup(probe)) >= 0);
+    }
     for (i = 0; i < filled; i++) close(fill[i]);
     close(probe);
     KVT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
