@@ -2650,6 +2650,30 @@ static int connect_console(int fd, const char *path)
     return connect(fd, (struct sockaddr *)&addr, sizeof addr);
 }
 
+/* Every descriptor below a lowered limit taken: *probe the lowest free one, fill[] its dups (at most 64);
+ * *saved the limit to give back with descriptors_back. Returns how many were filled. */
+static int descriptors_exhaust(struct rlimit *saved, int *probe, int *fill)
+{
+    struct rlimit low;
+    int filled = 0;
+    KVT_EQ(getrlimit(RLIMIT_NOFILE, saved), 0);
+    *probe = open("/dev/null", O_RDONLY);
+    KVT_CHECK(*probe >= 0);
+    low = *saved;
+    low.rlim_cur = (rlim_t)*probe + 32;
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
+    while (filled < 64 && (fill[filled] = dup(*probe)) >= 0) filled++;
+    KVT_CHECK(filled < 64 && errno == EMFILE);
+    return filled;
+}
+
+static void descriptors_back(const struct rlimit *saved, int probe, const int *fill, int filled)
+{
+    for (int i = 0; i < filled; i++) close(fill[i]);
+    close(probe);
+    KVT_EQ(setrlimit(RLIMIT_NOFILE, saved), 0);
+}
+
 static double process_cpu_s(void)
 {
     struct timespec ts;
@@ -2668,10 +2692,10 @@ static void console_out_of_descriptors_backs_off(void)
     kvs_console *con = NULL;
     kvs_console_config cc;
     kvs_event ev = sample_event(KVS_EV_SLOT), got;
-    struct rlimit saved, low;
+    struct rlimit saved;
     unsigned char head[KVS_LOG_HEADER_BYTES], rec[KVS_RECORD_BYTES];
     char path[64];
-    int attached, waiting, probe, fill[64], filled = 0, i;
+    int attached, waiting, probe, fill[64], filled;
     double cpu;
     snprintf(path, sizeof path, "/tmp/kvs_obs_emfile_%d.sock", (int)getpid());
     memset(&cc, 0, sizeof cc);
@@ -2684,14 +2708,7 @@ static void console_out_of_descriptors_backs_off(void)
     KVT_CHECK(recv_within(attached, head, sizeof head, 5000));
 
     /* every descriptor below a lowered limit taken, then a client knocks */
-    KVT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-    probe = open("/dev/null", O_RDONLY); /* the lowest free descriptor */
-    KVT_CHECK(probe >= 0);
-    low = saved;
-    low.rlim_cur = (rlim_t)probe + 32;
-    KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-    while (filled < 64 && (fill[filled] = dup(probe)) >= 0) filled++;
-    KVT_CHECK(filled < 64 && errno == EMFILE);
+    filled = descriptors_exhaust(&saved, &probe, fill);
     KVT_EQ(connect_console(waiting, path), 0); /* queued: the console cannot accept it */
 
     cpu = process_cpu_s();
@@ -2706,9 +2723,7 @@ static void console_out_of_descriptors_backs_off(void)
     KVT_EQ(got.request, ev.request);
 
     /* descriptors free again: the waiting client gets its welcome */
-    for (i = 0; i < filled; i++) close(fill[i]);
-    close(probe);
-    KVT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    descriptors_back(&saved, probe, fill, filled);
     KVT_CHECK(recv_within(waiting, head, sizeof head, 5000));
     close(attached);
     close(waiting);
@@ -2801,24 +2816,17 @@ static void console_failed_start_leaves_the_old_socket(void)
     kvs_console *a = NULL, *b = (kvs_console *)1;
     kvs_console_config cc;
     unsigned char head[KVS_LOG_HEADER_BYTES];
-    struct rlimit saved, low;
+    struct rlimit saved;
     struct stat st;
     char path[64];
-    int client, probe, fill[64], filled = 0, i;
+    int client, probe, fill[64], filled, i;
     snprintf(path, sizeof path, "/tmp/kvs_obs_failstart_%d.sock", (int)getpid());
     memset(&cc, 0, sizeof cc);
     cc.path = path;
     KVT_EQ(kvs_console_start(bus, &cc, &a), KVS_OK);
     if (!a) return;
     client = socket(AF_UNIX, SOCK_STREAM, 0); /* made now: later there is no descriptor for it */
-    KVT_EQ(getrlimit(RLIMIT_NOFILE, &saved), 0);
-    probe = open("/dev/null", O_RDONLY);
-    KVT_CHECK(probe >= 0);
-    low = saved;
-    low.rlim_cur = (rlim_t)probe + 32;
-    KVT_EQ(setrlimit(RLIMIT_NOFILE, &low), 0);
-    while (filled < 64 && (fill[filled] = dup(probe)) >= 0) filled++;
-    KVT_CHECK(filled < 64 && errno == EMFILE);
+    filled = descriptors_exhaust(&saved, &probe, fill);
     for (int spare = 0; spare <= 2 && filled >= 2; spare++) {
         struct stat now;
         for (i = 0; i < spare; i++) close(fill[filled - 1 - i]);
@@ -2826,9 +2834,7 @@ static void console_failed_start_leaves_the_old_socket(void)
         KVT_EQ(lstat(path, &now), 0);
         for (i = 0; i < spare; i++) KVT_CHECK((fill[filled - 1 - i] = dup(probe)) >= 0);
     }
-    for (i = 0; i < filled; i++) close(fill[i]);
-    close(probe);
-    KVT_EQ(setrlimit(RLIMIT_NOFILE, &saved), 0);
+    descriptors_back(&saved, probe, fill, filled);
     KVT_CHECK(b == (kvs_console *)1);
     KVT_EQ(lstat(path, &st), 0);
     KVT_CHECK(S_ISSOCK(st.st_mode));

@@ -141,25 +141,33 @@ static void test_break_add_out_of_memory(void)
     kvs_bus_destroy(bus);
 }
 
-/* A log of LOGGED events read with every allocation failing in turn: KVS_ENOMEM leaves *out and *out_n
- * as they were; a read that succeeds returns every event. */
-static void test_log_read_out_of_memory(void)
+/* A temporary log (its name in path) that a recorder wrote LOGGED events to; 0 when it cannot be made. */
+static int make_log(kvs_bus *bus, char *path, size_t size)
 {
-    char path[64];
-    kvs_bus *bus = new_bus();
     kvs_recorder *rec = NULL;
     kvs_recorder_config rc;
-    int fd, failed = 0, read_whole = 0;
-    snprintf(path, sizeof path, "/tmp/kvobs-oom-XXXXXX");
+    int fd;
+    snprintf(path, size, "/tmp/kvobs-oom-XXXXXX");
     fd = mkstemp(path);
     KVT_CHECK(fd >= 0);
-    if (fd < 0 || !bus) return;
+    if (fd < 0 || !bus) return 0;
     close(fd);
     memset(&rc, 0, sizeof rc);
     rc.log_path = path;
     KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_OK);
     for (int i = 0; i < LOGGED; i++) publish_step(bus);
     kvs_recorder_destroy(rec);
+    return rec != NULL;
+}
+
+/* A log of LOGGED events read with every allocation failing in turn: KVS_ENOMEM leaves *out and *out_n
+ * as they were; a read that succeeds returns every event. */
+static void test_log_read_out_of_memory(void)
+{
+    char path[64];
+    kvs_bus *bus = new_bus();
+    int failed = 0, read_whole = 0;
+    if (!make_log(bus, path, sizeof path)) return;
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0;; at++) {
             kvs_event *out = (kvs_event *)path; /* sentinels: must stay */
@@ -202,17 +210,10 @@ static void test_recorder_create_out_of_memory(void)
     kvs_recorder_config rc;
     struct stat st;
     off_t full;
-    int fd, refused = 0;
-    snprintf(path, sizeof path, "/tmp/kvobs-oomrec-XXXXXX");
-    fd = mkstemp(path);
-    KVT_CHECK(fd >= 0);
-    if (fd < 0 || !bus) return;
-    close(fd);
+    int refused = 0;
+    if (!make_log(bus, path, sizeof path)) return;
     memset(&rc, 0, sizeof rc);
     rc.log_path = path;
-    KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_OK);
-    for (int i = 0; i < LOGGED; i++) publish_step(bus);
-    kvs_recorder_destroy(rec);
     KVT_EQ(stat(path, &st), 0);
     full = st.st_size;
     static int others;
