@@ -3003,13 +3003,18 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
 
 
 /* S3-FIFO's search stops after KVB__S3_SCAN_LIMIT blocks: the oldest leaf of the level's queues, small
- * first, by the rings' own leaf search (it resumes where it stopped), before a higher level is touched. */
+ * first, by a plain scan, before a higher level is touched. (Not the rings' resumable leaf search: S3-FIFO
+ * keeps a block's place while it is in use, which that search's bookkeeping does not follow.) Only when
+ * the bounded search gave up: a level with a chain longer than the limit ahead of its leaf. */
 static uint32_t kvb__leaf_of_level(kvb_pool *p, uint32_t lvl)
 {
-    uint32_t c, v;
-    for (c = KVB__T1; c <= KVB__T2; c++)
-        if (p->rings[lvl * KVB__CLASSES + c].live && (v = kvb__ring_victim(p, lvl * KVB__CLASSES + c, 1)) != KVB__NIL)
-            return v;
+    uint32_t c;
+    size_t i;
+    for (c = KVB__T1; c <= KVB__T2; c++) {
+        const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + c];
+        for (i = r->head; r->live && i < stbds_arrlenu(r->e); i++)
+            if (kvb__ring_valid(p, r, &r->e[i]) && kvb__is_leaf(p, r->e[i].idx)) return r->e[i].idx;
+    }
     return KVB__NIL;
 }
 
