@@ -100,7 +100,8 @@
  *
  * Eviction: KVB_EVICT_LINEAGE (default) evicts leaves first (blocks no other cached block names as
  * parent), least recently released first; KVB_EVICT_LRU is plain LRU. Every policy keeps one list per
- * priority level (kvb_release_opts.priority; level 0 is evicted first). kvb_release releases an array
+ * priority level (kvb_release_opts.priority; level 0 is evicted first; under a leaves-first policy a
+ * leaf of any level goes before a parent of a lower one). kvb_release releases an array
  * deepest first (last element first), so the tail blocks of a request are the first to go, as in vLLM.
  * KVB_EVICT_CUSTOM calls the kvb_evict_ops you give. FOL, ARC and S3-FIFO (below) take their victims
  * among leaves too, so no cached block ever loses its parent.
