@@ -27,6 +27,7 @@ static void metrics_between_passes(void);
 #include "kvsched.h"
 #include "kvtest.h"
 #include "sched_fixtures.h"
+#include "console_fixtures.h"
 #include <ctype.h>
 #include <fcntl.h>
 #include <math.h>
@@ -2625,31 +2626,6 @@ static void console_drops_an_overlong_line_whole(void)
     kvs_bus_destroy(bus);
 }
 
-/* n bytes from a socket within timeout_ms; 1 when they all came. */
-static int recv_within(int fd, unsigned char *buf, size_t n, int timeout_ms)
-{
-    size_t got = 0;
-    uint64_t end = of_now_us() + (uint64_t)timeout_ms * 1000u;
-    while (got < n && of_now_us() < end) {
-        struct pollfd p = {fd, POLLIN, 0};
-        ssize_t r;
-        if (poll(&p, 1, 10) <= 0) continue;
-        r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
-        if (r == 0) return 0;
-        if (r > 0) got += (size_t)r;
-    }
-    return got == n;
-}
-
-static int connect_console(int fd, const char *path)
-{
-    struct sockaddr_un addr;
-    memset(&addr, 0, sizeof addr);
-    addr.sun_family = AF_UNIX;
-    memcpy(addr.sun_path, path, strlen(path));
-    return connect(fd, (struct sockaddr *)&addr, sizeof addr);
-}
-
 /* Every descriptor below a lowered limit taken: *probe the lowest free one, fill[] its dups (at most 64);
  * *saved the limit to give back with descriptors_back. Returns how many were filled. */
 static int descriptors_exhaust(struct rlimit *saved, int *probe, int *fill)
@@ -2679,6 +2655,58 @@ static double process_cpu_s(void)
     struct timespec ts;
     clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
     return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
+
+/* A client that attaches gets each live request's last SLOT event once, before the history: requests
+ * released in any order (the console's list moves its last entry into a released one's place) are not
+ * among them, and a request whose slot changed twice comes with its last state. */
+static void console_welcome_gives_the_live_slots(void)
+{
+    enum { REQS = 60 };
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    char path[64];
+    unsigned char header[KVS_LOG_HEADER_BYTES];
+    static kvs_event got[4 * REQS];
+    uint32_t want[REQS + 1];
+    size_t published = 0, n, live = 0, i;
+    int a, b;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_welcome_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    a = socket(AF_UNIX, SOCK_STREAM, 0);
+    KVT_EQ(connect_console(a, path), 0);
+    KVT_CHECK(recv_within(a, header, sizeof header, 5000)); /* attached: it sees what comes from now on */
+    memset(want, 0, sizeof want);
+    for (uint64_t r = 1; r <= REQS; r++, published++) {
+        publish_slot(bus, r, 1);
+        want[r] = 1;
+    }
+    publish_slot(bus, 7, 3), want[7] = 3, published++;
+    for (uint64_t r = REQS; r >= 1; r--) /* the last, the first, and every third between */
+        if (r == REQS || r == 1 || r % 3 == 0) publish_release(bus, r), want[r] = 0, published++;
+    publish_slot(bus, 5, 4), want[5] = 4, published++;
+    KVT_EQ(recv_records(a, got, 4 * REQS, 2000), published); /* the console has seen them all */
+    b = socket(AF_UNIX, SOCK_STREAM, 0);
+    KVT_EQ(connect_console(b, path), 0);
+    KVT_CHECK(recv_within(b, header, sizeof header, 5000));
+    for (i = 1; i <= REQS; i++) live += want[i] != 0;
+    n = recv_records(b, got, 4 * REQS, 300);
+    KVT_EQ(n, live + published);
+    for (i = 0; i < live && i < n; i++) {
+        KVT_EQ(got[i].kind, KVS_EV_SLOT);
+        KVT_CHECK(got[i].request >= 1 && got[i].request <= REQS);
+        if (got[i].request < 1 || got[i].request > REQS) continue;
+        KVT_EQ(got[i].u.slot.to, want[got[i].request]);
+        want[got[i].request] = 0; /* once */
+    }
+    close(a);
+    close(b);
+    kvs_console_stop(con);
+    kvs_bus_destroy(bus);
 }
 
 /* A console that cannot accept (the process is out of file descriptors, EMFILE) does not spin: the
@@ -3005,6 +3033,7 @@ int main(void)
     KVT_RUN(metrics_text_is_whole_while_another_thread_counts);
     /* 7 */
     KVT_RUN(console_drops_an_overlong_line_whole);
+    KVT_RUN(console_welcome_gives_the_live_slots);
     KVT_RUN(console_out_of_descriptors_backs_off);
     KVT_RUN(console_stop_leaves_a_newer_consoles_socket);
     KVT_RUN(console_failed_start_leaves_the_old_socket);

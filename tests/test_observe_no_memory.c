@@ -3,14 +3,16 @@
  * once or from then on, for N = 0, 1, .. until the call makes no Nth: the call returns KVS_ENOMEM with
  * the bus and the caller's out parameters as they were (no subscriber, reader or breakpoint more, no id
  * used up, no events handed out), or succeeds. Before, a bus whose array of subscribers, readers or
- * breakpoints had to grow crashed in stb_ds's growth, and so did a log read. (Leaks show at exit under
- * AddressSanitizer.) */
+ * breakpoints had to grow crashed in stb_ds's growth, and so did a log read. The console's list of live
+ * slots out of memory forgets them (before, it crashed too). (Leaks show at exit under AddressSanitizer.) */
 #include "oom_hooks.h"
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
 #include "kvsched.h"
 #include "kvtest.h"
+#include "offload_fixtures.h"
+#include "console_fixtures.h"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -247,6 +249,62 @@ static void test_recorder_create_out_of_memory(void)
     kvs_bus_destroy(bus);
 }
 
+/* The console thread's allocations fail in turn, one at a time, while requests change slots (the console
+ * notes each in its list of live slots, which then has to grow): it keeps serving. With the memory back,
+ * a client that attaches gets every live slot noted since, each once, and none released. */
+static void test_console_live_slots_out_of_memory(void)
+{
+    enum { ROUNDS = 12, PER = 8 };
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    char path[64];
+    unsigned char header[KVS_LOG_HEADER_BYTES];
+    static kvs_event got[4 * ROUNDS * PER];
+    int seen[ROUNDS * PER + 8];
+    uint64_t r = 1;
+    size_t published = 0, n, live, i;
+    int a, b;
+    snprintf(path, sizeof path, "/tmp/kvs_oom_console_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    for (long at = 0; at < ROUNDS; at++) {
+        oom_arm(at, 0);
+        for (i = 0; i < PER; i++, published++) publish_slot(bus, r++, 1);
+        of_sleep_us(120000); /* the console polls at least every 50 ms */
+        oom_disarm();
+    }
+    publish_slot(bus, r++, 2), published++;
+    publish_slot(bus, r++, 2), published++;
+    publish_release(bus, r - 1), published++;
+    a = socket(AF_UNIX, SOCK_STREAM, 0); /* attached once the console has noted all of them */
+    KVT_EQ(connect_console(a, path), 0);
+    KVT_CHECK(recv_within(a, header, sizeof header, 5000));
+    publish_slot(bus, r, 3), published++;
+    KVT_EQ(recv_records(a, got, sizeof got / sizeof got[0], 2000) >= 1, 1);
+    b = socket(AF_UNIX, SOCK_STREAM, 0);
+    KVT_EQ(connect_console(b, path), 0);
+    KVT_CHECK(recv_within(b, header, sizeof header, 5000));
+    n = recv_records(b, got, sizeof got / sizeof got[0], 300);
+    KVT_CHECK(n >= published + 2); /* the history, and at least the two slots noted with the memory there */
+    live = n - published;
+    memset(seen, 0, sizeof seen);
+    for (i = 0; i < live; i++) {
+        KVT_EQ(got[i].kind, KVS_EV_SLOT);
+        KVT_CHECK(got[i].request >= 1 && got[i].request <= r && got[i].request != r - 1);
+        if (got[i].request < 1 || got[i].request > r) continue;
+        KVT_EQ(seen[got[i].request]++, 0);
+    }
+    KVT_EQ(seen[r - 2], 1);
+    KVT_EQ(seen[r], 1);
+    close(a);
+    close(b);
+    kvs_console_stop(con);
+    kvs_bus_destroy(bus);
+}
+
 int main(void)
 {
     KVT_RUN(test_subscribe_out_of_memory);
@@ -254,5 +312,6 @@ int main(void)
     KVT_RUN(test_break_add_out_of_memory);
     KVT_RUN(test_log_read_out_of_memory);
     KVT_RUN(test_recorder_create_out_of_memory);
+    KVT_RUN(test_console_live_slots_out_of_memory);
     return kvt_summary();
 }
