@@ -8729,7 +8729,8 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight
  * into the destination block, when the block is one contiguous run (BLOCK_CONTIGUOUS); other layouts
- * go through one gather buffer.
+ * go through one gather buffer, made at a client's first such batch (out of memory, that batch's copies
+ * fail with KVO_ENOMEM and the connection is kept).
  *
  * 3. KEYS AND VALUES
  * Key:   <namespace_prefix>:<salt as 16 hex digits>:<hash.hi as 16 hex><hash.lo as 16 hex>
@@ -9805,11 +9806,7 @@ static int kvo__rsend_sets(kvo__rop *op, size_t k, char *why, size_t why_size)
         int hl = 0;
         if (it->result != KVO__R_PENDING || it->node != (int)k) continue;
         data = kvo__rrun(&op->mem, it->block);
-        if (!data) {
-            if (!cl->gather && !(cl->gather = (unsigned char *)KVO__RALLOC((size_t)r->block_bytes))) {
-                kvo__rmsg(why, why_size, "out of memory");
-                return -1;
-            }
+        if (!data) { /* the gather buffer is there (kvo__rgather_ready) */
             kvo__rgather(&op->mem, it->block, cl->gather);
             data = cl->gather;
         }
@@ -10134,11 +10131,7 @@ static int kvo__rread_get(kvo__rop *op, size_t k, size_t i, char *why, size_t wh
     if ((uint64_t)vlen == KVO_REDIS_HEADER_BYTES + r->block_bytes) {
         data = kvo__rrun(&op->mem, op->items[i].block);
         in_place = data != NULL;
-        if (!data && !cl->gather && !(cl->gather = (unsigned char *)KVO__RALLOC((size_t)r->block_bytes))) {
-            kvo__rmsg(why, why_size, "out of memory");
-            return -1;
-        }
-        if (!data) data = cl->gather;
+        if (!data) data = cl->gather; /* there: kvo__rgather_ready */
     }
     if (kvo__rtake(cl, nd, data, (size_t)vlen - hl, why, why_size) || kvo__rtake(cl, nd, crlf, 2, why, why_size))
         return -1;
@@ -10147,6 +10140,20 @@ static int kvo__rread_get(kvo__rop *op, size_t k, size_t i, char *why, size_t wh
         return -1;
     }
     kvo__rvalue(op, i, hdr, (size_t)vlen, data, in_place);
+    return 0;
+}
+
+/* The client's gather buffer, made before anything is sent when the pool's blocks are not one run each:
+ * out of memory, every item fails with KVO_ENOMEM and no connection is touched (0). */
+static int kvo__rgather_ready(kvo__rop *op)
+{
+    size_t i;
+    if ((op->kind != KVO__OP_SET && op->kind != KVO__OP_GET) || !op->n || op->cl->gather ||
+        op->mem.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS)
+        return 1;
+    if ((op->cl->gather = (unsigned char *)KVO__RALLOC((size_t)op->r->block_bytes))) return 1;
+    for (i = 0; i < op->n; i++)
+        if (op->items[i].result == KVO__R_PENDING) kvo__rfail(op, &op->items[i], KVO_ENOMEM, "out of memory");
     return 0;
 }
 
@@ -10162,6 +10169,7 @@ static void kvo__rop_run(kvo__rop *op)
     char msg[KVO__R_MSG + 64], why[160];
     unsigned char *sent = NULL;
     size_t *taken = NULL;
+    if (!kvo__rgather_ready(op)) return;
     if (op->kind == KVO__OP_GET) {
         window = (size_t)(r->cfg.window_bytes / (r->block_bytes + KVO_REDIS_HEADER_BYTES));
         if (!window) window = 1;
@@ -11484,7 +11492,9 @@ typedef struct kvs_replay_report {
 /* Feed the inputs of a recorded run into `fresh` (a new scheduler created on `bus` with the same
  * configuration, pools and tiers) and compare its decisions (kinds of compare_kinds, 0 =
  * KVS_EV_DECISIONS) with the recorded ones, event by event (time and seq aside; request ids mapped in
- * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which). */
+ * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which),
+ * KVS_ENOMEM when the replay or the fresh scheduler ran out of memory (the report counts what was
+ * replayed and compared until then). */
 KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *events, size_t n,
                               uint64_t compare_kinds, kvs_replay_report *report);
 
@@ -11598,6 +11608,95 @@ KVS_API uint32_t kvs_blocks_for_bytes(const kvb_layout *layout, uint64_t bytes)
     block = layout->page_bytes * (layout->num_layers ? layout->num_layers : 1) * (layout->num_parts ? layout->num_parts : 2);
     n = bytes / block;
     return n > INT32_MAX ? (uint32_t)INT32_MAX : (uint32_t)n;
+}
+
+/* ---- id map ------------------------------------------------------------------------------------- */
+
+/* A map from a 64-bit id (request, transfer) to a pointer, NULL = absent: open addressing on a
+ * multiplicative hash, backward-shift deletion; it grows (at two thirds full) and never shrinks, so a
+ * steady state allocates nothing, and a lookup is one probe with no byte hashing. */
+typedef struct kvs__idslot { uint64_t key; void *val; } kvs__idslot;
+typedef struct kvs__idmap { kvs__idslot *e; uint64_t mask; size_t used; } kvs__idmap;
+
+static uint64_t kvs__id_home(const kvs__idmap *m, uint64_t key)
+{
+    return ((key * UINT64_C(0x9e3779b97f4a7c15)) >> 29) & m->mask;
+}
+
+static uint64_t kvs__id_slot(const kvs__idmap *m, uint64_t key)
+{
+    uint64_t s = kvs__id_home(m, key);
+    while (m->e[s].val && m->e[s].key != key) s = (s + 1) & m->mask;
+    return s;
+}
+
+static void *kvs__id_get(const kvs__idmap *m, uint64_t key)
+{
+    return m->used ? m->e[kvs__id_slot(m, key)].val : NULL;
+}
+
+/* Room for one more key without growing. 0 when out of memory (nothing changed). */
+static int kvs__id_room(kvs__idmap *m)
+{
+    kvs__idmap g;
+    uint64_t n, i;
+    if (m->e && (m->used + 1) * 3 < (m->mask + 1) * 2) return 1;
+    n = m->e ? (m->mask + 1) * 2 : 64;
+    g.e = (kvs__idslot *)KVB_MALLOC((size_t)n * sizeof *g.e);
+    if (!g.e) return 0;
+    memset(g.e, 0, (size_t)n * sizeof *g.e);
+    g.mask = n - 1;
+    g.used = m->used;
+    for (i = 0; m->e && i <= m->mask; i++)
+        if (m->e[i].val) g.e[kvs__id_slot(&g, m->e[i].key)] = m->e[i];
+    KVB_FREE(m->e);
+    *m = g;
+    return 1;
+}
+
+/* key -> val (val not NULL). 0 when out of memory (nothing changed). */
+static int kvs__id_put(kvs__idmap *m, uint64_t key, void *val)
+{
+    uint64_t s;
+    if (!kvs__id_room(m)) return 0;
+    s = kvs__id_slot(m, key);
+    if (!m->e[s].val) m->used++;
+    m->e[s].key = key;
+    m->e[s].val = val;
+    return 1;
+}
+
+/* Remove key; returns its value (NULL when absent). */
+static void *kvs__id_del(kvs__idmap *m, uint64_t key)
+{
+    uint64_t i, j, k;
+    void *val;
+    if (!m->used) return NULL;
+    i = j = kvs__id_slot(m, key);
+    if (!(val = m->e[i].val)) return NULL;
+    for (;;) {
+        j = (j + 1) & m->mask;
+        if (!m->e[j].val) break;
+        k = kvs__id_home(m, m->e[j].key);
+        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
+        m->e[i] = m->e[j];
+        i = j;
+    }
+    m->e[i].val = NULL;
+    m->used--;
+    return val;
+}
+
+static void kvs__id_clear(kvs__idmap *m)
+{
+    if (m->used) memset(m->e, 0, (size_t)(m->mask + 1) * sizeof *m->e);
+    m->used = 0;
+}
+
+static void kvs__id_free(kvs__idmap *m)
+{
+    KVB_FREE(m->e);
+    memset(m, 0, sizeof *m);
 }
 
 /* ---- events: names, binary form, JSON ----------------------------------------------------------- */
@@ -12764,7 +12863,13 @@ typedef struct kvs__client {
     int overlong;                /* the line in progress outgrew `line`: dropped up to its newline */
 } kvs__client;
 
-typedef struct kvs__slot_last { uint64_t key; kvs_event value; } kvs__slot_last;
+/* The live slots: each request's last SLOT event (until it is released), in an array with a map from the
+ * request to its place + 1. Both grow with a check: out of memory the console forgets them all, as when
+ * its reader lost events (a client then sees slots from their next change on). */
+typedef struct kvs__live_slots {
+    kvs_event *last;             /* stb_ds */
+    kvs__idmap at;
+} kvs__live_slots;
 
 #define KVS__CLIENT_BACKLOG (4u << 20) /* a client further behind than this skips events (seq shows the gap) */
 #define KVS__ACCEPT_RETRY_US 100000    /* after a failed accept (out of descriptors): the next try */
@@ -12781,15 +12886,46 @@ struct kvs_console {
     pthread_t thread;
     kvs__client *clients;        /* stb_ds */
     kvs__ring history;           /* the last cfg.history events */
-    kvs__slot_last *slots;       /* stb_ds map: request -> its last SLOT event (until released) */
+    kvs__live_slots slots;
     kvs_event last_step, last_tiers, last_pause;
 };
+
+static void kvs__live_slots_forget(kvs__live_slots *l)
+{
+    stbds_arrfree(l->last);
+    kvs__id_free(&l->at);
+}
+
+static void kvs__live_slot_put(kvs__live_slots *l, const kvs_event *e)
+{
+    size_t at = (size_t)(uintptr_t)kvs__id_get(&l->at, e->request), n = stbds_arrlenu(l->last);
+    if (at) {
+        l->last[at - 1] = *e;
+    } else if (kvb__arr_fit((void **)&l->last, sizeof *l->last, n + 1) && kvs__id_room(&l->at)) {
+        stbds_arrput(l->last, *e);
+        kvs__id_put(&l->at, e->request, (void *)(uintptr_t)(n + 1));
+    } else {
+        kvs__live_slots_forget(l);
+    }
+}
+
+/* The last event moves into the released one's place. */
+static void kvs__live_slot_del(kvs__live_slots *l, uint64_t request)
+{
+    size_t at = (size_t)(uintptr_t)kvs__id_del(&l->at, request), last = stbds_arrlenu(l->last);
+    if (!at) return;
+    if (at != last) {
+        l->last[at - 1] = l->last[last - 1];
+        kvs__id_put(&l->at, l->last[at - 1].request, (void *)(uintptr_t)at); /* replaces: no growth */
+    }
+    KVB__ARR_SHRINK(l->last, last - 1);
+}
 
 static void kvs__console_note(kvs_console *k, const kvs_event *e)
 {
     kvs__ring_put(&k->history, e);
-    if (e->kind == KVS_EV_SLOT) stbds_hmput(k->slots, e->request, *e);
-    else if (e->kind == KVS_EV_RELEASE) (void)stbds_hmdel(k->slots, e->request);
+    if (e->kind == KVS_EV_SLOT) kvs__live_slot_put(&k->slots, e);
+    else if (e->kind == KVS_EV_RELEASE) kvs__live_slot_del(&k->slots, e->request);
     else if (e->kind == KVS_EV_STEP) k->last_step = *e;
     else if (e->kind == KVS_EV_TIERS) k->last_tiers = *e;
     else if (e->kind == KVS_EV_PAUSED || e->kind == KVS_EV_RESUMED) k->last_pause = *e;
@@ -12835,7 +12971,7 @@ static int kvs__client_welcome(kvs_console *k, kvs__client *c)
     if (!kvo__fit(&c->out, sizeof h)) return 0;
     kvs__log_header(h);
     memcpy(stbds_arraddnptr(c->out, sizeof h), h, sizeof h);
-    for (i = 0; i < stbds_hmlen(k->slots); i++) kvs__client_queue(c, &k->slots[i].value);
+    for (i = 0; i < (ptrdiff_t)stbds_arrlenu(k->slots.last); i++) kvs__client_queue(c, &k->slots.last[i]);
     if (k->last_step.kind) kvs__client_queue(c, &k->last_step);
     if (k->last_tiers.kind) kvs__client_queue(c, &k->last_tiers);
     if (k->last_pause.kind) kvs__client_queue(c, &k->last_pause);
@@ -12899,7 +13035,7 @@ static void kvs__console_pump(kvs_console *k)
     uint64_t lost = 0;
     do {
         kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, &lost);
-        if (lost) stbds_hmfree(k->slots); /* a release may be among them: the live slots cannot be told now */
+        if (lost) kvs__live_slots_forget(&k->slots); /* a release may be among them: they cannot be told now */
         for (i = 0; i < n; i++) {
             size_t j;
             kvs__console_note(k, &batch[i]);
@@ -13052,7 +13188,7 @@ KVS_API void kvs_console_stop(kvs_console *console)
     pthread_join(console->thread, NULL);
     while (stbds_arrlen(console->clients)) kvs__client_drop(console, 0);
     stbds_arrfree(console->clients);
-    stbds_hmfree(console->slots);
+    kvs__live_slots_forget(&console->slots);
     kvs_reader_close(console->reader);
     close(console->listen_fd);
     close(console->wake[0]);
@@ -13079,86 +13215,6 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     uint32_t loads_active;
     size_t room;               /* blocks each of its arrays has room for (kvs__plan_new); 0: not sized */
 } kvs__plan;
-
-/* A map from a 64-bit id (request, transfer) to a pointer, NULL = absent: open addressing on a
- * multiplicative hash, backward-shift deletion; it grows (at two thirds full) and never shrinks, so a
- * steady state allocates nothing, and a lookup is one probe with no byte hashing. */
-typedef struct kvs__idslot { uint64_t key; void *val; } kvs__idslot;
-typedef struct kvs__idmap { kvs__idslot *e; uint64_t mask; size_t used; } kvs__idmap;
-
-static uint64_t kvs__id_home(const kvs__idmap *m, uint64_t key)
-{
-    return ((key * UINT64_C(0x9e3779b97f4a7c15)) >> 29) & m->mask;
-}
-
-static uint64_t kvs__id_slot(const kvs__idmap *m, uint64_t key)
-{
-    uint64_t s = kvs__id_home(m, key);
-    while (m->e[s].val && m->e[s].key != key) s = (s + 1) & m->mask;
-    return s;
-}
-
-static void *kvs__id_get(const kvs__idmap *m, uint64_t key)
-{
-    return m->used ? m->e[kvs__id_slot(m, key)].val : NULL;
-}
-
-/* key -> val (val not NULL). 0 when out of memory (nothing changed). */
-static int kvs__id_put(kvs__idmap *m, uint64_t key, void *val)
-{
-    uint64_t s;
-    if (!m->e || (m->used + 1) * 3 >= (m->mask + 1) * 2) {
-        kvs__idmap g;
-        uint64_t n = m->e ? (m->mask + 1) * 2 : 64, i;
-        g.e = (kvs__idslot *)KVB_MALLOC((size_t)n * sizeof *g.e);
-        if (!g.e) return 0;
-        memset(g.e, 0, (size_t)n * sizeof *g.e);
-        g.mask = n - 1;
-        g.used = m->used;
-        for (i = 0; m->e && i <= m->mask; i++)
-            if (m->e[i].val) g.e[kvs__id_slot(&g, m->e[i].key)] = m->e[i];
-        KVB_FREE(m->e);
-        *m = g;
-    }
-    s = kvs__id_slot(m, key);
-    if (!m->e[s].val) m->used++;
-    m->e[s].key = key;
-    m->e[s].val = val;
-    return 1;
-}
-
-/* Remove key; returns its value (NULL when absent). */
-static void *kvs__id_del(kvs__idmap *m, uint64_t key)
-{
-    uint64_t i, j, k;
-    void *val;
-    if (!m->used) return NULL;
-    i = j = kvs__id_slot(m, key);
-    if (!(val = m->e[i].val)) return NULL;
-    for (;;) {
-        j = (j + 1) & m->mask;
-        if (!m->e[j].val) break;
-        k = kvs__id_home(m, m->e[j].key);
-        if (i <= j ? (i < k && k <= j) : (i < k || k <= j)) continue;
-        m->e[i] = m->e[j];
-        i = j;
-    }
-    m->e[i].val = NULL;
-    m->used--;
-    return val;
-}
-
-static void kvs__id_clear(kvs__idmap *m)
-{
-    if (m->used) memset(m->e, 0, (size_t)(m->mask + 1) * sizeof *m->e);
-    m->used = 0;
-}
-
-static void kvs__id_free(kvs__idmap *m)
-{
-    KVB_FREE(m->e);
-    memset(m, 0, sizeof *m);
-}
 
 typedef struct kvs__active_load { kvs_load load; kvo_transfer t; } kvs__active_load;
 typedef struct kvs__active_store { uint64_t event, request; kvo_transfer t; int done; } kvs__active_store;
@@ -15241,27 +15297,45 @@ KVS_API kvs_connector *kvs_sched_connector(kvs_sched *sched) { return sched ? sc
 
 /* ---- replay ------------------------------------------------------------------------------------- */
 
-typedef struct kvs__id_map { uint64_t key, value; } kvs__id_map;
+/* Request ids of the recorded run and of the fresh one, paired in order of addition: each map gives the
+ * pair's place + 1 (kvs__idmap takes no NULL value). Every array and map grows with a check, so a replay
+ * out of memory ends in KVS_ENOMEM instead of stb_ds writing through a failed realloc. */
+typedef struct kvs__id_pair { uint64_t recorded, fresh; } kvs__id_pair;
 
 typedef struct kvs__replay {
     kvs_event *got;              /* stb_ds: the fresh run's decisions */
     size_t next;                 /* the first not compared yet */
-    kvs__id_map *to_fresh, *to_recorded;
+    kvs__id_pair *pairs;         /* stb_ds */
+    kvs__idmap to_fresh, to_recorded;
     uint32_t *words;             /* stb_ds: an input's TOKENS */
+    int nomem;                   /* the replay or the fresh scheduler ran out of memory */
     kvs_step step;
 } kvs__replay;
 
 static void kvs__replay_collect(void *user, const kvs_event *e)
 {
     kvs__replay *rp = (kvs__replay *)user;
+    if (!kvb__arr_fit((void **)&rp->got, sizeof *rp->got, stbds_arrlenu(rp->got) + 1)) {
+        rp->nomem = 1;
+        return;
+    }
     stbds_arrput(rp->got, *e);
 }
 
-/* stb_ds creates the map on a first lookup, so the map is passed by address. */
-static uint64_t kvs__map(kvs__id_map **m, uint64_t id)
+/* The other run's id of `id` (0: none). */
+static uint64_t kvs__map(const kvs__replay *rp, const kvs__idmap *m, uint64_t id, int to_fresh)
 {
-    ptrdiff_t i = stbds_hmgeti(*m, id);
-    return i < 0 ? 0 : (*m)[i].value;
+    size_t at = (size_t)(uintptr_t)kvs__id_get(m, id);
+    return !at ? 0 : to_fresh ? rp->pairs[at - 1].fresh : rp->pairs[at - 1].recorded;
+}
+
+/* Appends n words to rp->words; 0 out of memory (rp->nomem set). */
+static int kvs__replay_put_words(kvs__replay *rp, const uint32_t *w, size_t n)
+{
+    if (!n) return 1;
+    if (!kvb__arr_fit((void **)&rp->words, sizeof *rp->words, stbds_arrlenu(rp->words) + n)) return !(rp->nomem = 1);
+    memcpy(stbds_arraddnptr(rp->words, n), w, n * sizeof *w);
+    return 1;
 }
 
 /* `first` (carried by the input itself), then the words of the TOKENS events after events[at]; returns
@@ -15270,11 +15344,18 @@ static size_t kvs__replay_words(kvs__replay *rp, const kvs_event *events, size_t
                                 size_t n_first)
 {
     KVB__ARR_SHRINK(rp->words, 0);
-    if (n_first) memcpy(stbds_arraddnptr(rp->words, n_first), first, n_first * sizeof *first);
+    kvs__replay_put_words(rp, first, n_first);
     while (++at < n && events[at].kind == KVS_EV_TOKENS && events[at].u.tokens.n <= 11)
-        memcpy(stbds_arraddnptr(rp->words, events[at].u.tokens.n), events[at].u.tokens.words,
-               events[at].u.tokens.n * sizeof *rp->words);
+        kvs__replay_put_words(rp, events[at].u.tokens.words, events[at].u.tokens.n);
     return at;
+}
+
+/* Room for one more pair before the add, so an added request is always mapped. */
+static int kvs__replay_pair_room(kvs__replay *rp)
+{
+    size_t n = stbds_arrlenu(rp->pairs);
+    return kvb__arr_fit((void **)&rp->pairs, sizeof *rp->pairs, n + 1) && kvs__id_room(&rp->to_fresh) &&
+           kvs__id_room(&rp->to_recorded);
 }
 
 static void kvs__replay_add(kvs_sched *s, kvs__replay *rp, const kvs_event *e)
@@ -15282,7 +15363,12 @@ static void kvs__replay_add(kvs_sched *s, kvs__replay *rp, const kvs_event *e)
     kvs_request rq;
     uint64_t extra[KVB_MAX_EXTRA_KEYS], id = 0;
     size_t i, ne = e->u.add.num_extra;
-    if (ne > KVB_MAX_EXTRA_KEYS || stbds_arrlenu(rp->words) != 2 * ne + e->u.add.num_prompt) return;
+    kvs_result r;
+    if (rp->nomem || ne > KVB_MAX_EXTRA_KEYS || stbds_arrlenu(rp->words) != 2 * ne + e->u.add.num_prompt) return;
+    if (!kvs__replay_pair_room(rp)) {
+        rp->nomem = 1;
+        return;
+    }
     for (i = 0; i < ne; i++) extra[i] = (uint64_t)rp->words[2 * i] | (uint64_t)rp->words[2 * i + 1] << 32;
     memset(&rq, 0, sizeof rq);
     rq.prompt = rp->words + 2 * ne;
@@ -15292,17 +15378,19 @@ static void kvs__replay_add(kvs_sched *s, kvs__replay *rp, const kvs_event *e)
     rq.salt = e->u.add.salt;
     rq.extra = extra;
     rq.num_extra = ne;
-    if (kvs_sched_add(s, &rq, &id) == KVS_OK) {
-        stbds_hmput(rp->to_fresh, e->request, id);
-        stbds_hmput(rp->to_recorded, id, e->request);
-    }
+    if ((r = kvs_sched_add(s, &rq, &id)) == KVS_ENOMEM) rp->nomem = 1; /* the recorded add had succeeded */
+    if (r != KVS_OK) return;
+    kvs__id_pair pair = { e->request, id };
+    stbds_arrput(rp->pairs, pair); /* within the room made above */
+    kvs__id_put(&rp->to_fresh, e->request, (void *)(uintptr_t)stbds_arrlenu(rp->pairs));
+    kvs__id_put(&rp->to_recorded, id, (void *)(uintptr_t)stbds_arrlenu(rp->pairs));
 }
 
 /* Replays one input event (and its TOKENS); returns the index of the next event. */
 static size_t kvs__replay_input(kvs_sched *s, kvs__replay *rp, const kvs_event *events, size_t n, size_t at)
 {
     const kvs_event *e = &events[at];
-    uint64_t id = kvs__map(&rp->to_fresh, e->request);
+    uint64_t id = kvs__map(rp, &rp->to_fresh, e->request, 1);
     size_t next = at + 1;
     switch ((kvs_event_kind)e->kind) {
     case KVS_EV_ADD:
@@ -15312,7 +15400,7 @@ static size_t kvs__replay_input(kvs_sched *s, kvs__replay *rp, const kvs_event *
     case KVS_EV_APPEND: { /* its first tokens inline, the rest in TOKENS */
         size_t inline_n = e->u.append.n < 10 ? (size_t)e->u.append.n : 10;
         next = kvs__replay_words(rp, events, n, at, e->u.append.words, inline_n);
-        kvs_sched_append(s, id, rp->words, stbds_arrlenu(rp->words));
+        if (!rp->nomem && kvs_sched_append(s, id, rp->words, stbds_arrlenu(rp->words)) == KVS_ENOMEM) rp->nomem = 1;
         break;
     }
     case KVS_EV_RUN_STEP: kvs_sched_step(s, &rp->step); break;
@@ -15330,7 +15418,7 @@ static int kvs__is_input(uint16_t kind) { return kind >= KVS_EV_ADD && kind <= K
 /* The fresh decision equals the recorded one: kind, request (mapped back) and payload. */
 static int kvs__same_decision(kvs__replay *rp, const kvs_event *want, const kvs_event *got)
 {
-    uint64_t req = got->request ? kvs__map(&rp->to_recorded, got->request) : 0;
+    uint64_t req = got->request ? kvs__map(rp, &rp->to_recorded, got->request, 0) : 0;
     return want->kind == got->kind && want->request == req && memcmp(&want->u, &got->u, sizeof want->u) == 0;
 }
 
@@ -15352,11 +15440,16 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         if (kvs__is_input(e->kind)) {
             rep.inputs++;
             i = kvs__replay_input(fresh, &rp, events, n, i);
+            pthread_mutex_lock(&bus->lock); /* the collector sets nomem under it */
+            if (rp.nomem) r = KVS_ENOMEM;
+            pthread_mutex_unlock(&bus->lock);
             continue;
         }
         if (e->kind < 64 && (compare_kinds & KVS_EV_MASK(e->kind))) {
             pthread_mutex_lock(&bus->lock); /* the collector runs under it */
-            if (rp.next >= stbds_arrlenu(rp.got) || !kvs__same_decision(&rp, e, &rp.got[rp.next])) {
+            if (rp.nomem) {
+                r = KVS_ENOMEM;
+            } else if (rp.next >= stbds_arrlenu(rp.got) || !kvs__same_decision(&rp, e, &rp.got[rp.next])) {
                 rep.mismatch_seq = e->seq;
                 rep.expected = *e;
                 if (rp.next < stbds_arrlenu(rp.got)) rep.got = rp.got[rp.next];
@@ -15370,14 +15463,16 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         i++;
     }
     kvs_bus_unsubscribe(bus, sub);
+    if (r == KVS_OK && rp.nomem) r = KVS_ENOMEM; /* a decision the fresh run made after the last input */
     if (r == KVS_OK && rp.next < stbds_arrlenu(rp.got)) { /* the fresh run decided more */
         rep.mismatch_seq = n ? events[n - 1].seq + 1 : 1;
         rep.got = rp.got[rp.next];
         r = KVS_EREPLAY;
     }
     stbds_arrfree(rp.got);
-    stbds_hmfree(rp.to_fresh);
-    stbds_hmfree(rp.to_recorded);
+    stbds_arrfree(rp.pairs);
+    kvs__id_free(&rp.to_fresh);
+    kvs__id_free(&rp.to_recorded);
     stbds_arrfree(rp.words);
     if (report) *report = rep;
     return r;

@@ -44,7 +44,8 @@
  * the replies are read (reads of more than window_bytes of values per node take a round trip per
  * window). Block bytes go from the pool's memory straight to the socket, and from the socket straight
  * into the destination block, when the block is one contiguous run (BLOCK_CONTIGUOUS); other layouts
- * go through one gather buffer.
+ * go through one gather buffer, made at a client's first such batch (out of memory, that batch's copies
+ * fail with KVO_ENOMEM and the connection is kept).
  *
  * 3. KEYS AND VALUES
  * Key:   <namespace_prefix>:<salt as 16 hex digits>:<hash.hi as 16 hex><hash.lo as 16 hex>
@@ -1120,11 +1121,7 @@ static int kvo__rsend_sets(kvo__rop *op, size_t k, char *why, size_t why_size)
         int hl = 0;
         if (it->result != KVO__R_PENDING || it->node != (int)k) continue;
         data = kvo__rrun(&op->mem, it->block);
-        if (!data) {
-            if (!cl->gather && !(cl->gather = (unsigned char *)KVO__RALLOC((size_t)r->block_bytes))) {
-                kvo__rmsg(why, why_size, "out of memory");
-                return -1;
-            }
+        if (!data) { /* the gather buffer is there (kvo__rgather_ready) */
             kvo__rgather(&op->mem, it->block, cl->gather);
             data = cl->gather;
         }
@@ -1449,11 +1446,7 @@ static int kvo__rread_get(kvo__rop *op, size_t k, size_t i, char *why, size_t wh
     if ((uint64_t)vlen == KVO_REDIS_HEADER_BYTES + r->block_bytes) {
         data = kvo__rrun(&op->mem, op->items[i].block);
         in_place = data != NULL;
-        if (!data && !cl->gather && !(cl->gather = (unsigned char *)KVO__RALLOC((size_t)r->block_bytes))) {
-            kvo__rmsg(why, why_size, "out of memory");
-            return -1;
-        }
-        if (!data) data = cl->gather;
+        if (!data) data = cl->gather; /* there: kvo__rgather_ready */
     }
     if (kvo__rtake(cl, nd, data, (size_t)vlen - hl, why, why_size) || kvo__rtake(cl, nd, crlf, 2, why, why_size))
         return -1;
@@ -1462,6 +1455,20 @@ static int kvo__rread_get(kvo__rop *op, size_t k, size_t i, char *why, size_t wh
         return -1;
     }
     kvo__rvalue(op, i, hdr, (size_t)vlen, data, in_place);
+    return 0;
+}
+
+/* The client's gather buffer, made before anything is sent when the pool's blocks are not one run each:
+ * out of memory, every item fails with KVO_ENOMEM and no connection is touched (0). */
+static int kvo__rgather_ready(kvo__rop *op)
+{
+    size_t i;
+    if ((op->kind != KVO__OP_SET && op->kind != KVO__OP_GET) || !op->n || op->cl->gather ||
+        op->mem.layout.kind == KVB_LAYOUT_BLOCK_CONTIGUOUS)
+        return 1;
+    if ((op->cl->gather = (unsigned char *)KVO__RALLOC((size_t)op->r->block_bytes))) return 1;
+    for (i = 0; i < op->n; i++)
+        if (op->items[i].result == KVO__R_PENDING) kvo__rfail(op, &op->items[i], KVO_ENOMEM, "out of memory");
     return 0;
 }
 
@@ -1477,6 +1484,7 @@ static void kvo__rop_run(kvo__rop *op)
     char msg[KVO__R_MSG + 64], why[160];
     unsigned char *sent = NULL;
     size_t *taken = NULL;
+    if (!kvo__rgather_ready(op)) return;
     if (op->kind == KVO__OP_GET) {
         window = (size_t)(r->cfg.window_bytes / (r->block_bytes + KVO_REDIS_HEADER_BYTES));
         if (!window) window = 1;

@@ -1832,6 +1832,67 @@ static void test_create_out_of_memory(void)
     kvb_pool_destroy(g4);
 }
 
+/* A pool whose blocks are not one run each goes through the client's gather buffer, made at the first
+ * such batch: with each allocation of the pump failing in turn, the copies end final, Failed with
+ * KVO_ENOMEM or Complete, never an I/O error, and the connection is kept. Before, a gather buffer out
+ * of memory was "connection lost mid-batch": KVO_EIO, an io_error, the node dropped. */
+static void test_gather_out_of_memory(void)
+{
+    rf_server s;
+    char addr[64];
+    kvb_hash h[2];
+    int enomem = 0;
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_LAYER_SEPARATE), *g4 = of_meta_pool(8);
+    of_chain(31, 2, h);
+    of_register(g1, h, 2, NULL, NULL);
+    for (long at = 0;; at++) {
+        of_clock clock = {1000000};
+        kvb_block strong[2];
+        kvb_weak weak[2];
+        size_t found = 0;
+        int fired;
+        kvo_backend *b = redis_open(addr, g4, 0);
+        kvo_pipeline_config pc = of_config(g1, g4, b, KVO_MODE_POLL, &clock);
+        kvo_pipeline *p = of_pipeline(&pc);
+        if (!b || !p) break;
+        KVT_EQ(kvb_match(g1, h, 2, strong, &found), KVB_OK);
+        for (size_t i = 0; i < found; i++) weak[i] = kvb_weak_of(strong[i]);
+        kvo_transfer t = of_enqueue(p, weak, found, NULL);
+        KVT_EQ(kvb_release(g1, strong, found, NULL), KVB_OK);
+        oom_arm(at, 0);
+        kvo_status st = of_pump(p, &clock, t, 1000, 500);
+        fired = oom_fired;
+        oom_disarm();
+        of_pump(p, &clock, t, 1000, 500);
+        kvo_transfer_info info = of_info(p, t);
+        KVT_CHECK(info.status == KVO_STATUS_COMPLETE || info.status == KVO_STATUS_FAILED);
+        KVT_CHECK(info.error == KVO_OK || info.error == KVO_ENOMEM);
+        KVT_EQ(rstats(b).io_errors, 0);
+        enomem += info.error == KVO_ENOMEM;
+        (void)st;
+        KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+        kvo_pipeline_destroy(p);
+        kvo_backend_destroy(b);
+        for (size_t i = 0; i < 2; i++) { /* each round stores anew */
+            kvb_block blk;
+            if (kvb_match(g4, &h[i], 1, &blk, &found) == KVB_OK && found) {
+                KVT_EQ(kvb_release(g4, &blk, 1, NULL), KVB_OK);
+                KVT_EQ(kvb_invalidate(g4, &h[i], 1, NULL), KVB_OK);
+            }
+        }
+        if (!fired) break;
+    }
+    KVT_CHECK(enomem >= 1);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
 static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
 
 int main(int argc, char **argv)
@@ -1865,6 +1926,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_server_eviction);
     KVT_RUN(test_lost_entry_dropped);
     KVT_RUN(test_remote_bounds);
+    KVT_RUN(test_gather_out_of_memory);
     KVT_RUN(test_stray_reply);
     KVT_RUN(test_log_reads_stats);
     KVT_RUN(test_auth);
