@@ -475,6 +475,40 @@ static void test_failed_join_leaves_other_copies_in_flight(void)
     rig_close(&r);
 }
 
+/* Two requests that each wait for the other's copy: a loads h0 and joins h1 from b0, whose copy fails;
+ * c then loads h1 itself (nothing brings it any more) and joins a's h0. a waits for c's h1 and c for
+ * a's h0, both in the precondition stage: neither ever reached the backend, and both hung in Queued. */
+static void test_requests_joining_each_other_end(void)
+{
+    rig r;
+    rig_open(&r);
+    of_backend_set_hold(r.w, 1);
+    of_backend_set_fail(r.w, 1, KVO_EIO);           /* b0's copy of h1 fails */
+    kvo_transfer b0 = onboard(&r, &r.h[1], 1);
+    KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);         /* b0 in the backend, held */
+    KVT_EQ(of_backend_held(r.w), 1);
+    kvo_transfer a = onboard(&r, r.h, 2);           /* h0 loaded, h1 joins b0 */
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);                        /* b0 fails */
+    KVT_EQ(of_status(r.p, b0), KVO_STATUS_FAILED);
+    kvo_transfer c = onboard(&r, r.h, 2);           /* h0 joins a, h1 loaded */
+    KVT_EQ(of_pump(r.p, &r.clock, a, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_pump(r.p, &r.clock, c, 1000, 200), KVO_STATUS_COMPLETE);
+    for (int k = 0; k < 2; k++) {
+        kvo_transfer t = k ? c : a;
+        kvb_block got[2];
+        size_t n = 0;
+        if (kvo_transfer_take_blocks(r.p, t, got, 2, &n) != KVO_OK) continue;
+        KVT_EQ(n, 2);
+        for (size_t i = 0; i < n; i++) KVT_CHECK(of_bytes_ok(r.g1, got[i], r.h[i]));
+        KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    }
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b0);
+    kvo_transfer_release(r.p, c);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -491,5 +525,6 @@ int main(void)
     KVT_RUN(test_same_prefix_in_one_step_moves_each_block_once);
     KVT_RUN(test_joined_copy_that_fails_is_loaded_again);
     KVT_RUN(test_failed_join_leaves_other_copies_in_flight);
+    KVT_RUN(test_requests_joining_each_other_end);
     return kvt_summary();
 }
