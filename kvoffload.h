@@ -2331,6 +2331,7 @@ static void kvo__load_joined(kvo_pipeline *pl, kvo__container *c, size_t i)
     } else { /* not KVO__B_FAILED: that one is counted in flight, and its end would uncount another's copy */
         c->state[i] = KVO__B_LOST;
         c->info.failed++;
+        if (!c->info.error) c->info.error = KVO_ENOTFOUND; /* a failed transfer says why */
     }
 }
 

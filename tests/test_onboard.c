@@ -461,6 +461,7 @@ static void test_failed_join_leaves_other_copies_in_flight(void)
     of_backend_set_hold(r.w, 0);
     of_backend_release(r.w);                        /* a finishes */
     KVT_EQ(of_status(r.p, a), KVO_STATUS_FAILED);
+    KVT_EQ(of_info(r.p, a).error, KVO_ENOTFOUND);   /* failed says why: h0 is nowhere (was KVO_OK) */
     kvo_transfer d = onboard(&r, &h0, 1);           /* must join c's copy */
     KVT_EQ(of_pump(r.p, &r.clock, c, 1000, 200), KVO_STATUS_COMPLETE);
     KVT_EQ(of_pump(r.p, &r.clock, d, 1000, 200), KVO_STATUS_COMPLETE);
