@@ -215,10 +215,10 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
 /* kvo_manager_lookup that includes what Redis holds: the hashes past the local prefix are imported
- * (kvo_redis_import into the backend's pool, which must be one of the manager's tiers), then the
- * manager looks again. An unreachable Redis leaves the local answer, one reachable in part adds what
- * it found before the server it could not ask (KVO_OK; counted in lookup_errors). Thread safety: any
- * thread. */
+ * (kvo_redis_import into the backend's pool, which must be one of the manager's tiers: KVO_EINVAL
+ * otherwise), then the manager looks again. An unreachable Redis leaves the local answer, one reachable
+ * in part adds what it found before the server it could not ask (KVO_OK; counted in lookup_errors).
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *redis, const kvb_hash *hashes,
                                             size_t n, uint8_t *tier_of, size_t *out_n);
 /* The same with the backend as user data first: the shape of kvsched.h's kvs_lookup_fn, so a connector
@@ -2116,8 +2116,12 @@ KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *r
     kvb_hash *parents;
     size_t found = 0, got = 0, i;
     kvo_result e;
+    kvo_manager_config mc;
+    uint32_t t = 0;
     if (out_n) *out_n = 0;
-    if (!r) return KVO_EINVAL;
+    if (!r || kvo_manager_get_config(manager, &mc) != KVO_OK) return KVO_EINVAL;
+    while (t < mc.num_tiers && mc.pools[t] != r->pool) t++;
+    if (t == mc.num_tiers) return KVO_EINVAL; /* it imports into a pool the manager never looks in */
     e = kvo_manager_lookup(manager, hashes, n, tier_of, &found);
     if (out_n) *out_n = found;
     if (e != KVO_OK || found == n) return e;

@@ -1503,6 +1503,25 @@ static void test_remote_bounds(void)
     KVT_EQ(n, 4);
     KVT_EQ(kvo_redis_import(b, mem, h, NULL, 4, &n), KVO_EINVAL);
     KVT_EQ(n, 0);
+    { /* a manager none of whose tiers is the backend's pool: refused, and that pool left as it was (the
+         entries went into it, where the manager never looks) */
+        kvb_pool *other = of_meta_pool(4);
+        kvo_manager_config mc;
+        kvo_manager *m = NULL;
+        uint8_t tier_of[4];
+        memset(&mc, 0, sizeof mc);
+        mc.num_tiers = 2;
+        mc.pools[0] = mem;
+        mc.pools[1] = other;
+        mc.pipeline.mode = KVO_MODE_POLL;
+        KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+        n = 7;
+        KVT_EQ(kvo_redis_manager_lookup(m, b, h, 4, tier_of, &n), KVO_EINVAL);
+        KVT_EQ(n, 0);
+        KVT_EQ(of_present(g4, h, 4), 0);
+        kvo_manager_destroy(m);
+        kvb_pool_destroy(other);
+    }
     kvb_hash par[2] = {{0, 0}, h[0]};
     KVT_EQ(kvb_alloc(small, 2, sb), KVB_OK);
     KVT_EQ(kvb_register_hashed(small, sb, 2, h, par, sb), KVB_OK);
