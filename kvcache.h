@@ -6746,6 +6746,7 @@ typedef struct kvo__container {
     uint32_t priority;
     int onboard, final, taken, inflight_marked;
     int swept;              /* kvo__sweep_on_deck: its token read cancelled in this sweep */
+    int join_wait;          /* kvo__break_join_cycles: 1 waits for joins, 2 ... for ones that end */
     uint64_t t_enqueue, t_eval;
     size_t n;
     kvb_weak *src;
@@ -6816,6 +6817,7 @@ struct kvo_pipeline {
     kvo__hslot *slots;
     uint32_t *free_slots;
     kvb__ctab inflight, freq;  /* blocks in flight, blocks seen (frequency policy), per hash */
+    kvb__ctab join_loads;     /* scratch of kvo__break_join_cycles: blocks loaded by containers that wait */
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
@@ -7415,6 +7417,24 @@ static int kvo__joining(const kvo__container *c)
     return 0;
 }
 
+/* An onboarding block that joined another transfer's copy, which did not land, is loaded from the source
+ * like any other, else (gone from there too) failed. */
+static void kvo__load_joined(kvo_pipeline *pl, kvo__container *c, size_t i)
+{
+    kvb_block_info info;
+    size_t k;
+    if (kvb_match(pl->cfg.src, &c->hashes[i], 1, &c->src_strong[i], &k) == KVB_OK && k) {
+        kvb_block_get_info(pl->cfg.src, c->src_strong[i].id, &info);
+        c->parents[i] = info.parent;
+        c->state[i] = KVO__B_OFFER;
+        kvo__count_add(&pl->inflight, &c->hashes[i], 1);
+    } else { /* not KVO__B_FAILED: that one is counted in flight, and its end would uncount another's copy */
+        c->state[i] = KVO__B_LOST;
+        c->info.failed++;
+        if (!c->info.error) c->info.error = KVO_ENOTFOUND; /* a failed transfer says why */
+    }
+}
+
 /* Onboarding blocks that joined another transfer, once nothing of their hash is in flight any more:
  * taken from the destination where that copy landed, else (it failed, or the block went again) loaded
  * from the source like any other, else failed. 1 while some still wait. */
@@ -7423,7 +7443,6 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
     size_t i, k;
     int waiting = 0;
     for (i = 0; i < c->n; i++) {
-        kvb_block_info info;
         if (c->state[i] != KVO__B_JOINING) continue;
         if (kvo__count_get(&pl->inflight, &c->hashes[i])) {
             waiting = 1;
@@ -7431,17 +7450,49 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
             c->state[i] = KVO__B_JOINED;
             c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
             c->info.joined++;
-        } else if (kvb_match(pl->cfg.src, &c->hashes[i], 1, &c->src_strong[i], &k) == KVB_OK && k) {
-            kvb_block_get_info(pl->cfg.src, c->src_strong[i].id, &info);
-            c->parents[i] = info.parent;
-            c->state[i] = KVO__B_OFFER;
-            kvo__count_add(&pl->inflight, &c->hashes[i], 1);
-        } else { /* not KVO__B_FAILED: that one is counted in flight, and its end would uncount another's copy */
-            c->state[i] = KVO__B_LOST;
-            c->info.failed++;
+        } else {
+            kvo__load_joined(pl, c, i);
         }
     }
     return waiting;
+}
+
+/* Joining onboarding containers wait in the precondition stage while they hold their own loads in flight,
+ * and another may join those: a join of a copy that failed is loaded by its container itself, which a
+ * newer request joins, while the first joins that one's load of another hash (each waits for the other,
+ * for ever). The waits that end are found as a topological sort does: a waiting container none of whose
+ * joined hashes a waiting container loads, then those that wait only for such ones; the oldest left, in a
+ * cycle or behind one, loads the hashes it waits for from those itself (a second copy). Locked. */
+static void kvo__break_join_cycles(kvo_pipeline *pl, kvo__container **waiting)
+{
+    size_t i, j, n = stbds_arrlenu(waiting);
+    int changed = 1;
+    kvo__container *stuck = NULL;
+    for (i = 0; i < n; i++)
+        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++)
+            if (waiting[i]->state[j] == KVO__B_OFFER) kvo__count_add(&pl->join_loads, &waiting[i]->hashes[j], 1);
+    while (changed) {
+        changed = 0;
+        for (i = 0; i < n; i++) {
+            kvo__container *c = waiting[i];
+            if (c->join_wait != 1) continue;
+            for (j = 0; j < c->n; j++)
+                if (c->state[j] == KVO__B_JOINING && kvo__count_get(&pl->join_loads, &c->hashes[j])) break;
+            if (j < c->n) continue;
+            c->join_wait = 2; /* its waits end: so do its loads */
+            changed = 1;
+            for (j = 0; j < c->n; j++)
+                if (c->state[j] == KVO__B_OFFER) kvo__count_add(&pl->join_loads, &c->hashes[j], -1);
+        }
+    }
+    for (i = 0; i < n && !stuck; i++)
+        if (waiting[i]->join_wait == 1) stuck = waiting[i];
+    for (j = 0; stuck && j < stuck->n; j++)
+        if (stuck->state[j] == KVO__B_JOINING && kvo__count_get(&pl->join_loads, &stuck->hashes[j]))
+            kvo__load_joined(pl, stuck, j);
+    for (i = 0; i < n; i++) /* the table back to empty (it keeps its room) */
+        for (j = 0; j < waiting[i]->n; j++)
+            if (waiting[i]->state[j] == KVO__B_OFFER) (void)kvb__ctab_sub(&pl->join_loads, &waiting[i]->hashes[j], 0, 1);
 }
 
 /* PreconditionAwaiter: a poll of each event (and of the copies joined onboarding blocks wait for), so
@@ -7451,12 +7502,17 @@ static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
     kvo__container **waiting;
     void *item;
     size_t i;
+    int joins = 0;
     KVB__ARR_SHRINK(pl->stage_cs, 0);
     while (kvo_queue_pop(pl->q_pre, &item, 0) == KVO_OK) {
         kvo__container *c = (kvo__container *)item;
         int s = c->pre ? kvo_event_query(c->pre) : 1;
-        if (s > 0 && c->onboard && kvo__resolve_joins(pl, c))
-            kvo__set_aside(pl, c); /* no timeout: the copies it waits for end by themselves */
+        c->join_wait = 0;
+        if (s > 0 && c->onboard && kvo__resolve_joins(pl, c)) {
+            c->join_wait = 1;
+            kvo__set_aside(pl, c); /* no timeout: the copies it waits for end (kvo__break_join_cycles) */
+            joins = 1;
+        }
         else if (s > 0 && c->onboard && !kvo__offered(c))
             kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
         else if (s > 0) kvo__to_batcher(pl, c, now);
@@ -7465,6 +7521,7 @@ static void kvo__stage_precondition(kvo_pipeline *pl, uint64_t now)
         else kvo__set_aside(pl, c);
     }
     waiting = pl->stage_cs;
+    if (joins) kvo__break_join_cycles(pl, waiting);
     for (i = 0; i < stbds_arrlenu(waiting); i++)
         kvo__push_or_end(pl, pl->q_pre, waiting[i]);
 }
@@ -8047,6 +8104,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->free_slots);
     kvb__ctab_free(&pipeline->inflight);
     kvb__ctab_free(&pipeline->freq);
+    kvb__ctab_free(&pipeline->join_loads);
     for (i = 0; i < stbds_arrlenu(pipeline->notes); i++) stbds_arrfree(pipeline->notes[i].dst);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
@@ -8900,10 +8958,10 @@ KVO_API kvo_result kvo_redis_import(kvo_backend *redis, kvb_pool *g4_pool, const
                                     const kvb_hash *parents, size_t n, size_t *out_n);
 
 /* kvo_manager_lookup that includes what Redis holds: the hashes past the local prefix are imported
- * (kvo_redis_import into the backend's pool, which must be one of the manager's tiers), then the
- * manager looks again. An unreachable Redis leaves the local answer, one reachable in part adds what
- * it found before the server it could not ask (KVO_OK; counted in lookup_errors). Thread safety: any
- * thread. */
+ * (kvo_redis_import into the backend's pool, which must be one of the manager's tiers: KVO_EINVAL
+ * otherwise), then the manager looks again. An unreachable Redis leaves the local answer, one reachable
+ * in part adds what it found before the server it could not ask (KVO_OK; counted in lookup_errors).
+ * Thread safety: any thread. */
 KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *redis, const kvb_hash *hashes,
                                             size_t n, uint8_t *tier_of, size_t *out_n);
 /* The same with the backend as user data first: the shape of kvsched.h's kvs_lookup_fn, so a connector
@@ -10801,8 +10859,12 @@ KVO_API kvo_result kvo_redis_manager_lookup(kvo_manager *manager, kvo_backend *r
     kvb_hash *parents;
     size_t found = 0, got = 0, i;
     kvo_result e;
+    kvo_manager_config mc;
+    uint32_t t = 0;
     if (out_n) *out_n = 0;
-    if (!r) return KVO_EINVAL;
+    if (!r || kvo_manager_get_config(manager, &mc) != KVO_OK) return KVO_EINVAL;
+    while (t < mc.num_tiers && mc.pools[t] != r->pool) t++;
+    if (t == mc.num_tiers) return KVO_EINVAL; /* it imports into a pool the manager never looks in */
     e = kvo_manager_lookup(manager, hashes, n, tier_of, &found);
     if (out_n) *out_n = found;
     if (e != KVO_OK || found == n) return e;
