@@ -3574,9 +3574,9 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     if (!sched || !request || !out_id || !request->num_prompt || !request->prompt ||
         (request->num_extra && !request->extra) || request->num_extra > KVB_MAX_EXTRA_KEYS)
         return KVS_EINVAL;
+    if (request->num_prompt >= UINT32_MAX - request->max_new_tokens) return KVS_ETOOBIG; /* before any sum wraps */
     need = (request->num_prompt + request->max_new_tokens + sched->block_tokens - 1) / sched->block_tokens;
-    if (need > sched->device_blocks || request->num_prompt + request->max_new_tokens >= UINT32_MAX)
-        return KVS_ETOOBIG;
+    if (need > sched->device_blocks) return KVS_ETOOBIG;
     add_event = kvs__wants(sched->cfg.bus, KVS_EV_ADD); /* asked once: the room below is for it */
     if (add_event && !kvo__fit(&sched->words, 2 * request->num_extra + request->num_prompt)) return KVS_ENOMEM;
     /* room for the tokens it may generate when that is a modest number (else for 256 at first): decoding

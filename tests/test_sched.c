@@ -1633,6 +1633,35 @@ static void test_append_to_id_zero_after_a_release(void)
     kvb_pool_destroy(dev);
 }
 
+/* A prompt length so large that prompt + max_new_tokens wraps around size_t is too big (it holds more than
+ * 2^32 - 1 tokens), not a small request: the check must not wrap, and the prompt is never read. */
+static void test_add_huge_prompt_is_too_big(void)
+{
+    kvb_pool *dev;
+    kvs_sched *s;
+    kvs_request rq;
+    uint32_t prompt[8] = {1, 2, 3, 4, 5, 6, 7, 8};
+    uint64_t id = 0;
+    open_plain_sched(8, 4, &dev, &s);
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = SIZE_MAX - 10; /* + 20 wraps to 9 */
+    rq.max_new_tokens = 20;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_ETOOBIG);
+    rq.num_prompt = SIZE_MAX; /* + block_tokens - 1 wraps */
+    rq.max_new_tokens = 0;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_ETOOBIG);
+    rq.num_prompt = (size_t)UINT32_MAX;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_ETOOBIG);
+    KVT_EQ(id, 0);
+    KVT_EQ(kvs_sched_idle(s), 1);
+    rq.num_prompt = 8;
+    KVT_EQ(kvs_sched_add(s, &rq, &id), KVS_OK);
+    KVT_EQ(id, 1); /* the refused adds took no id */
+    kvs_sched_destroy(s);
+    kvb_pool_destroy(dev);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -1672,5 +1701,6 @@ int main(void)
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
+    KVT_RUN(test_add_huge_prompt_is_too_big);
     return kvt_summary();
 }
