@@ -4317,8 +4317,8 @@ static kvs_result kvs__sched_append(kvs_sched *sched, uint64_t request, const ui
         e.kind = KVS_EV_APPEND;
         e.request = request;
         e.u.append.n = n;
-        memcpy(e.u.append.words, tokens, (n < 10 ? n : 10) * sizeof *tokens);
-        kvs__emit_input(sched, &e, tokens + (n < 10 ? n : 10), n < 10 ? 0 : n - 10);
+        if (n) memcpy(e.u.append.words, tokens, (n < 10 ? n : 10) * sizeof *tokens); /* n = 0: tokens may be NULL */
+        kvs__emit_input(sched, &e, n > 10 ? tokens + 10 : NULL, n < 10 ? 0 : n - 10);
     }
     if (r->state != KVS_SLOT_DECODING && r->state != KVS_SLOT_SKIPPED_DECODE) return KVS_ESTATE;
     kvs__expect_appends(sched, r);

@@ -287,6 +287,40 @@ static void refused_add_publishes_nothing(void)
     kvs_bus_destroy(bus);
 }
 
+/* An append of no tokens may pass NULL for them (n = 0 is allowed with tokens NULL): recorded, its
+ * event carries no words, and nothing reads through the NULL pointer. */
+static void empty_append_with_null_tokens_is_recorded(void)
+{
+    obs_env e;
+    kvs_reader *appends = NULL;
+    kvs_event got[4];
+    kvs_step st;
+    size_t n = 0;
+    uint64_t lost = 0, id = 0;
+    uint32_t prompt[20];
+    for (uint32_t i = 0; i < 20; i++) prompt[i] = i;
+    obs_open(&e, 4, 0, new_bus());
+    KVT_EQ(kvs_reader_open(e.bus, KVS_EV_MASK(KVS_EV_APPEND) | KVS_EV_MASK(KVS_EV_TOKENS), 4, &appends), KVS_OK);
+    kvs_request rq;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = 20;
+    KVT_EQ(kvs_sched_add(e.s, &rq, &id), KVS_OK);
+    KVT_EQ(kvs_sched_step(e.s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_complete(e.s, &st), KVS_OK);
+    KVT_EQ(kvs_sched_append(e.s, id, NULL, 0), KVS_OK);
+    KVT_EQ(kvs_reader_read(appends, got, 4, &n, &lost), KVS_OK);
+    KVT_EQ(n, 1);
+    if (n == 1) {
+        KVT_EQ(got[0].kind, KVS_EV_APPEND);
+        KVT_EQ(got[0].u.append.n, 0);
+    }
+    kvs_reader_close(appends);
+    kvs_bus *bus = e.bus;
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 /* ---- the recorded workload ------------------------------------------------------------------------------
  * 30 requests arriving every other step into a 24-block (384-token) device: two in three share one of
  * three 32-token prefixes (device hits once the first of them has computed it), priorities 0..2 (later,
@@ -3041,5 +3075,6 @@ int main(void)
     KVT_RUN(wait_paused_negative_timeout);
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);
+    KVT_RUN(empty_append_with_null_tokens_is_recorded);
     return kvt_summary();
 }
