@@ -11656,11 +11656,13 @@ KVS_API const char *kvs_slot_state_name(kvs_slot_state state)
 KVS_API kvs_result kvs_model_preset(kvs_model model, kvb_layout_kind kind, uint32_t *out_block_tokens,
                                     kvb_layout *out_layout)
 {
+    kvb_result r;
     if (!out_block_tokens || !out_layout) return KVS_EINVAL;
-    *out_block_tokens = 16;
-    if (model == KVS_MODEL_LLAMA3_8B) return (kvs_result)kvb_layout_for_model(kind, 16, 32, 32, 128, 2, out_layout);
-    if (model == KVS_MODEL_TINY) return (kvs_result)kvb_layout_for_model(kind, 16, 2, 4, 16, 4, out_layout);
-    return KVS_EINVAL;
+    if (model == KVS_MODEL_LLAMA3_8B) r = kvb_layout_for_model(kind, 16, 32, 32, 128, 2, out_layout);
+    else if (model == KVS_MODEL_TINY) r = kvb_layout_for_model(kind, 16, 2, 4, 16, 4, out_layout);
+    else return KVS_EINVAL;
+    if (r == KVB_OK) *out_block_tokens = 16; /* a refused preset writes nothing */
+    return (kvs_result)r;
 }
 
 KVS_API uint32_t kvs_blocks_for_bytes(const kvb_layout *layout, uint64_t bytes)

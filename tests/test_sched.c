@@ -1525,6 +1525,21 @@ static void test_sizing(void)
     KVT_EQ(kvs_model_preset((kvs_model)-1, KVB_LAYOUT_BLOCK_CONTIGUOUS, &bt, &l), KVS_EINVAL);
 }
 
+/* A refused preset leaves its outputs as they were (a failed call changes nothing): the block size was
+ * written before the model was known. */
+static void test_refused_preset_changes_nothing(void)
+{
+    uint32_t bt = 7;
+    kvb_layout l;
+    memset(&l, 0xab, sizeof l);
+    kvb_layout before = l;
+    KVT_EQ(kvs_model_preset((kvs_model)99, KVB_LAYOUT_BLOCK_CONTIGUOUS, &bt, &l), KVS_EINVAL);
+    KVT_EQ(bt, 7);
+    KVT_CHECK(memcmp(&l, &before, sizeof l) == 0);
+    KVT_CHECK(kvs_model_preset(KVS_MODEL_TINY, (kvb_layout_kind)99, &bt, &l) != KVS_OK); /* a bad layout kind */
+    KVT_EQ(bt, 7);
+}
+
 static void test_result_strings(void)
 {
     int codes[] = {KVS_OK, KVS_EINVAL, KVS_ESTATE, KVS_ENOTFOUND, KVS_ETOOBIG, KVS_ENOMEM, KVS_ESTEP};
@@ -1702,5 +1717,6 @@ int main(void)
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
     KVT_RUN(test_add_huge_prompt_is_too_big);
+    KVT_RUN(test_refused_preset_changes_nothing);
     return kvt_summary();
 }
