@@ -767,9 +767,12 @@ KVS_API kvs_result kvs_model_preset(kvs_model model, kvb_layout_kind kind, uint3
 
 KVS_API uint32_t kvs_blocks_for_bytes(const kvb_layout *layout, uint64_t bytes)
 {
-    uint64_t block, n;
+    uint64_t block, n, layers, parts;
     if (!layout || !layout->page_bytes) return 0;
-    block = layout->page_bytes * (layout->num_layers ? layout->num_layers : 1) * (layout->num_parts ? layout->num_parts : 2);
+    layers = layout->num_layers ? layout->num_layers : 1;
+    parts = layout->num_parts ? layout->num_parts : 2;
+    if (layout->page_bytes > UINT64_MAX / layers / parts) return 0; /* a block larger than any budget (the product wrapped) */
+    block = layout->page_bytes * layers * parts;
     n = bytes / block;
     return n > INT32_MAX ? (uint32_t)INT32_MAX : (uint32_t)n;
 }

@@ -1540,6 +1540,26 @@ static void test_refused_preset_changes_nothing(void)
     KVT_EQ(bt, 7);
 }
 
+/* A layout whose block size does not fit 64 bits: not even one block fits any byte budget. The product
+ * wrapped: to 0 (a division by zero) or to a small block size (many blocks). */
+static void test_blocks_for_bytes_of_a_huge_block(void)
+{
+    kvb_layout l;
+    memset(&l, 0, sizeof l);
+    l.page_bytes = UINT64_C(1) << 32;
+    l.num_layers = UINT32_C(1) << 31;
+    l.num_parts = 2; /* 2^64 bytes a block: wrapped to 0 */
+    KVT_EQ(kvs_blocks_for_bytes(&l, UINT64_MAX), 0);
+    l.page_bytes = (UINT64_C(1) << 62) + 1;
+    l.num_layers = 4;
+    l.num_parts = 1; /* 2^64 + 4: wrapped to 4 */
+    KVT_EQ(kvs_blocks_for_bytes(&l, 1024), 0);
+    l.page_bytes = UINT64_C(1) << 20;
+    l.num_layers = 4;
+    l.num_parts = 2; /* 8 MiB: no overflow */
+    KVT_EQ(kvs_blocks_for_bytes(&l, UINT64_C(1) << 30), 128);
+}
+
 static void test_result_strings(void)
 {
     int codes[] = {KVS_OK, KVS_EINVAL, KVS_ESTATE, KVS_ENOTFOUND, KVS_ETOOBIG, KVS_ENOMEM, KVS_ESTEP};
@@ -1718,5 +1738,6 @@ int main(void)
     KVT_RUN(test_result_strings);
     KVT_RUN(test_add_huge_prompt_is_too_big);
     KVT_RUN(test_refused_preset_changes_nothing);
+    KVT_RUN(test_blocks_for_bytes_of_a_huge_block);
     return kvt_summary();
 }
