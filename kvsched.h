@@ -2076,11 +2076,13 @@ static void kvs__live_slot_put(kvs__live_slots *l, const kvs_event *e)
     }
 }
 
-/* The last event moves into the released one's place. */
+/* A released request's slot goes, and the last one moves into its place. A refused release (the request
+ * is not Finished) is published too: that slot lives on. */
 static void kvs__live_slot_del(kvs__live_slots *l, uint64_t request)
 {
-    size_t at = (size_t)(uintptr_t)kvs__id_del(&l->at, request), last = stbds_arrlenu(l->last);
-    if (!at) return;
+    size_t at = (size_t)(uintptr_t)kvs__id_get(&l->at, request), last = stbds_arrlenu(l->last);
+    if (!at || l->last[at - 1].u.slot.to != KVS_SLOT_FINISHED) return;
+    (void)kvs__id_del(&l->at, request);
     if (at != last) {
         l->last[at - 1] = l->last[last - 1];
         kvs__id_put(&l->at, l->last[at - 1].request, (void *)(uintptr_t)at); /* replaces: no growth */

@@ -2660,6 +2660,54 @@ static void console_drops_an_overlong_line_whole(void)
     kvs_bus_destroy(bus);
 }
 
+/* A refused release (the request is not Finished) is published like every input, but the request lives
+ * on: the console keeps its live slot for the clients that attach later. With a history of one event,
+ * a new client's first record after the header is then that slot, not the refused release. */
+static void console_keeps_the_slot_of_a_refused_release(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    obs_env e;
+    char path[64];
+    unsigned char buf[KVS_LOG_HEADER_BYTES + KVS_RECORD_BYTES];
+    uint32_t prompt[20];
+    uint64_t id = 0;
+    kvs_event got;
+    int fd, i, pumped = 0;
+    for (uint32_t k = 0; k < 20; k++) prompt[k] = k;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_release_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    cc.history = 1;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    obs_open(&e, 4, 0, bus);
+    kvs_request rq;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = 20;
+    KVT_EQ(kvs_sched_add(e.s, &rq, &id), KVS_OK); /* its slot: Initialized */
+    KVT_EQ(kvs_sched_release(e.s, id), KVS_ESTATE);
+    for (i = 0; i < 5000 && !pumped; i++) { /* the console has read both events */
+        pthread_mutex_lock(&bus->lock);
+        pumped = con->reader->ring.count == 0;
+        pthread_mutex_unlock(&bus->lock);
+        of_sleep_us(1000);
+    }
+    of_sleep_us(100000); /* and noted them */
+    fd = socket(AF_UNIX, SOCK_STREAM, 0);
+    KVT_EQ(connect_console(fd, path), 0);
+    KVT_CHECK(recv_within(fd, buf, sizeof buf, 2000));
+    KVT_EQ(kvs_event_decode(buf + KVS_LOG_HEADER_BYTES, &got), KVS_OK);
+    KVT_EQ(got.kind, KVS_EV_SLOT);
+    KVT_EQ(got.request, id);
+    close(fd);
+    obs_close(&e);
+    kvs_console_stop(con);
+    kvs_bus_destroy(bus);
+}
+
 /* Every descriptor below a lowered limit taken: *probe the lowest free one, fill[] its dups (at most 64);
  * *saved the limit to give back with descriptors_back. Returns how many were filled. */
 static int descriptors_exhaust(struct rlimit *saved, int *probe, int *fill)
@@ -2692,8 +2740,8 @@ static double process_cpu_s(void)
 }
 
 /* A client that attaches gets each live request's last SLOT event once, before the history: requests
- * released in any order (the console's list moves its last entry into a released one's place) are not
- * among them, and a request whose slot changed twice comes with its last state. */
+ * finished and released in any order (the console's list moves its last entry into a released one's
+ * place) are not among them, and a request whose slot changed twice comes with its last state. */
 static void console_welcome_gives_the_live_slots(void)
 {
     enum { REQS = 60 };
@@ -2721,7 +2769,12 @@ static void console_welcome_gives_the_live_slots(void)
     }
     publish_slot(bus, 7, 3), want[7] = 3, published++;
     for (uint64_t r = REQS; r >= 1; r--) /* the last, the first, and every third between */
-        if (r == REQS || r == 1 || r % 3 == 0) publish_release(bus, r), want[r] = 0, published++;
+        if (r == REQS || r == 1 || r % 3 == 0) {
+            publish_slot(bus, r, KVS_SLOT_FINISHED);
+            publish_release(bus, r);
+            want[r] = 0, published += 2;
+        }
+    publish_release(bus, 2), published++; /* refused (not Finished): the slot lives on */
     publish_slot(bus, 5, 4), want[5] = 4, published++;
     KVT_EQ(recv_records(a, got, 4 * REQS, 2000), published); /* the console has seen them all */
     b = socket(AF_UNIX, SOCK_STREAM, 0);
@@ -3076,5 +3129,6 @@ int main(void)
     KVT_RUN(null_arguments_are_invalid);
     KVT_RUN(refused_add_publishes_nothing);
     KVT_RUN(empty_append_with_null_tokens_is_recorded);
+    KVT_RUN(console_keeps_the_slot_of_a_refused_release);
     return kvt_summary();
 }

@@ -277,7 +277,7 @@ static void test_console_live_slots_out_of_memory(void)
         oom_disarm();
     }
     publish_slot(bus, r++, 2), published++;
-    publish_slot(bus, r++, 2), published++;
+    publish_slot(bus, r++, KVS_SLOT_FINISHED), published++;
     publish_release(bus, r - 1), published++;
     a = socket(AF_UNIX, SOCK_STREAM, 0); /* attached once the console has noted all of them */
     KVT_EQ(connect_console(a, path), 0);
