@@ -655,8 +655,9 @@ typedef struct kvs_replay_report {
  * configuration, pools and tiers) and compare its decisions (kinds of compare_kinds, 0 =
  * KVS_EV_DECISIONS) with the recorded ones, event by event (time and seq aside; request ids mapped in
  * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which),
- * KVS_ENOMEM when the replay or the fresh scheduler ran out of memory (the report counts what was
- * replayed and compared until then). */
+ * KVS_ENOMEM when the replay, or an add or append of the fresh scheduler, ran out of memory (the report
+ * counts what was replayed and compared until then); memory the fresh scheduler does without (a request
+ * that waits, a swap recomputed) changes its decisions: KVS_EREPLAY. */
 KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *events, size_t n,
                               uint64_t compare_kinds, kvs_replay_report *report);
 
@@ -4477,7 +4478,9 @@ typedef struct kvs__replay {
     kvs__id_pair *pairs;         /* stb_ds */
     kvs__idmap to_fresh, to_recorded;
     uint32_t *words;             /* stb_ds: an input's TOKENS */
-    int nomem;                   /* the replay or the fresh scheduler ran out of memory */
+    int nomem;                   /* the replaying thread ran out of memory */
+    int got_nomem;               /* the collector could not keep a decision (under bus->lock: pipelines'
+                                    threads publish too) */
     kvs_step step;
 } kvs__replay;
 
@@ -4485,7 +4488,7 @@ static void kvs__replay_collect(void *user, const kvs_event *e)
 {
     kvs__replay *rp = (kvs__replay *)user;
     if (!kvb__arr_fit((void **)&rp->got, sizeof *rp->got, stbds_arrlenu(rp->got) + 1)) {
-        rp->nomem = 1;
+        rp->got_nomem = 1;
         return;
     }
     stbds_arrput(rp->got, *e);
@@ -4609,14 +4612,14 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         if (kvs__is_input(e->kind)) {
             rep.inputs++;
             i = kvs__replay_input(fresh, &rp, events, n, i);
-            pthread_mutex_lock(&bus->lock); /* the collector sets nomem under it */
-            if (rp.nomem) r = KVS_ENOMEM;
+            pthread_mutex_lock(&bus->lock); /* the collector sets got_nomem under it */
+            if (rp.nomem || rp.got_nomem) r = KVS_ENOMEM;
             pthread_mutex_unlock(&bus->lock);
             continue;
         }
         if (e->kind < 64 && (compare_kinds & KVS_EV_MASK(e->kind))) {
             pthread_mutex_lock(&bus->lock); /* the collector runs under it */
-            if (rp.nomem) {
+            if (rp.nomem || rp.got_nomem) {
                 r = KVS_ENOMEM;
             } else if (rp.next >= stbds_arrlenu(rp.got) || !kvs__same_decision(&rp, e, &rp.got[rp.next])) {
                 rep.mismatch_seq = e->seq;
@@ -4632,7 +4635,7 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         i++;
     }
     kvs_bus_unsubscribe(bus, sub);
-    if (r == KVS_OK && rp.nomem) r = KVS_ENOMEM; /* a decision the fresh run made after the last input */
+    if (r == KVS_OK && (rp.nomem || rp.got_nomem)) r = KVS_ENOMEM; /* a decision made after the last input */
     if (r == KVS_OK && rp.next < stbds_arrlenu(rp.got)) { /* the fresh run decided more */
         rep.mismatch_seq = n ? events[n - 1].seq + 1 : 1;
         rep.got = rp.got[rp.next];
