@@ -6818,6 +6818,8 @@ struct kvo_pipeline {
     uint32_t *free_slots;
     kvb__ctab inflight, freq;  /* blocks in flight, blocks seen (frequency policy), per hash */
     kvb__ctab join_loads;     /* scratch of kvo__break_join_cycles: blocks loaded by containers that wait */
+    struct kvo__join_pair *join_pairs; /* stb_ds scratch of the same: joins sorted by hash, */
+    uint32_t *join_blocked, *join_work; /* each waiting container's blocked joins, the worklist */
     uint64_t last_sweep;
     uint64_t moves;           /* counts every change of stage: tells a pass that did something */
     int draining, stopping, has_thread;
@@ -7457,33 +7459,82 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
     return waiting;
 }
 
+/* A joined hash and the waiting container (its place in the stage's list) that joined it. */
+typedef struct kvo__join_pair { kvb_hash h; uint32_t c; } kvo__join_pair;
+
+static int kvo__join_pair_cmp(const void *a, const void *b)
+{
+    const kvb_hash *x = &((const kvo__join_pair *)a)->h, *y = &((const kvo__join_pair *)b)->h;
+    return x->hi != y->hi ? (x->hi < y->hi ? -1 : 1) : x->lo != y->lo ? (x->lo < y->lo ? -1 : 1) : 0;
+}
+
+/* Waiting container k has one blocked join fewer; at none its waits end (the worklist gets it). */
+static void kvo__join_unblock(kvo_pipeline *pl, kvo__container **waiting, uint32_t k)
+{
+    if (waiting[k]->join_wait == 1 && !--pl->join_blocked[k]) stbds_arrput(pl->join_work, k); /* within room */
+}
+
+/* The count of loads of h by waiting containers went to 0: the joiners of h are unblocked once each. */
+static void kvo__join_loads_gone(kvo_pipeline *pl, kvo__container **waiting, const kvb_hash *h)
+{
+    kvo__join_pair key;
+    size_t lo = 0, hi = stbds_arrlenu(pl->join_pairs);
+    key.h = *h;
+    while (lo < hi) { /* the first pair of h */
+        size_t mid = lo + (hi - lo) / 2;
+        if (kvo__join_pair_cmp(&pl->join_pairs[mid], &key) < 0) lo = mid + 1;
+        else hi = mid;
+    }
+    for (; lo < stbds_arrlenu(pl->join_pairs) && !kvo__join_pair_cmp(&pl->join_pairs[lo], &key); lo++)
+        kvo__join_unblock(pl, waiting, pl->join_pairs[lo].c);
+}
+
 /* Joining onboarding containers wait in the precondition stage while they hold their own loads in flight,
  * and another may join those: a join of a copy that failed is loaded by its container itself, which a
  * newer request joins, while the first joins that one's load of another hash (each waits for the other,
- * for ever). The waits that end are found as a topological sort does: a waiting container none of whose
- * joined hashes a waiting container loads, then those that wait only for such ones; the oldest left, in a
- * cycle or behind one, loads the hashes it waits for from those itself (a second copy). Locked. */
+ * for ever). The waits that end are found by a topological sort (Kahn's worklist, linear but for sorting
+ * the joins): a waiting container none of whose joined hashes a waiting container loads, then those that
+ * wait only for such ones; the oldest left, in a cycle or behind one, loads the hashes it waits for from
+ * those itself (a second copy). Out of memory for its lists it waits for the next pass. Locked. */
 static void kvo__break_join_cycles(kvo_pipeline *pl, kvo__container **waiting)
 {
-    size_t i, j, n = stbds_arrlenu(waiting);
-    int changed = 1;
+    size_t i, j, n = stbds_arrlenu(waiting), pairs = 0;
     kvo__container *stuck = NULL;
     for (i = 0; i < n; i++)
-        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++)
+        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++) pairs += waiting[i]->state[j] == KVO__B_JOINING;
+    if (n > UINT32_MAX || !kvb__arr_fit((void **)&pl->join_pairs, sizeof *pl->join_pairs, pairs) ||
+        !kvb__arr_fit((void **)&pl->join_blocked, sizeof *pl->join_blocked, n) ||
+        !kvb__arr_fit((void **)&pl->join_work, sizeof *pl->join_work, n))
+        return;
+    KVB__ARR_SHRINK(pl->join_pairs, 0);
+    KVB__ARR_SHRINK(pl->join_blocked, n);
+    KVB__ARR_SHRINK(pl->join_work, 0);
+    for (i = 0; i < n; i++)
+        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++) {
             if (waiting[i]->state[j] == KVO__B_OFFER) kvo__count_add(&pl->join_loads, &waiting[i]->hashes[j], 1);
-    while (changed) {
-        changed = 0;
-        for (i = 0; i < n; i++) {
-            kvo__container *c = waiting[i];
-            if (c->join_wait != 1) continue;
-            for (j = 0; j < c->n; j++)
-                if (c->state[j] == KVO__B_JOINING && kvo__count_get(&pl->join_loads, &c->hashes[j])) break;
-            if (j < c->n) continue;
-            c->join_wait = 2; /* its waits end: so do its loads */
-            changed = 1;
-            for (j = 0; j < c->n; j++)
-                if (c->state[j] == KVO__B_OFFER) kvo__count_add(&pl->join_loads, &c->hashes[j], -1);
+            if (waiting[i]->state[j] == KVO__B_JOINING) {
+                kvo__join_pair p;
+                p.h = waiting[i]->hashes[j];
+                p.c = (uint32_t)i;
+                stbds_arrput(pl->join_pairs, p); /* within the room made */
+            }
         }
+    qsort(pl->join_pairs, pairs, sizeof *pl->join_pairs, kvo__join_pair_cmp);
+    for (i = 0; i < n; i++) {
+        pl->join_blocked[i] = 0;
+        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++)
+            pl->join_blocked[i] += waiting[i]->state[j] == KVO__B_JOINING &&
+                                   kvo__count_get(&pl->join_loads, &waiting[i]->hashes[j]) != 0;
+        if (waiting[i]->join_wait == 1 && !pl->join_blocked[i]) stbds_arrput(pl->join_work, (uint32_t)i);
+    }
+    while (stbds_arrlenu(pl->join_work)) {
+        kvo__container *c = waiting[stbds_arrpop(pl->join_work)];
+        c->join_wait = 2; /* its waits end: so do its loads */
+        for (j = 0; j < c->n; j++)
+            if (c->state[j] == KVO__B_OFFER && kvo__count_get(&pl->join_loads, &c->hashes[j])) {
+                kvo__count_add(&pl->join_loads, &c->hashes[j], -1);
+                if (!kvo__count_get(&pl->join_loads, &c->hashes[j])) kvo__join_loads_gone(pl, waiting, &c->hashes[j]);
+            }
     }
     for (i = 0; i < n && !stuck; i++)
         if (waiting[i]->join_wait == 1) stuck = waiting[i];
@@ -7491,7 +7542,7 @@ static void kvo__break_join_cycles(kvo_pipeline *pl, kvo__container **waiting)
         if (stuck->state[j] == KVO__B_JOINING && kvo__count_get(&pl->join_loads, &stuck->hashes[j]))
             kvo__load_joined(pl, stuck, j);
     for (i = 0; i < n; i++) /* the table back to empty (it keeps its room) */
-        for (j = 0; j < waiting[i]->n; j++)
+        for (j = 0; waiting[i]->join_wait && j < waiting[i]->n; j++)
             if (waiting[i]->state[j] == KVO__B_OFFER) (void)kvb__ctab_sub(&pl->join_loads, &waiting[i]->hashes[j], 0, 1);
 }
 
@@ -8105,6 +8156,9 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     kvb__ctab_free(&pipeline->inflight);
     kvb__ctab_free(&pipeline->freq);
     kvb__ctab_free(&pipeline->join_loads);
+    stbds_arrfree(pipeline->join_pairs);
+    stbds_arrfree(pipeline->join_blocked);
+    stbds_arrfree(pipeline->join_work);
     for (i = 0; i < stbds_arrlenu(pipeline->notes); i++) stbds_arrfree(pipeline->notes[i].dst);
     stbds_arrfree(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
@@ -11555,8 +11609,9 @@ typedef struct kvs_replay_report {
  * configuration, pools and tiers) and compare its decisions (kinds of compare_kinds, 0 =
  * KVS_EV_DECISIONS) with the recorded ones, event by event (time and seq aside; request ids mapped in
  * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which),
- * KVS_ENOMEM when the replay or the fresh scheduler ran out of memory (the report counts what was
- * replayed and compared until then). */
+ * KVS_ENOMEM when the replay, or an add or append of the fresh scheduler, ran out of memory (the report
+ * counts what was replayed and compared until then); memory the fresh scheduler does without (a request
+ * that waits, a swap recomputed) changes its decisions: KVS_EREPLAY. */
 KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *events, size_t n,
                               uint64_t compare_kinds, kvs_replay_report *report);
 
@@ -15377,7 +15432,9 @@ typedef struct kvs__replay {
     kvs__id_pair *pairs;         /* stb_ds */
     kvs__idmap to_fresh, to_recorded;
     uint32_t *words;             /* stb_ds: an input's TOKENS */
-    int nomem;                   /* the replay or the fresh scheduler ran out of memory */
+    int nomem;                   /* the replaying thread ran out of memory */
+    int got_nomem;               /* the collector could not keep a decision (under bus->lock: pipelines'
+                                    threads publish too) */
     kvs_step step;
 } kvs__replay;
 
@@ -15385,7 +15442,7 @@ static void kvs__replay_collect(void *user, const kvs_event *e)
 {
     kvs__replay *rp = (kvs__replay *)user;
     if (!kvb__arr_fit((void **)&rp->got, sizeof *rp->got, stbds_arrlenu(rp->got) + 1)) {
-        rp->nomem = 1;
+        rp->got_nomem = 1;
         return;
     }
     stbds_arrput(rp->got, *e);
@@ -15509,14 +15566,14 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         if (kvs__is_input(e->kind)) {
             rep.inputs++;
             i = kvs__replay_input(fresh, &rp, events, n, i);
-            pthread_mutex_lock(&bus->lock); /* the collector sets nomem under it */
-            if (rp.nomem) r = KVS_ENOMEM;
+            pthread_mutex_lock(&bus->lock); /* the collector sets got_nomem under it */
+            if (rp.nomem || rp.got_nomem) r = KVS_ENOMEM;
             pthread_mutex_unlock(&bus->lock);
             continue;
         }
         if (e->kind < 64 && (compare_kinds & KVS_EV_MASK(e->kind))) {
             pthread_mutex_lock(&bus->lock); /* the collector runs under it */
-            if (rp.nomem) {
+            if (rp.nomem || rp.got_nomem) {
                 r = KVS_ENOMEM;
             } else if (rp.next >= stbds_arrlenu(rp.got) || !kvs__same_decision(&rp, e, &rp.got[rp.next])) {
                 rep.mismatch_seq = e->seq;
@@ -15532,7 +15589,7 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
         i++;
     }
     kvs_bus_unsubscribe(bus, sub);
-    if (r == KVS_OK && rp.nomem) r = KVS_ENOMEM; /* a decision the fresh run made after the last input */
+    if (r == KVS_OK && (rp.nomem || rp.got_nomem)) r = KVS_ENOMEM; /* a decision made after the last input */
     if (r == KVS_OK && rp.next < stbds_arrlenu(rp.got)) { /* the fresh run decided more */
         rep.mismatch_seq = n ? events[n - 1].seq + 1 : 1;
         rep.got = rp.got[rp.next];

@@ -7,6 +7,10 @@
  * arguments. Ops are often invalid on purpose: stale and forged handles, weak handles where strong ones
  * belong, double releases, out-of-range sizes, NULL arrays, released transfers.
  *
+ * The pipelines' backend copies with memcpy but may hold jobs until a later op and fail the copies the
+ * input names (tests of joins, retries and cancels need copies that fail or finish late). At the end the
+ * faults stop, held jobs finish, time moves on: every transfer not released must then be final.
+ *
  * After every op both pools must pass kvb_pool_check(). Also checked: a failed call changes no set of
  * the pool (free / active / inactive / cached hashes); a call the manual says must fail does fail; and
  * every Registered block holds the bytes of its hash (written when it is registered here, copied by the
@@ -44,6 +48,22 @@ typedef struct fz_xfer {
     int live;   /* not released yet */
 } fz_xfer;
 
+/* A backend the input steers: copies through the memcpy backend, but it may hold jobs (the pipeline sees
+ * them in flight until a later op lets them go) and fail the copies whose place in the job the fail bits
+ * name. Failed copies and jobs that finish late are what join, retry and cancel paths need. */
+#define FZ_HELD 8
+#define FZ_RUNS 32 /* inline copies in progress at once (a done may submit the next job) */
+typedef struct fz_copy { kvo_copy_job *job; uint8_t fail_bits; } fz_copy;
+typedef struct fz_faulty {
+    kvo_backend base;
+    kvo_backend *inner;      /* memcpy, inline: a job is done when submit returns */
+    int hold, refuse;        /* refuse: submit fails (the pipeline gets the error, done is not called) */
+    uint8_t fail_bits;       /* copy i of a job fails when bit i % 8 is set */
+    kvo_copy_job *held[FZ_HELD];
+    size_t n_held;
+    fz_copy run[FZ_RUNS];
+} fz_faulty;
+
 typedef struct fz {
     const uint8_t *in;
     size_t n, at;
@@ -52,6 +72,7 @@ typedef struct fz {
     uint32_t num_blocks[2], block_tokens;
     kvb_seq *seq[FZ_SEQS];
     kvo_backend *copy[2];
+    fz_faulty faulty[2];     /* the pipelines' backends, over copy[] */
     kvo_pipeline *pipe[2];   /* [0] down A -> B, [1] up B -> A (NULL when the layouts refused) */
     kvo_token *token[2];
     kvo_event *cpu_event;
@@ -238,6 +259,61 @@ static kvo_verdict fz_policy(void *user, const kvb_hash *hash, uint32_t src_inde
 
 static int fz_query(void *user) { return ((fz *)user)->custom_answer; }
 
+/* The inner copy finished: copies the fail bits name become I/O errors, then the pipeline hears of it. */
+static void fz_faulty_done(kvo_copy_job *shadow, int result, const char *message)
+{
+    fz_copy *run = (fz_copy *)shadow->user;
+    kvo_copy_job *job = run->job;
+    int failed = 0;
+    for (size_t i = 0; i < job->n; i++)
+        if ((run->fail_bits >> (i % 8)) & 1u) job->results[i] = KVO_EIO, failed = 1;
+    job->bytes = shadow->bytes;
+    run->job = NULL;
+    job->done(job, failed && result == KVO_OK ? KVO_EIO : result, failed && !message ? "fuzz: copy failed" : message);
+}
+
+/* Runs a job through the inner backend with the faults chosen now. */
+static int fz_faulty_run(fz_faulty *b, kvo_copy_job *job)
+{
+    kvo_copy_job shadow = *job;
+    fz_copy *run = NULL;
+    for (size_t k = 0; k < FZ_RUNS && !run; k++)
+        if (!b->run[k].job) run = &b->run[k];
+    if (!run || b->refuse) return KVO_EIO;
+    run->job = job;
+    run->fail_bits = b->fail_bits;
+    shadow.done = fz_faulty_done;
+    shadow.user = run;
+    int r = b->inner->submit(b->inner, &shadow);
+    if (r != KVO_OK) run->job = NULL;
+    return r;
+}
+
+static int fz_faulty_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    fz_faulty *b = (fz_faulty *)self->impl;
+    if (kvo_copy_job_check(job) != KVO_OK) return KVO_EINVAL;
+    if (b->hold && !b->refuse && b->n_held < FZ_HELD) {
+        b->held[b->n_held++] = job;
+        return KVO_OK;
+    }
+    return fz_faulty_run(b, job);
+}
+
+/* Held jobs run now, oldest first (with the fail bits of now). */
+static void fz_faulty_release(fz_faulty *b)
+{
+    size_t n = b->n_held;
+    kvo_copy_job *jobs[FZ_HELD];
+    memcpy(jobs, b->held, n * sizeof *jobs);
+    b->n_held = 0; /* a done that submits again finds the list empty */
+    for (size_t i = 0; i < n; i++) /* accepted once: done must come, so a refusal now is a failed copy */
+        if (fz_faulty_run(b, jobs[i]) != KVO_OK) {
+            for (size_t j = 0; j < jobs[i]->n; j++) jobs[i]->results[j] = KVO_EIO;
+            jobs[i]->done(jobs[i], KVO_EIO, "fuzz: held job failed");
+        }
+}
+
 typedef struct fz_done_ctx { fz *f; int dst; } fz_done_ctx;
 
 /* Every block a transfer landed must carry the bytes of its hash. */
@@ -290,10 +366,14 @@ static int fz_open(fz *f, fz_done_ctx done[2])
         kvo_pipeline_config pc;
         kvo_result r;
         if (kvo_memcpy_backend_create(0, &f->copy[d]) != KVO_OK) return 0;
+        f->faulty[d].inner = f->copy[d];
+        f->faulty[d].base.submit = fz_faulty_submit;
+        f->faulty[d].base.name = "fuzz";
+        f->faulty[d].base.impl = &f->faulty[d];
         memset(&pc, 0, sizeof pc);
         pc.src = f->pool[d];
         pc.dst = f->pool[1 - d];
-        pc.backend = f->copy[d];
+        pc.backend = &f->faulty[d].base;
         pc.mode = KVO_MODE_POLL;
         pc.max_batch = 1u + fz_below(f, 8);
         pc.min_batch = 1u + fz_below(f, 4);
@@ -671,7 +751,10 @@ static void op_pool(fz *f)
 static fz_xfer *fz_new_xfer(fz *f)
 {
     fz_xfer *x = &f->xfer[f->next_xfer++ % FZ_XFERS];
-    if (x->live) (void)kvo_transfer_release(f->pipe[x->up], x->t); /* make room */
+    if (x->live) { /* make room (a release cancels, which waits out what is in flight) */
+        fz_faulty_release(&f->faulty[x->up]);
+        (void)kvo_transfer_release(f->pipe[x->up], x->t);
+    }
     x->live = 0;
     return x;
 }
@@ -732,6 +815,7 @@ static void op_transfer(fz *f)
     }
     case 1: r = kvo_transfer_wait(pl, x->t, (int64_t)fz_below(f, 3) * 200, &st); break;
     case 2:
+        fz_faulty_release(&f->faulty[x->up]); /* cancel waits out what is in flight: the backend finishes it */
         r = kvo_transfer_cancel(pl, x->t, &st);
         if (r == KVO_OK && st != KVO_STATUS_CANCELLED && st != KVO_STATUS_COMPLETE && st != KVO_STATUS_FAILED)
             fz_fail(f, "cancel returned with the transfer not final", r);
@@ -748,6 +832,7 @@ static void op_transfer(fz *f)
         break;
     }
     default:
+        fz_faulty_release(&f->faulty[x->up]); /* a release cancels first (see above) */
         r = kvo_transfer_release(pl, x->t);
         if (!x->live && r == KVO_OK) fz_fail(f, "second release of a transfer succeeded", r);
         x->live = 0;
@@ -758,7 +843,7 @@ static void op_transfer(fz *f)
 
 static void op_pump(fz *f)
 {
-    int d = (int)fz_below(f, 2), what = (int)fz_below(f, 6);
+    int d = (int)fz_below(f, 2), what = (int)fz_below(f, 8);
     kvo_pipeline *pl = f->pipe[d];
     kvo_result r = KVO_OK;
     if (what == 0) f->now += (uint64_t)fz_u8(f) * 100u;
@@ -772,12 +857,45 @@ static void op_pump(fz *f)
             f->token[i] = NULL;
             if (kvo_token_create(&f->token[i]) != KVO_OK) fz_fail(f, "token_create", 0);
         }
-    } else if (pl && what == 4) r = kvo_pipeline_poll(pl);
+    } else if (what == 6) { /* the backend's faults from now on */
+        uint8_t v = fz_u8(f);
+        f->faulty[d].hold = v & 1;
+        f->faulty[d].refuse = (v & 0xf0) == 0xf0;
+        f->faulty[d].fail_bits = v & 2 ? fz_u8(f) : 0;
+    } else if (what == 7) fz_faulty_release(&f->faulty[d]);
+    else if (pl && what == 4) r = kvo_pipeline_poll(pl);
     else if (pl) {
         r = kvo_pipeline_drain(pl, (int64_t)fz_below(f, 3) * 300);
         if (r != KVO_OK && r != KVO_ETIMEDOUT) fz_fail(f, "drain", r);
     }
     FZ_TRACE(f, "pump %d pipe %s -> %s", what, d ? "up" : "down", kvo_result_string(r));
+}
+
+/* The end of an input: the backends work again and let their held jobs go, events and time move on, and
+ * the pipelines are polled: every transfer not released must then be final (nothing waits for ever). */
+static void fz_settle(fz *f)
+{
+    for (int d = 0; d < 2; d++) {
+        f->faulty[d].hold = f->faulty[d].refuse = 0;
+        f->faulty[d].fail_bits = 0;
+        fz_faulty_release(&f->faulty[d]);
+    }
+    f->custom_answer = 1;
+    if (kvo_event_signal(f->cpu_event) != KVO_OK) fz_fail(f, "event_signal", 0);
+    for (int round = 0; round < 64; round++) {
+        f->now += 100000;
+        for (int d = 0; d < 2; d++)
+            if (f->pipe[d] && kvo_pipeline_poll(f->pipe[d]) != KVO_OK) fz_fail(f, "poll", 0);
+    }
+    for (size_t i = 0; i < FZ_XFERS; i++) {
+        fz_xfer *x = &f->xfer[i];
+        kvo_transfer_info info;
+        if (!x->live || !x->t.id || !f->pipe[x->up]) continue;
+        if (kvo_transfer_get_info(f->pipe[x->up], x->t, &info) != KVO_OK) fz_fail(f, "info of a live transfer", 0);
+        if (info.status != KVO_STATUS_COMPLETE && info.status != KVO_STATUS_FAILED &&
+            info.status != KVO_STATUS_CANCELLED)
+            fz_fail(f, "a transfer never ended", (int)info.status);
+    }
 }
 
 static void fz_run(fz *f)
@@ -804,6 +922,8 @@ static void fz_run(fz *f)
         }
         fz_check_pools(f);
     }
+    fz_settle(f);
+    fz_check_pools(f);
     fz_close(f);
 }
 
