@@ -43,8 +43,9 @@
  * request prefills. When blocks run out, the victim is the running request of lowest priority, latest
  * arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it; KVS_PREEMPT_SWAP offloads its blocks
  * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
- * strictly lower priority. The engine reports sampled tokens with kvs_sched_append; a request ends at
- * max_new_tokens or with kvs_sched_finish.
+ * strictly lower priority, in that order and only as many as it needs, and only when preempting all of
+ * them would make room for it: else it waits and preempts none. The engine reports sampled tokens with
+ * kvs_sched_append; a request ends at max_new_tokens or with kvs_sched_finish.
  *
  * 4. CONNECTOR (the shape of vLLM's KV connectors) — between the device pool and the tiers of a
  * kvo_manager. Scheduler side: get_num_new_matched_tokens (lower-tier hits after the device prefix,
@@ -3150,6 +3151,7 @@ struct kvs_sched {
     size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
     kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
     kvb_weak *swap_out;        /* stb_ds scratch of kvs__swap_out */
+    uint64_t *shared;          /* stb_ds scratch of kvs__room_after_preempting: (index << 32) | refs */
     uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
@@ -3542,6 +3544,7 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->commits[1]);
     stbds_arrfree(sched->hashes);
     stbds_arrfree(sched->swap_out);
+    stbds_arrfree(sched->shared);
     stbds_arrfree(sched->words);
     stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
@@ -3923,10 +3926,80 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
-/* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit. */
+static int kvs__cmp_u64(const void *a, const void *b)
+{
+    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Whether r could get its blocks once every running request of lower priority is preempted: counted
+ * before anything is, so that a request that would not fit even then preempts nobody (they would lose
+ * their blocks, and their progress, for nothing). What the victims give back is exact: a block goes
+ * back when all of its references are theirs (not one shared with a request that stays, or held by a
+ * transfer). r's own need is counted generously: every block of its cached device prefix as taken from
+ * the cache for nothing, even one that is among the free or given back blocks, so that a request that
+ * fits is never held back by the count. When the count cannot be made (out of memory), 1: try as
+ * before. */
+static int kvs__room_after_preempting(kvs_sched *s, const kvs__req *r)
+{
+    kvb_pool_stats ps;
+    const kvb_block *table;
+    size_t full = r->len ? (r->len - 1) / s->block_tokens : 0, matched = full, need, have, bound, i, j, n;
+    if (kvb_pool_get_stats(s->cfg.device, &ps) != KVB_OK) return 1;
+    if (full && kvo__fit(&s->hashes, full)) {
+        kvb_hash *h;
+        KVB__ARR_SHRINK(s->hashes, 0);
+        h = stbds_arraddnptr(s->hashes, full);
+        kvs__prompt_hashes(s, r, h, full);
+        if (kvb_lookup(s->cfg.device, h, full, &matched) != KVB_OK) matched = full;
+    }
+    need = (r->len + s->block_tokens - 1) / s->block_tokens - matched;
+    have = (size_t)ps.free_blocks + ps.inactive_blocks;
+    if (need <= have) return 1;
+    bound = have; /* at most every block of every victim: no need to look closer when even that is short */
+    for (i = stbds_arrlenu(s->running); i-- > 0;) {
+        kvs__req *v = s->running[i];
+        if (v == r || v->priority >= r->priority || !v->seq) continue;
+        table = NULL;
+        n = 0;
+        kvb_seq_blocks(v->seq, &table, &n);
+        bound += n;
+    }
+    if (bound < need) return 0;
+    KVB__ARR_SHRINK(s->shared, 0);
+    for (i = stbds_arrlenu(s->running); i-- > 0;) { /* the victims in kvs__victim's order */
+        kvs__req *v = s->running[i];
+        if (v == r || v->priority >= r->priority || !v->seq) continue;
+        table = NULL;
+        n = 0;
+        kvb_seq_blocks(v->seq, &table, &n);
+        for (j = 0; j < n; j++) {
+            kvb_block_info info;
+            if (kvb_block_get_info(s->cfg.device, table[j].id, &info) != KVB_OK || info.refs <= 1) {
+                have++; /* its only reference (or unknown: counted, never held against r) */
+            } else {
+                if (!kvo__fit(&s->shared, stbds_arrlenu(s->shared) + 1)) return 1;
+                stbds_arrput(s->shared, ((uint64_t)info.index << 32) | info.refs);
+            }
+        }
+        if (have >= need) return 1;
+    }
+    n = stbds_arrlenu(s->shared);
+    if (n) qsort(s->shared, n, sizeof *s->shared, kvs__cmp_u64);
+    for (i = 0; i < n; i = j) { /* a shared block goes back when the victims hold all of its references */
+        for (j = i + 1; j < n && s->shared[j] >> 32 == s->shared[i] >> 32; j++) {}
+        if (j - i >= (uint32_t)s->shared[i]) have++;
+    }
+    return have >= need;
+}
+
+/* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit;
+ * it then preempts nobody unless preempting the candidates could make it fit (kvs__room_after_preempting),
+ * and then only until it does. */
 static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
     size_t cached = 0;
+    int planned = 0;
     if (!kvs__seq_open(s, r)) return 0;
     for (;;) { /* the last token is appended on its own, never from the cache (with one token a block,
                 * its block could be cached too): the engine always computes at least one token (for
@@ -3941,6 +4014,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
             kvb_seq_truncate(r->seq, 0);
         }
         v = kvs__victim(s, r->priority, r);
+        if (v && !planned) { /* before the first preemption: would all of them be enough? */
+            planned = 1;
+            if (!kvs__room_after_preempting(s, r)) v = NULL;
+        }
         if (!v) {
             kvs__seq_close(r);
             return 0;

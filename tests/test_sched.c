@@ -768,6 +768,82 @@ static void test_no_preempt_equal_priority(void)
     sf_close(&e);
 }
 
+/* A waiting request that would not fit even with every running request of lower priority preempted
+ * preempts none of them: it waits, and they keep their blocks and their progress. Four requests of 56
+ * tokens (4 blocks each) fill a 16-block device, priorities 2, 0, 0, 2; a request of priority 1 needs 9
+ * blocks, and the two of priority 0 hold only 8. (It preempted both, then gave up: they lost their
+ * blocks for nothing; with swap, the swapped queue then held the waiting one back as well.)
+ * Shared: the two of priority 0 share their first 3 blocks with #0 (admitted a step before them), so the
+ * device has 6 free blocks and preempting both gives back only 2 (their last blocks): 8, still short. */
+static void futile_preempt_case(kvs_preempt_mode mode, int with_host, int shared)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t p[5][160];
+    int32_t prio[4] = {2, 0, 0, 2};
+    uint64_t low[4], high;
+    kvs_step st;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.device_memory = 1;
+    o.host_blocks = with_host ? 64 : 0;
+    o.preempt = mode;
+    sf_open(&e, &o);
+    for (int i = 0; i < 5; i++) sf_tokens(270 + (uint64_t)i, p[i], 160);
+    if (shared) memcpy(p[1], p[0], 48 * sizeof **p), memcpy(p[2], p[0], 48 * sizeof **p);
+    for (int i = 0; i < 4; i++) {
+        low[i] = sf_add(&e, p[i], 56, 8, prio[i]);
+        if (shared && !i) sf_turn(&e, &st); /* #0's blocks registered: the next two match them */
+    }
+    for (int i = 0; i < 3 && sf_state(&e, low[3]) != KVS_SLOT_DECODING; i++) sf_turn(&e, &st);
+    for (int i = 0; i < 4; i++) KVT_EQ(sf_state(&e, low[i]), KVS_SLOT_DECODING);
+    KVT_EQ(of_active(e.dev), shared ? 10 : 16);
+    high = sf_add(&e, p[4], 140, 4, 1); /* 9 blocks */
+    for (int i = 0; i < 3; i++) {
+        sf_turn(&e, &st);
+        KVT_EQ(st.num_preempted, 0);
+        KVT_EQ(sf_stats(&e).preempted_recompute + sf_stats(&e).preempted_swap, 0);
+        KVT_EQ(sf_state(&e, high), KVS_SLOT_INITIALIZED);
+        for (int r = 0; r < 4; r++) {
+            KVT_EQ(sf_state(&e, low[r]), KVS_SLOT_DECODING);
+            KVT_EQ(sf_slot(&e, low[r]).preemptions, 0);
+        }
+    }
+    /* shared: once #0 is done, its blocks and the two victims' are enough (12 of 9): a preemption then
+     * admits the waiting request in the same step; the others never preempt */
+    size_t preempted = 0;
+    for (int i = 0; i < 200 && !kvs_sched_idle(e.s); i++) {
+        sf_plan(&e, &st);
+        preempted += st.num_preempted;
+        if (st.num_preempted) KVT_CHECK(sf_item(&st, high, NULL) != NULL);
+        sf_model(&e, &st);
+        sf_commit(&e, &st);
+    }
+    KVT_CHECK(kvs_sched_idle(e.s));
+    kvs_sched_stats ss = sf_stats(&e);
+    KVT_EQ(ss.preempted_recompute + ss.preempted_swap, preempted);
+    if (!shared) KVT_EQ(preempted, 0);
+    KVT_EQ(ss.finished, 5);
+    for (int i = 0; i < 4; i++) {
+        kvs_slot_info info = sf_slot(&e, low[i]);
+        KVT_EQ(info.state, KVS_SLOT_FINISHED);
+        KVT_EQ(info.generated, 8);
+        if (!shared) KVT_EQ(info.preemptions, 0);
+        KVT_EQ(sf_release(&e, low[i]), KVS_OK);
+    }
+    KVT_EQ(sf_state(&e, high), KVS_SLOT_FINISHED);
+    KVT_EQ(sf_slot(&e, high).generated, 4);
+    KVT_EQ(sf_release(&e, high), KVS_OK);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(of_active(e.dev), 0);
+    sf_check_pools(&e);
+    sf_close(&e);
+}
+
+static void test_no_futile_preempt_recompute(void) { futile_preempt_case(KVS_PREEMPT_RECOMPUTE, 0, 0); }
+static void test_no_futile_preempt_swap(void) { futile_preempt_case(KVS_PREEMPT_SWAP, 1, 0); }
+static void test_no_futile_preempt_shared_blocks(void) { futile_preempt_case(KVS_PREEMPT_RECOMPUTE, 0, 1); }
+
 /* ---- abort -------------------------------------------------------------------------------------------- */
 
 /* After an abort: Finished, counted, nothing pinned once the other requests are done, nothing pending,
@@ -1718,6 +1794,9 @@ int main(void)
     KVT_RUN(test_waiting_preempts_recompute);
     KVT_RUN(test_waiting_preempts_swap_bytes);
     KVT_RUN(test_no_preempt_equal_priority);
+    KVT_RUN(test_no_futile_preempt_recompute);
+    KVT_RUN(test_no_futile_preempt_swap);
+    KVT_RUN(test_no_futile_preempt_shared_blocks);
     KVT_RUN(test_abort_initialized);
     KVT_RUN(test_abort_onboarding);
     KVT_RUN(test_abort_prefilling);
