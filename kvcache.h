@@ -10998,8 +10998,9 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it; KVS_PREEMPT_SWAP offloads its blocks
  * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
  * strictly lower priority, in that order and only as many as it needs, and only when preempting all of
- * them would make room for it: else it waits and preempts none. The engine reports sampled tokens with
- * kvs_sched_append; a request ends at max_new_tokens or with kvs_sched_finish.
+ * them could make room for it (its cached prefix counted in its favour): else it waits and preempts
+ * none. The engine reports sampled tokens with kvs_sched_append; a request ends at max_new_tokens or
+ * with kvs_sched_finish.
  *
  * 4. CONNECTOR (the shape of vLLM's KV connectors) — between the device pool and the tiers of a
  * kvo_manager. Scheduler side: get_num_new_matched_tokens (lower-tier hits after the device prefix,
@@ -14105,7 +14106,9 @@ struct kvs_sched {
     size_t decode_tokens;      /* tokens of the step's decode items outside commits: counted at complete */
     kvb_hash *hashes;          /* stb_ds scratch of kvs__stage_onboard */
     kvb_weak *swap_out;        /* stb_ds scratch of kvs__swap_out */
-    uint64_t *shared;          /* stb_ds scratch of kvs__room_after_preempting: (index << 32) | refs */
+    uint64_t *tally;           /* kvs__room_after_preempting: per device block, its references << 32 |
+                                * those held by victims (zero between calls; made at the first) */
+    uint32_t *touched;         /* stb_ds: the tally's entries set in a call */
     uint32_t *words;           /* stb_ds scratch of kvs__emit_add */
     uint64_t *preempted;
     kvs_sched_stats stats;
@@ -14498,7 +14501,8 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched)
     stbds_arrfree(sched->commits[1]);
     stbds_arrfree(sched->hashes);
     stbds_arrfree(sched->swap_out);
-    stbds_arrfree(sched->shared);
+    KVB_FREE(sched->tally);
+    stbds_arrfree(sched->touched);
     stbds_arrfree(sched->words);
     stbds_arrfree(sched->prefills);
     stbds_arrfree(sched->preempted);
@@ -14880,25 +14884,22 @@ static void kvs__emit_admit(kvs_sched *s, const kvs__req *r, size_t cached)
     kvs_bus_publish(s->cfg.bus, &e);
 }
 
-static int kvs__cmp_u64(const void *a, const void *b)
-{
-    uint64_t x = *(const uint64_t *)a, y = *(const uint64_t *)b;
-    return x < y ? -1 : x > y;
-}
-
 /* Whether r could get its blocks once every running request of lower priority is preempted: counted
  * before anything is, so that a request that would not fit even then preempts nobody (they would lose
  * their blocks, and their progress, for nothing). What the victims give back is exact: a block goes
  * back when all of its references are theirs (not one shared with a request that stays, or held by a
- * transfer). r's own need is counted generously: every block of its cached device prefix as taken from
- * the cache for nothing, even one that is among the free or given back blocks, so that a request that
- * fits is never held back by the count. When the count cannot be made (out of memory), 1: try as
+ * transfer): a tally per block index, linear in the victims' blocks, each block's references asked
+ * once. r's own need is counted generously: its cached device prefix is taken off its need, while the
+ * same blocks, when nobody or only victims hold them, are counted as room too (telling them apart needs
+ * their indices), so a request that fits is never held back by the count (and one whose prefix sits in
+ * such blocks may still preempt for nothing). When the count cannot be made (out of memory), 1: try as
  * before. */
 static int kvs__room_after_preempting(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats ps;
     const kvb_block *table;
     size_t full = r->len ? (r->len - 1) / s->block_tokens : 0, matched = full, need, have, bound, i, j, n;
+    int fits = 0;
     if (kvb_pool_get_stats(s->cfg.device, &ps) != KVB_OK) return 1;
     if (full && kvo__fit(&s->hashes, full)) {
         kvb_hash *h;
@@ -14920,31 +14921,42 @@ static int kvs__room_after_preempting(kvs_sched *s, const kvs__req *r)
         bound += n;
     }
     if (bound < need) return 0;
-    KVB__ARR_SHRINK(s->shared, 0);
-    for (i = stbds_arrlenu(s->running); i-- > 0;) { /* the victims in kvs__victim's order */
+    if (!s->tally) {
+        if (!(s->tally = (uint64_t *)KVB_MALLOC((size_t)ps.num_blocks * sizeof *s->tally))) return 1;
+        memset(s->tally, 0, (size_t)ps.num_blocks * sizeof *s->tally);
+    }
+    KVB__ARR_SHRINK(s->touched, 0);
+    for (i = stbds_arrlenu(s->running); i-- > 0 && !fits;) { /* the victims in kvs__victim's order */
         kvs__req *v = s->running[i];
         if (v == r || v->priority >= r->priority || !v->seq) continue;
         table = NULL;
         n = 0;
         kvb_seq_blocks(v->seq, &table, &n);
-        for (j = 0; j < n; j++) {
-            kvb_block_info info;
-            if (kvb_block_get_info(s->cfg.device, table[j].id, &info) != KVB_OK || info.refs <= 1) {
+        for (j = 0; j < n && !fits; j++) {
+            uint32_t at = kvb_block_index(table[j].id);
+            uint64_t *t = at < ps.num_blocks ? &s->tally[at] : NULL;
+            if (t && !*t) { /* first seen: its references, asked once however many victims share it */
+                kvb_block_info info;
+                if (kvb_block_get_info(s->cfg.device, table[j].id, &info) != KVB_OK || info.refs <= 1) t = NULL;
+                else if (kvo__fit(&s->touched, stbds_arrlenu(s->touched) + 1)) {
+                    stbds_arrput(s->touched, at);
+                    *t = (uint64_t)info.refs << 32;
+                } else {
+                    fits = 1; /* out of memory: try as before */
+                    break;
+                }
+            }
+            if (!t) {
                 have++; /* its only reference (or unknown: counted, never held against r) */
             } else {
-                if (!kvo__fit(&s->shared, stbds_arrlenu(s->shared) + 1)) return 1;
-                stbds_arrput(s->shared, ((uint64_t)info.index << 32) | info.refs);
+                uint64_t c = ++*t;
+                have += (uint32_t)c == (uint32_t)(c >> 32); /* the last of its references is a victim's */
             }
+            fits = have >= need;
         }
-        if (have >= need) return 1;
     }
-    n = stbds_arrlenu(s->shared);
-    if (n) qsort(s->shared, n, sizeof *s->shared, kvs__cmp_u64);
-    for (i = 0; i < n; i = j) { /* a shared block goes back when the victims hold all of its references */
-        for (j = i + 1; j < n && s->shared[j] >> 32 == s->shared[i] >> 32; j++) {}
-        if (j - i >= (uint32_t)s->shared[i]) have++;
-    }
-    return have >= need;
+    for (i = 0; i < stbds_arrlenu(s->touched); i++) s->tally[s->touched[i]] = 0; /* back to zero for the next */
+    return fits;
 }
 
 /* Admit r: match the device cache, allocate the rest, schedule its first chunk. 0 when it does not fit;
