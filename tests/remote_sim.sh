@@ -5,7 +5,8 @@
 # device); the second gets remote hits for blocks the first stored, more hits in all, the bytes intact.
 # Then the same in scheduler mode with all four tiers (--host-blocks --disk-blocks --remote): a second
 # process with cold local tiers gets remote hits through the connector, every hit byte-checked. Last, a
-# fleet (--engines 3) on one Redis: its engines import what the others stored.
+# fleet (--engines 3) on one Redis: its engines import what the others stored. The second run's --svg
+# hit rate counts its remote hits.
 # Run from the repository root after `make build/serve_sim`. Ends with "N passed, N failed[, N skipped]".
 SIM=${SIM:-build/serve_sim}
 TRACE=examples/traces/small.jsonl
@@ -65,7 +66,7 @@ done
 
 run() {
     "$SIM" --sequential --trace "$TRACE" --device-blocks 64 --host-blocks 0 \
-        --remote "redis://127.0.0.1:$port" --json >"$dir/$1.json" 2>"$dir/$1.err"
+        --remote "redis://127.0.0.1:$port" --json --svg "$dir/$1.svg" >"$dir/$1.json" 2>"$dir/$1.err"
     rc=$?
     [ $rc -eq 0 ] || { cat "$dir/$1.err"; fail "serve_sim run $1 exited $rc"; }
 }
@@ -95,8 +96,8 @@ sys.exit(0 if s.recv(16).startswith(b"+OK") else 1)' "$port" || fail "FLUSHALL"
 "$SIM" --trace "$TRACE" --engines 3 --device-blocks 64 --host-blocks 256 --disk-blocks 512 \
     --remote "redis://127.0.0.1:$port" --json >"$dir/f.json" 2>"$dir/f.err" || { cat "$dir/f.err"; fail "fleet run exited $?"; }
 
-python3 - "$dir/1.json" "$dir/2.json" "$dir/s1.json" "$dir/s2.json" "$dir/f.json" <<'EOF' || fail "checks above"
-import json, sys
+python3 - "$dir/1.json" "$dir/2.json" "$dir/s1.json" "$dir/s2.json" "$dir/f.json" "$dir/2.svg" <<'EOF' || fail "checks above"
+import json, re, sys
 a, b, sa, sb, fl = (json.load(open(p)) for p in sys.argv[1:6])
 for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", sb)):
     print("%-6s run: hit_blocks %d of %d, remote_hit_blocks %d, remote_imported_blocks %d, data_mismatches %d"
@@ -122,7 +123,12 @@ for n, r in (("first", a), ("second", b), ("sched first", sa), ("sched second", 
         bad.append("%s run: data mismatches or remote errors" % n)
     if r["verified_blocks"] < r["hit_blocks"]:
         bad.append("%s run: not every hit byte-checked" % n)
+# --svg's cumulative hit rate (the orange line, panel y 300 = 0 .. 70 = 1) ends at the report's, G4 hits included
+m = re.search(r'<polyline fill="none" points="([^"]*)" stroke="#ff7f0e"', open(sys.argv[6]).read())
+svg_rate = (300 - float(m.group(1).split()[-1].split(",")[1])) / 230 if m else -1
+print("second run: --svg cumulative hit rate %.3f, report %.3f" % (svg_rate, b["hit_rate"]))
+if abs(svg_rate - b["hit_rate"]) > 0.01: bad.append("second run: --svg's hit rate leaves out the remote hits")
 for m in bad: print("FAIL:", m)
 sys.exit(1 if bad else 0)
 EOF
-echo "3 passed, 0 failed"
+echo "4 passed, 0 failed"

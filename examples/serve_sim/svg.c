@@ -170,7 +170,7 @@ int write_svg(const char *path, const series *sv, const fleet_report *fr, const 
                 W - L - R, bot - top);
         fprintf(f, "<text x=\"%d\" y=\"%.0f\" text-anchor=\"middle\">%s</text>\n", (W + L - R) / 2, bot + 34, xlabel);
     }
-    /* hit rate per interval (all tiers, then host and disk alone) and cumulative */
+    /* hit rate per interval (all tiers, G4 included, then host and disk alone) and cumulative */
     for (k = 0; k < 2 + TIER_KINDS - 1; k++) {
         static const char *style[] = {"stroke=\"#1f77b4\" stroke-width=\"1.5\"", "stroke=\"#ff7f0e\" stroke-width=\"2\"",
                                       "stroke=\"#9467bd\" stroke-width=\"1.5\" stroke-dasharray=\"4 3\"",
@@ -182,7 +182,7 @@ int write_svg(const char *path, const series *sv, const fleet_report *fr, const 
             const sample *e = bucket_end(sv, &i, b, nb, x0, x1);
             uint64_t h;
             if (!e) continue;
-            h = k >= 2 ? e->hits[k - 1] : e->hits[0] + e->hits[1] + e->hits[2];
+            h = k >= 2 ? e->hits[k - 1] : e->hits[0] + e->hits[1] + e->hits[2] + e->hits[TIER_REMOTE]; /* G4 too */
             if (k == 1 ? e->prompt > 0 : e->prompt > pp) {
                 v = k == 1 ? (double)h / (double)e->prompt : (double)(h - ph) / (double)(e->prompt - pp);
                 fprintf(f, "%s%.1f,%.1f", open ? " " : "<polyline fill=\"none\" points=\"", SX(e->x), SY(v, top0, bot0));
