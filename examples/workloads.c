@@ -297,29 +297,37 @@ static uint64_t number_arg(const char *opt, const char *v, uint64_t lo, uint64_t
     return (uint64_t)x;
 }
 
+/* --capacities: 1 to MAX_CAPS block counts, comma-separated (more are refused, not dropped) */
 static void parse_caps(const char *s, sweep_opts *o)
 {
     o->ncaps = 0;
-    while (*s && o->ncaps < MAX_CAPS) {
+    while (*s) {
         char *end;
         unsigned long v = strtoul(s, &end, 10);
         if (end == s || v < 1 || v > 100000000) die("--capacities: a list of block counts");
+        if (o->ncaps == MAX_CAPS) die("--capacities: at most 32 block counts");
         o->caps[o->ncaps++] = (uint32_t)v;
         s = *end == ',' ? end + 1 : end;
         if (*end && *end != ',') die("--capacities: a list of block counts");
     }
+    if (!o->ncaps) die("--capacities: a list of block counts");
 }
 
+/* --shapes: one or more names, comma-separated (none, or a list cut short by the buffer, is refused) */
 static void parse_shapes(const char *s, sweep_opts *o)
 {
     char buf[256], *tok, *save = NULL;
+    int any = 0;
     memset(o->shapes, 0, sizeof o->shapes);
+    if (strlen(s) >= sizeof buf) die("--shapes: chat api docs agent burst mixed longchat templates apisessions");
     snprintf(buf, sizeof buf, "%s", s);
     for (tok = strtok_r(buf, ",", &save); tok; tok = strtok_r(NULL, ",", &save)) {
         wl_shape sh;
         if (wl_shape_from_name(tok, &sh)) die("--shapes: chat api docs agent burst mixed longchat templates apisessions");
         o->shapes[sh] = 1;
+        any = 1;
     }
+    if (!any) die("--shapes: chat api docs agent burst mixed longchat templates apisessions");
 }
 
 int main(int argc, char **argv)

@@ -9,7 +9,8 @@
 #  - --engines 1 on a trace that overloads one engine warns on stderr and says so in the JSON;
 #    --engines auto on it runs several engines and does not warn;
 #  - the same fleet run twice gives the same report; bad combinations (and --shard values past 32 bits)
-#    are refused with exit 2, and so are workloads' bad numbers and unwritable output; --engines auto goes
+#    are refused with exit 2, and so are workloads' bad numbers, unwritable output, an empty --shapes list and
+#    more than 32 --capacities (a sweep of nothing, or of the first 32, exited 0); --engines auto goes
 #    with --record when it chooses one engine.
 # Run from the repository root after `make build/serve_sim build/workloads`. Ends with "N passed, N failed".
 SIM=${SIM:-build/serve_sim}
@@ -138,7 +139,8 @@ for args in "--engines 2 --sequential" "--engines 0" "--engines 2 --record $dir/
 done
 
 for args in "--list --requests 4294967297" "--list --requests 10x" "--list --block-tokens 4294967808" \
-    "--list --scale nan" "--write chat /dev/full --requests 20" "--write chat"; do
+    "--list --scale nan" "--write chat /dev/full --requests 20" "--write chat" "--sweep --requests 10 --shapes ," \
+    "--sweep --requests 10 --shapes chat --capacities $(seq -s, 1 33)"; do
     # shellcheck disable=SC2086
     "$WORKLOADS" $args >/dev/null 2>"$dir/wl.err"
     rc=$?
