@@ -278,9 +278,9 @@ static void parse_value(const optdef *d, const char *v, options *o)
         return;
     case OPT_U32:
     case OPT_U64:
-        errno = 0;
+        errno = 0; /* digits only: strtoull skips blanks and takes a sign (" -1" was 2^64 - 1) */
         x = strtoull(v, &end, 10);
-        if (errno || end == v || *end || v[0] == '-' || (d->kind == OPT_U32 && x >= UINT32_MAX))
+        if (errno || end == v || *end || !isdigit((unsigned char)v[0]) || (d->kind == OPT_U32 && x >= UINT32_MAX))
             die(2, "%s: '%s' is not a valid number", d->name, v);
         if (d->kind == OPT_U32) *(uint32_t *)field = (uint32_t)x;
         else *(uint64_t *)field = (uint64_t)x;

@@ -2,7 +2,7 @@
 # serve_sim's eviction options (issue 14): every policy replays the sample trace with its pool checked;
 # --fol-step gives FOL a fixed step and the report says it; the self-tuning default reports the step and
 # the rule for tails it chose; a device-only replay is timed --timing-runs times (5), once with 1; a bad
-# policy name or value exits 2; prompts that end inside their last id's block are counted; fractional ms
+# policy name or value exits 2 (a number with blanks or a sign too); prompts that end inside their last id's block are counted; fractional ms
 # timestamps are read, not skipped; a trace with more than 1% of its lines malformed exits 2 unless
 # --skip-bad (a file in another format says so in a few lines, a gzip'd one in one), one cut off mid-line
 # replays the rest with a warning; output_length may be left out with
@@ -91,6 +91,9 @@ $SIM --sequential --trace $T --host-blocks 0 --timing-runs 0 >/dev/null 2>&1; [ 
     bad "--timing-runs 0"
 $SIM --sequential --trace $T --eviction nosuch >/dev/null 2>&1; [ $? -eq 2 ] && ok "unknown policy exits 2" || bad "unknown policy"
 $SIM --sequential --trace $T --fol-step x >/dev/null 2>&1; [ $? -eq 2 ] && ok "bad --fol-step exits 2" || bad "bad --fol-step"
+for v in " -1" "+1" " 1"; do # strtoull's blanks and sign: " -1" was seed 2^64 - 1
+    $SIM --requests 1 --seed "$v" >/dev/null 2>&1; [ $? -eq 2 ] && ok "--seed '$v' exits 2" || bad "--seed '$v' accepted"
+done
 ft=$(mktemp /tmp/eviction_sim.XXXXXX)
 printf '{"timestamp": 1700000000000, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}\n{"timestamp": 1700000060000, "input_length": 1024, "output_length": 4, "hash_ids": [0, 1]}\n' >"$ft"
 out=$(timeout 60 $SIM --trace "$ft" --block-tokens 512 --json 2>&1)
