@@ -1272,6 +1272,52 @@ static size_t loaded_blocks_of(const sf_env *e, uint64_t q)
     return n;
 }
 
+/* Lower-tier hits are the loaded blocks the admission's match reaches, not the first cached tokens: the
+ * device prefix is not held while the loads run, and when one of its blocks goes meanwhile, the match
+ * stops at that gap and the loaded blocks after it are recomputed. A 72-token prompt (4 full blocks), all
+ * on the host, blocks 0 and 1 still on the device: blocks 2 and 3 are loaded; block 1 is dropped from
+ * the device before q is admitted, so q caches block 0 alone, a device hit, and no lower-tier hit
+ * (the count was min(loaded, cached) = 16 tokens). */
+static void test_lower_hits_after_a_device_gap(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t b[72];
+    kvb_hash h[4];
+    size_t dropped = 0;
+    kvs_step st;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    sf_open(&e, &o);
+    sf_tokens(73, b, 72);
+    hashes_of(b, 72, h, 4, 4);
+    uint64_t a = sf_add(&e, b, 72, 1, 0);
+    sf_run(&e, 10);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(lookup(e.host, h, 4), 4);
+    KVT_EQ(sf_release(&e, a), KVS_OK);
+    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2);
+    KVT_EQ(lookup(e.dev, h, 4), 2);
+    uint64_t q = sf_add(&e, b, 72, 1, 0);
+    sf_turn(&e, &st); /* q's loads of blocks 2 and 3 start */
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    KVT_EQ(loaded_blocks_of(&e, q), 2);
+    KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK); /* the gap */
+    KVT_EQ(dropped, 1);
+    sf_run(&e, 10);
+    KVT_EQ(sf_settle(&e), 0);
+    kvs_slot_info iq = sf_slot(&e, q);
+    KVT_EQ(iq.num_cached, 16);
+    KVT_EQ(iq.num_lower_hit_tokens, 0);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, 0);
+    KVT_EQ(sf_stats(&e).cached_tokens, 16);
+    sf_close(&e);
+}
+
+
 /* A prompt whose last token ends a block: admission never matches that block (the last token is always
  * computed, for its logits), so onboarding must not load it. A 64-token prompt, all 4 blocks on the host
  * and none on the device: 3 blocks come up, the 4th is computed. A 56-token prompt (3 full blocks and 8
@@ -1812,6 +1858,7 @@ int main(void)
     KVT_RUN(test_append_beyond_step_budget);
     KVT_RUN(test_lower_hits_within_cached);
     KVT_RUN(test_onboard_skips_last_token_block);
+    KVT_RUN(test_lower_hits_after_a_device_gap);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
