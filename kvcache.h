@@ -14054,6 +14054,7 @@ typedef struct kvs__req {
     uint32_t preemptions;
     size_t num_prompt;
     size_t cached, lower_hit;
+    size_t lower_from;         /* the token the planned loads start at (the device prefix then found) */
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
@@ -14865,6 +14866,7 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     }
     kvs_connector_update_state_after_alloc(s->conn, r->id, ext);
     r->lower_hit = ext;
+    r->lower_from = dev * s->block_tokens;
     if (r->state == KVS_SLOT_PREEMPTED) kvs__set_state(s, r, KVS_SLOT_ONBOARDING);
     else kvs__set_state(s, r, KVS_SLOT_ONBOARD_STAGED);
     return 1;
@@ -14993,8 +14995,11 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
     r->computed = (uint32_t)cached;
     r->cached = cached;
-    if (r->lower_hit > cached) r->lower_hit = cached; /* loaded blocks the match does not reach: evicted
-                                                        * once unpinned, or after a gap */
+    /* the loaded blocks the match reaches: it may stop before their end (evicted once unpinned, or after
+     * a gap) or before their start (a block of the device prefix, not held while they load, went
+     * meanwhile: they are recomputed, and the tokens it caches are device hits) */
+    if (cached <= r->lower_from) r->lower_hit = 0;
+    else if (r->lower_hit > cached - r->lower_from) r->lower_hit = cached - r->lower_from;
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;
     s->stats.lower_hit_tokens += r->lower_hit;
