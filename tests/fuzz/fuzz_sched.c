@@ -17,6 +17,7 @@
  * changes nothing; every step's items (budgets, tokens, block tables, no block written by two items,
  * the KV bytes of every computed token in place, onboarded and swapped-in ones included). The dry run
  * must end (no step after step without progress), with no device or host block still referenced.
+ * The tiers' copies may fail (an op names which): a store that never lands, a load recomputed.
  * Anything else is abort().
  *
  *   make fuzz-sched FUZZ_SECONDS=60    libFuzzer from tests/fuzz/corpus_sched (clang)
@@ -52,6 +53,39 @@ typedef struct fz_item {
     int decode;
 } fz_item;
 
+/* The tiers' backend: the memcpy backend, but the copies the fail bits name (copy i of a job when bit
+ * i % 8 is set, from an op on) end as I/O errors: stores that never land, loads that must be recomputed. */
+typedef struct fz_failing {
+    kvo_backend base;
+    kvo_backend *inner;  /* inline: a job is done when submit returns */
+    uint8_t fail_bits;
+    kvo_copy_job *job;   /* the job the inner backend runs now */
+} fz_failing;
+
+static void fz_failing_done(kvo_copy_job *shadow, int result, const char *message)
+{
+    fz_failing *b = (fz_failing *)shadow->user;
+    kvo_copy_job *job = b->job;
+    int failed = 0;
+    for (size_t i = 0; i < job->n; i++)
+        if ((b->fail_bits >> (i % 8)) & 1u) job->results[i] = KVO_EIO, failed = 1;
+    job->bytes = shadow->bytes;
+    job->done(job, failed && result == KVO_OK ? KVO_EIO : result, failed && !message ? "fuzz: copy failed" : message);
+}
+
+static int fz_failing_submit(kvo_backend *self, kvo_copy_job *job)
+{
+    fz_failing *b = (fz_failing *)self->impl;
+    kvo_copy_job shadow = *job, *outer = b->job;
+    int r;
+    shadow.done = fz_failing_done;
+    shadow.user = b;
+    b->job = job; /* a done may submit the next job: that one runs inside this one */
+    r = b->inner->submit(b->inner, &shadow);
+    b->job = outer;
+    return r;
+}
+
 typedef struct fz {
     const uint8_t *in;
     size_t n, at;
@@ -59,6 +93,7 @@ typedef struct fz {
     const char *opname;
     kvb_pool *dev, *host;
     kvo_backend *mem;
+    fz_failing failing;  /* over mem: what the tiers copy with */
     kvo_manager *m;
     kvs_sched *s;
     uint32_t bt, device_blocks, max_tokens, max_seqs;
@@ -464,12 +499,16 @@ static void fz_open(fz *f)
         kvo_result mr;
         f->host = fz_pool(f, 4u + c3 % 61u, 1, KVB_LAYOUT_LAYER_SEPARATE, 1, c6, c7 & 32);
         if (kvo_memcpy_backend_create(0, &f->mem) != KVO_OK) fz_fail(f, "memcpy backend", 0);
+        f->failing.inner = f->mem;
+        f->failing.base.submit = fz_failing_submit;
+        f->failing.base.name = "fuzz";
+        f->failing.base.impl = &f->failing;
         memset(&mc, 0, sizeof mc);
         mc.num_tiers = 2;
         mc.pools[0] = f->dev;
         mc.pools[1] = f->host;
-        mc.down[0] = f->mem;
-        mc.up[1] = f->mem;
+        mc.down[0] = &f->failing.base;
+        mc.up[1] = &f->failing.base;
         mc.offload = lazy ? KVO_OFFLOAD_LAZY : KVO_OFFLOAD_EAGER;
         mc.lazy_reserve = (c6 >> 5) & 3u ? ((c6 >> 5) & 7u) * 2u : 0u;
         mc.pipeline.mode = KVO_MODE_POLL;
@@ -942,6 +981,7 @@ static void op_time(fz *f)
 {
     uint8_t b = fz_u8(f);
     f->now += (uint64_t)(b >> 2) * 1000u;
+    if ((b & 3) == 0 && b >= 0xf0) f->failing.fail_bits = fz_u8(f); /* the tiers' copies fail from now on */
     if (f->m && (b & 3) == 1) (void)kvo_manager_poll(f->m);
     if (f->m && (b & 3) == 2 && kvo_manager_drain(f->m, 5000000) != KVO_OK) fz_fail(f, "manager drain", 0);
     if ((b & 3) == 3) {
