@@ -1234,24 +1234,31 @@ static void test_append_beyond_step_budget(void)
  * counters: a prompt of exactly 4 blocks found in the host caches 48 tokens (the last token, in the 4th
  * block, is always computed), so at most 48 of them came from the host (3 blocks are loaded:
  * test_onboard_skips_last_token_block). */
-static void test_lower_hits_within_cached(void)
+/* A device of 16 blocks over a host tier of 32, after a first request of prompt b (len tokens, seed)
+ * ran and went: its 4 full blocks (hashes h) are on the host, and still cached on the device. */
+static void open_after_a_stored_prompt(sf_env *e, uint32_t seed, uint32_t *b, size_t len, kvb_hash *h)
 {
-    sf_env e;
     sf_opts o;
-    uint32_t b[64];
-    kvb_hash h[4];
     memset(&o, 0, sizeof o);
     o.device_blocks = 16;
     o.device_memory = 1;
     o.host_blocks = 32;
-    sf_open(&e, &o);
-    sf_tokens(71, b, 64);
-    hashes_of(b, 64, h, 4, 4);
-    uint64_t a = sf_add(&e, b, 64, 1, 0);
-    sf_run(&e, 10);
-    KVT_EQ(sf_settle(&e), 0);
-    KVT_EQ(lookup(e.host, h, 4), 4);
-    KVT_EQ(sf_release(&e, a), KVS_OK);
+    sf_open(e, &o);
+    sf_tokens(seed, b, len);
+    hashes_of(b, len, h, 4, 4);
+    uint64_t a = sf_add(e, b, len, 1, 0);
+    sf_run(e, 10);
+    KVT_EQ(sf_settle(e), 0);
+    KVT_EQ(lookup(e->host, h, 4), 4);
+    KVT_EQ(sf_release(e, a), KVS_OK);
+}
+
+static void test_lower_hits_within_cached(void)
+{
+    sf_env e;
+    uint32_t b[64];
+    kvb_hash h[4];
+    open_after_a_stored_prompt(&e, 71, b, 64, h);
     KVT_EQ(kvb_pool_reset(e.dev), KVB_OK);
     uint64_t q = sf_add(&e, b, 64, 1, 0);
     sf_run(&e, 10);
@@ -1281,23 +1288,11 @@ static size_t loaded_blocks_of(const sf_env *e, uint64_t q)
 static void test_lower_hits_after_a_device_gap(void)
 {
     sf_env e;
-    sf_opts o;
     uint32_t b[72];
     kvb_hash h[4];
     size_t dropped = 0;
     kvs_step st;
-    memset(&o, 0, sizeof o);
-    o.device_blocks = 16;
-    o.device_memory = 1;
-    o.host_blocks = 32;
-    sf_open(&e, &o);
-    sf_tokens(73, b, 72);
-    hashes_of(b, 72, h, 4, 4);
-    uint64_t a = sf_add(&e, b, 72, 1, 0);
-    sf_run(&e, 10);
-    KVT_EQ(sf_settle(&e), 0);
-    KVT_EQ(lookup(e.host, h, 4), 4);
-    KVT_EQ(sf_release(&e, a), KVS_OK);
+    open_after_a_stored_prompt(&e, 73, b, 72, h);
     KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
     KVT_EQ(dropped, 2);
     KVT_EQ(lookup(e.dev, h, 4), 2);
@@ -1316,7 +1311,6 @@ static void test_lower_hits_after_a_device_gap(void)
     KVT_EQ(sf_stats(&e).cached_tokens, 16);
     sf_close(&e);
 }
-
 
 /* A prompt whose last token ends a block: admission never matches that block (the last token is always
  * computed, for its logits), so onboarding must not load it. A 64-token prompt, all 4 blocks on the host
