@@ -285,12 +285,12 @@ FUZZ_CC      ?= clang
 # Sanitizers beside libFuzzer's own. A long run (issue 15 asks 10 million executions of fuzz_diff) may set
 # `FUZZ_SAN=` and a BUILD of its own: about 3x the executions per second, still checked call by call.
 FUZZ_SAN     ?= ,address,undefined
-$(BUILD)/fuzz/fuzz_ops: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/fuzz_ops: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h tests/fuzz/fuzz_backend.h $(AMALG_PARTS) | deps
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(WARN) -D_GNU_SOURCE -I. -I$(STB_INC) -pthread -g -O1 -fsanitize=fuzzer$(FUZZ_SAN) \
 	    -fno-sanitize-recover=all -o $@ $< -lm
 
-$(BUILD)/fuzz/replay: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/replay: tests/fuzz/fuzz_ops.c tests/fuzz/fuzz_replay.h tests/fuzz/fuzz_backend.h $(AMALG_PARTS) | deps
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
 
@@ -305,12 +305,12 @@ $(BUILD)/fuzz/replay_diff: tests/fuzz/fuzz_diff.c tests/fuzz/fuzz_replay.h kvblo
 	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
 
 # The scheduler target: kvsched.h driven like an engine, checked against the harness's own model.
-$(BUILD)/fuzz/fuzz_sched: tests/fuzz/fuzz_sched.c $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/fuzz_sched: tests/fuzz/fuzz_sched.c tests/fuzz/fuzz_backend.h $(AMALG_PARTS) | deps
 	@mkdir -p $(@D)
 	$(FUZZ_CC) $(WARN) -D_GNU_SOURCE -I. -I$(STB_INC) -pthread -g -O1 -fsanitize=fuzzer$(FUZZ_SAN) \
 	    -fno-sanitize-recover=all -o $@ $< -lm
 
-$(BUILD)/fuzz/replay_sched: tests/fuzz/fuzz_sched.c tests/fuzz/fuzz_replay.h $(AMALG_PARTS) | deps
+$(BUILD)/fuzz/replay_sched: tests/fuzz/fuzz_sched.c tests/fuzz/fuzz_replay.h tests/fuzz/fuzz_backend.h $(AMALG_PARTS) | deps
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_TEST) -DKVFUZZ_REPLAY -o $@ $< -lm
 

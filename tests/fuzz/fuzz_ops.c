@@ -23,6 +23,7 @@
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
+#include "fuzz_backend.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -47,22 +48,6 @@ typedef struct fz_xfer {
     int up;     /* 0 = offload A -> B, 1 = onboard B -> A */
     int live;   /* not released yet */
 } fz_xfer;
-
-/* A backend the input steers: copies through the memcpy backend, but it may hold jobs (the pipeline sees
- * them in flight until a later op lets them go) and fail the copies whose place in the job the fail bits
- * name. Failed copies and jobs that finish late are what join, retry and cancel paths need. */
-#define FZ_HELD 8
-#define FZ_RUNS 32 /* inline copies in progress at once (a done may submit the next job) */
-typedef struct fz_copy { kvo_copy_job *job; uint8_t fail_bits; } fz_copy;
-typedef struct fz_faulty {
-    kvo_backend base;
-    kvo_backend *inner;      /* memcpy, inline: a job is done when submit returns */
-    int hold, refuse;        /* refuse: submit fails (the pipeline gets the error, done is not called) */
-    uint8_t fail_bits;       /* copy i of a job fails when bit i % 8 is set */
-    kvo_copy_job *held[FZ_HELD];
-    size_t n_held;
-    fz_copy run[FZ_RUNS];
-} fz_faulty;
 
 typedef struct fz {
     const uint8_t *in;
@@ -259,60 +244,6 @@ static kvo_verdict fz_policy(void *user, const kvb_hash *hash, uint32_t src_inde
 
 static int fz_query(void *user) { return ((fz *)user)->custom_answer; }
 
-/* The inner copy finished: copies the fail bits name become I/O errors, then the pipeline hears of it. */
-static void fz_faulty_done(kvo_copy_job *shadow, int result, const char *message)
-{
-    fz_copy *run = (fz_copy *)shadow->user;
-    kvo_copy_job *job = run->job;
-    int failed = 0;
-    for (size_t i = 0; i < job->n; i++)
-        if ((run->fail_bits >> (i % 8)) & 1u) job->results[i] = KVO_EIO, failed = 1;
-    job->bytes = shadow->bytes;
-    run->job = NULL;
-    job->done(job, failed && result == KVO_OK ? KVO_EIO : result, failed && !message ? "fuzz: copy failed" : message);
-}
-
-/* Runs a job through the inner backend with the faults chosen now. */
-static int fz_faulty_run(fz_faulty *b, kvo_copy_job *job)
-{
-    kvo_copy_job shadow = *job;
-    fz_copy *run = NULL;
-    for (size_t k = 0; k < FZ_RUNS && !run; k++)
-        if (!b->run[k].job) run = &b->run[k];
-    if (!run || b->refuse) return KVO_EIO;
-    run->job = job;
-    run->fail_bits = b->fail_bits;
-    shadow.done = fz_faulty_done;
-    shadow.user = run;
-    int r = b->inner->submit(b->inner, &shadow);
-    if (r != KVO_OK) run->job = NULL;
-    return r;
-}
-
-static int fz_faulty_submit(kvo_backend *self, kvo_copy_job *job)
-{
-    fz_faulty *b = (fz_faulty *)self->impl;
-    if (kvo_copy_job_check(job) != KVO_OK) return KVO_EINVAL;
-    if (b->hold && !b->refuse && b->n_held < FZ_HELD) {
-        b->held[b->n_held++] = job;
-        return KVO_OK;
-    }
-    return fz_faulty_run(b, job);
-}
-
-/* Held jobs run now, oldest first (with the fail bits of now). */
-static void fz_faulty_release(fz_faulty *b)
-{
-    size_t n = b->n_held;
-    kvo_copy_job *jobs[FZ_HELD];
-    memcpy(jobs, b->held, n * sizeof *jobs);
-    b->n_held = 0; /* a done that submits again finds the list empty */
-    for (size_t i = 0; i < n; i++) /* accepted once: done must come, so a refusal now is a failed copy */
-        if (fz_faulty_run(b, jobs[i]) != KVO_OK) {
-            for (size_t j = 0; j < jobs[i]->n; j++) jobs[i]->results[j] = KVO_EIO;
-            jobs[i]->done(jobs[i], KVO_EIO, "fuzz: held job failed");
-        }
-}
 
 typedef struct fz_done_ctx { fz *f; int dst; } fz_done_ctx;
 
@@ -366,10 +297,7 @@ static int fz_open(fz *f, fz_done_ctx done[2])
         kvo_pipeline_config pc;
         kvo_result r;
         if (kvo_memcpy_backend_create(0, &f->copy[d]) != KVO_OK) return 0;
-        f->faulty[d].inner = f->copy[d];
-        f->faulty[d].base.submit = fz_faulty_submit;
-        f->faulty[d].base.name = "fuzz";
-        f->faulty[d].base.impl = &f->faulty[d];
+        fz_faulty_init(&f->faulty[d], f->copy[d]);
         memset(&pc, 0, sizeof pc);
         pc.src = f->pool[d];
         pc.dst = f->pool[1 - d];

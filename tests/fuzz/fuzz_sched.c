@@ -28,6 +28,7 @@
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
 #include "kvsched.h"
+#include "fuzz_backend.h"
 
 #include <stdint.h>
 #include <stdio.h>
@@ -53,39 +54,6 @@ typedef struct fz_item {
     int decode;
 } fz_item;
 
-/* The tiers' backend: the memcpy backend, but the copies the fail bits name (copy i of a job when bit
- * i % 8 is set, from an op on) end as I/O errors: stores that never land, loads that must be recomputed. */
-typedef struct fz_failing {
-    kvo_backend base;
-    kvo_backend *inner;  /* inline: a job is done when submit returns */
-    uint8_t fail_bits;
-    kvo_copy_job *job;   /* the job the inner backend runs now */
-} fz_failing;
-
-static void fz_failing_done(kvo_copy_job *shadow, int result, const char *message)
-{
-    fz_failing *b = (fz_failing *)shadow->user;
-    kvo_copy_job *job = b->job;
-    int failed = 0;
-    for (size_t i = 0; i < job->n; i++)
-        if ((b->fail_bits >> (i % 8)) & 1u) job->results[i] = KVO_EIO, failed = 1;
-    job->bytes = shadow->bytes;
-    job->done(job, failed && result == KVO_OK ? KVO_EIO : result, failed && !message ? "fuzz: copy failed" : message);
-}
-
-static int fz_failing_submit(kvo_backend *self, kvo_copy_job *job)
-{
-    fz_failing *b = (fz_failing *)self->impl;
-    kvo_copy_job shadow = *job, *outer = b->job;
-    int r;
-    shadow.done = fz_failing_done;
-    shadow.user = b;
-    b->job = job; /* a done may submit the next job: that one runs inside this one */
-    r = b->inner->submit(b->inner, &shadow);
-    b->job = outer;
-    return r;
-}
-
 typedef struct fz {
     const uint8_t *in;
     size_t n, at;
@@ -93,7 +61,7 @@ typedef struct fz {
     const char *opname;
     kvb_pool *dev, *host;
     kvo_backend *mem;
-    fz_failing failing;  /* over mem: what the tiers copy with */
+    fz_faulty failing;   /* over mem: what the tiers copy with (only its fail bits are set) */
     kvo_manager *m;
     kvs_sched *s;
     uint32_t bt, device_blocks, max_tokens, max_seqs;
@@ -499,10 +467,7 @@ static void fz_open(fz *f)
         kvo_result mr;
         f->host = fz_pool(f, 4u + c3 % 61u, 1, KVB_LAYOUT_LAYER_SEPARATE, 1, c6, c7 & 32);
         if (kvo_memcpy_backend_create(0, &f->mem) != KVO_OK) fz_fail(f, "memcpy backend", 0);
-        f->failing.inner = f->mem;
-        f->failing.base.submit = fz_failing_submit;
-        f->failing.base.name = "fuzz";
-        f->failing.base.impl = &f->failing;
+        fz_faulty_init(&f->failing, f->mem);
         memset(&mc, 0, sizeof mc);
         mc.num_tiers = 2;
         mc.pools[0] = f->dev;
