@@ -14997,8 +14997,11 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     r->cached = cached;
     /* the loaded blocks the match reaches: it may stop before their end (evicted once unpinned, or after
      * a gap) or before their start (a block of the device prefix, not held while they load, went
-     * meanwhile: they are recomputed, and the tokens it caches are device hits) */
-    if (cached <= r->lower_from) r->lower_hit = 0;
+     * meanwhile: they are recomputed, and the tokens it caches are device hits). Only loads staged for
+     * this admission count: a request let in without staging (the device had no room for all of its
+     * blocks, kvs__admit_queue) keeps the count of an earlier admission, whose loaded blocks it now
+     * finds on the device. */
+    if (r->state != KVS_SLOT_ONBOARDING || cached <= r->lower_from) r->lower_hit = 0;
     else if (r->lower_hit > cached - r->lower_from) r->lower_hit = cached - r->lower_from;
     r->registered_blocks = cached / s->block_tokens;
     s->stats.cached_tokens += cached;

@@ -1312,6 +1312,53 @@ static void test_lower_hits_after_a_device_gap(void)
     sf_close(&e);
 }
 
+/* A request's lower-tier hits belong to the admission whose loads were staged for it. q (priority 0)
+ * is admitted with 3 blocks loaded from the host (48 tokens); r (the same prompt, priority 1) shares
+ * them; once q has 85 tokens, f and g (one prompt, priority 1) fill the device and q is preempted. When
+ * f finishes, only its own blocks come back (g shares the rest): fewer than q's 6, so q is admitted
+ * without staging (kvs__admit_queue), and gets in, its prefix held by r. Its cached tokens are device
+ * hits: the first admission's 48 lower-tier tokens were counted again (96). */
+static void test_lower_hits_not_counted_again(void)
+{
+    sf_env e;
+    uint32_t b[64], c[64];
+    kvb_hash h[4];
+    kvs_step st;
+    kvb_pool_stats ps;
+    open_after_a_stored_prompt(&e, 79, b, 64, h);
+    KVT_EQ(kvb_pool_reset(e.dev), KVB_OK);
+    uint64_t q = sf_add(&e, b, 64, 40, 0);
+    for (int i = 0; i < 10 && sf_state(&e, q) != KVS_SLOT_DECODING; i++) sf_turn(&e, &st);
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_DECODING);
+    KVT_EQ(sf_slot(&e, q).num_lower_hit_tokens, 48);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, 48);
+    uint64_t r = sf_add(&e, b, 64, 40, 1);
+    for (int i = 0; i < 20; i++) sf_turn(&e, &st);
+    KVT_EQ(sf_slot(&e, q).num_tokens, 85);
+    sf_tokens(80, c, 64);
+    uint64_t f = sf_add(&e, c, 64, 8, 1);
+    (void)sf_add(&e, c, 64, 40, 1);
+    int preempted = 0, back = 0;
+    for (int i = 0; i < 40 && !back; i++) {
+        KVT_EQ(kvb_pool_get_stats(e.dev, &ps), KVB_OK);
+        size_t room = (size_t)ps.free_blocks + ps.inactive_blocks;
+        sf_turn(&e, &st);
+        if (sf_state(&e, q) == KVS_SLOT_PREEMPTED) preempted = 1;
+        else if (preempted) {
+            back = 1;
+            KVT_CHECK(room < 6); /* the admission without staging */
+            KVT_EQ(sf_state(&e, f), KVS_SLOT_FINISHED);
+        }
+    }
+    KVT_CHECK(preempted && back);
+    KVT_EQ(sf_state(&e, r), KVS_SLOT_DECODING);
+    KVT_EQ(sf_loads_of(&e, q), 1);
+    KVT_EQ(sf_slot(&e, q).num_lower_hit_tokens, 0);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, 48);
+    sf_run(&e, 200);
+    sf_close(&e);
+}
+
 /* A prompt whose last token ends a block: admission never matches that block (the last token is always
  * computed, for its logits), so onboarding must not load it. A 64-token prompt, all 4 blocks on the host
  * and none on the device: 3 blocks come up, the 4th is computed. A 56-token prompt (3 full blocks and 8
@@ -1853,6 +1900,7 @@ int main(void)
     KVT_RUN(test_lower_hits_within_cached);
     KVT_RUN(test_onboard_skips_last_token_block);
     KVT_RUN(test_lower_hits_after_a_device_gap);
+    KVT_RUN(test_lower_hits_not_counted_again);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
     KVT_RUN(test_result_strings);
