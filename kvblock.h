@@ -58,8 +58,10 @@
  *
  * Prefix index: Registered blocks are found by their 128-bit sequence hash. kvb_match returns the
  * longest cached prefix of a hash chain, stopping at the first miss, and takes a reference on each
- * block it returns. Duplicate registration (a second block with a hash already present): policy
- * KVB_DUP_ALLOW keeps both (the first stays the one matched; typical for the device tier),
+ * block it returns; kvb_pin holds the same prefix without counting a use (a request waiting for loads
+ * behind it), kvb_unpin lets it go. Duplicate registration (a second block with a
+ * hash already present): policy KVB_DUP_ALLOW keeps both (the first stays the one matched; typical for
+ * the device tier),
  * KVB_DUP_REJECT hands back the existing block (with a reference) and resets the duplicate.
  *
  * Eviction: KVB_EVICT_LINEAGE (default) evicts leaves first (blocks no other cached block names as
@@ -616,6 +618,19 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                              size_t *out_n);
+
+/* The same prefix as kvb_match, with a reference on each matched block (so it cannot be evicted), but
+ * not a use: no lookup or hit is counted and the eviction policy does not see it (ARC and S3-FIFO count
+ * no hit). For blocks a request will match later, held meanwhile (an engine waiting for loads behind a
+ * cached prefix: vLLM holds them too); let them go with kvb_unpin.
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                           size_t *out_n);
+
+/* Let go of pins (kvb_pin): kvb_release's work and errors, but not a use (FOL does not count it); a block
+ * whose last reference goes becomes inactive at the priority level it had, as released now.
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n);
 
 /* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
  * blocks it did not match and kvb_register_hashed of them (each block's parent the hash before it, the
@@ -3216,20 +3231,27 @@ static void kvb__unalloc(kvb_pool *p, uint32_t idx)
 
 static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
 
-static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
+/* A reference that is not a use (kvb_pin): off the eviction list, nothing else. */
+static inline void kvb__take_pin(kvb_pool *p, uint32_t idx)
 {
-    kvb__meta *m = &p->meta[idx];
-    if (m->refs++ == 0) {
+    if (p->meta[idx].refs++ == 0) {
         kvb__list_remove(p, idx);
         p->n_active++;
     }
-    if (kvb__two_lists(p) && m->state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
+}
+
+static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
+{
+    kvb__take_pin(p, idx);
+    if (kvb__two_lists(p) && p->meta[idx].state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
 }
 
 /* The last reference to a block went: it becomes inactive (registered) or free. */
+#define KVB__OWN_LEVEL UINT32_MAX /* a release's level: each block keeps the one it has (kvb_unpin) */
 static KVB__ALWAYS_INLINE void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
+    if (prio == KVB__OWN_LEVEL) prio = m->prio;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
         if (m->prio != prio) m->flags &= (uint8_t)~KVB__F_QUEUED; /* S3-FIFO: another level, another place */
@@ -3655,7 +3677,7 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
 
 /* Drop one reference from each of idx[0..n), deepest (last) first. Validates first: on a double
  * release (more drops of a block than it has references) nothing changes. */
-static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
+static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
 {
     size_t i, bad = n;
     for (i = 0; i < n; i++) {
@@ -3670,7 +3692,7 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
         return KVB_EDOUBLE;
     }
     for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
-    kvb__release_request(p, idx, n, prio, 1, partial);
+    kvb__release_request(p, idx, n, prio, touch, partial);
     return KVB_OK;
 }
 
@@ -3699,11 +3721,12 @@ static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uin
     return 0;
 }
 
-/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first. */
-static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
+/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first (FOL counts the
+ * release as a use when `touch`: not for pins). */
+static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
 {
     size_t i;
-    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
     for (i = n; i-- > 0;) {
         kvb__meta *m = &p->meta[idx[i]];
         m->flags &= (uint8_t)~KVB__F_MARK;
@@ -3711,23 +3734,21 @@ static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint3
     }
 }
 
-KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
+/* kvb_release and kvb_unpin, arguments checked: one reference off each block, all or nothing. */
+static KVB__ALWAYS_INLINE kvb_result kvb__release_blocks(kvb_pool *pool, const kvb_block *blocks, size_t n, uint32_t prio,
+                                                        int touch, int partial)
 {
-    uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
-    int partial;
+    uint32_t stack[KVB__SCRATCH], *idx;
     size_t i;
     kvb_result r = KVB_OK;
-    if (!pool || (!blocks && n)) return KVB_EINVAL;
-    if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
     if (!n) return KVB_OK;
-    partial = last && last < pool->cfg.block_tokens;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
     }
     if (KVB__LIKELY(kvb__release_take(pool, blocks, n, idx))) {
-        kvb__release_taken(pool, idx, n, prio, partial);
+        kvb__release_taken(pool, idx, n, prio, touch, partial);
         kvb__unlock(pool);
         return KVB_OK;
     }
@@ -3736,9 +3757,23 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
         else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
             r = KVB_EDOUBLE;
     }
-    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio, partial);
+    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio, touch, partial);
     kvb__unlock(pool);
     return r;
+}
+
+KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
+{
+    uint32_t prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
+    return kvb__release_blocks(pool, blocks, n, prio, 1, last && last < pool->cfg.block_tokens);
+}
+
+KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n)
+{
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    return kvb__release_blocks(pool, blocks, n, KVB__OWN_LEVEL, 0, 0);
 }
 
 KVB_API kvb_result kvb_block_get_info(kvb_pool *pool, uint64_t handle_id, kvb_block_info *out)
@@ -4033,6 +4068,26 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
     }
     k = kvb__prefix(pool, hashes, n, idx);
     kvb__take_matched(pool, idx, k, n, out_blocks);
+    *out_n = k;
+    kvb__unlock(pool);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks, size_t *out_n)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t i, k;
+    if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
+    k = kvb__prefix(pool, hashes, n, idx);
+    for (i = 0; i < k; i++) {
+        kvb__take_pin(pool, idx[i]);
+        out_blocks[i] = kvb__block_of(pool, idx[i]);
+    }
     *out_n = k;
     kvb__unlock(pool);
     return KVB_OK;

@@ -94,8 +94,10 @@
  *
  * Prefix index: Registered blocks are found by their 128-bit sequence hash. kvb_match returns the
  * longest cached prefix of a hash chain, stopping at the first miss, and takes a reference on each
- * block it returns. Duplicate registration (a second block with a hash already present): policy
- * KVB_DUP_ALLOW keeps both (the first stays the one matched; typical for the device tier),
+ * block it returns; kvb_pin holds the same prefix without counting a use (a request waiting for loads
+ * behind it), kvb_unpin lets it go. Duplicate registration (a second block with a
+ * hash already present): policy KVB_DUP_ALLOW keeps both (the first stays the one matched; typical for
+ * the device tier),
  * KVB_DUP_REJECT hands back the existing block (with a reference) and resets the duplicate.
  *
  * Eviction: KVB_EVICT_LINEAGE (default) evicts leaves first (blocks no other cached block names as
@@ -652,6 +654,19 @@ KVB_API kvb_result kvb_register_hashed(kvb_pool *pool, const kvb_block *blocks, 
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                              size_t *out_n);
+
+/* The same prefix as kvb_match, with a reference on each matched block (so it cannot be evicted), but
+ * not a use: no lookup or hit is counted and the eviction policy does not see it (ARC and S3-FIFO count
+ * no hit). For blocks a request will match later, held meanwhile (an engine waiting for loads behind a
+ * cached prefix: vLLM holds them too); let them go with kvb_unpin.
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                           size_t *out_n);
+
+/* Let go of pins (kvb_pin): kvb_release's work and errors, but not a use (FOL does not count it); a block
+ * whose last reference goes becomes inactive at the priority level it had, as released now.
+ * Thread safety: safe from any thread. */
+KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n);
 
 /* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
  * blocks it did not match and kvb_register_hashed of them (each block's parent the hash before it, the
@@ -3252,20 +3267,27 @@ static void kvb__unalloc(kvb_pool *p, uint32_t idx)
 
 static int kvb__available(const kvb_pool *p, size_t n) { return n <= (size_t)p->n_free + p->n_inactive; }
 
-static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
+/* A reference that is not a use (kvb_pin): off the eviction list, nothing else. */
+static inline void kvb__take_pin(kvb_pool *p, uint32_t idx)
 {
-    kvb__meta *m = &p->meta[idx];
-    if (m->refs++ == 0) {
+    if (p->meta[idx].refs++ == 0) {
         kvb__list_remove(p, idx);
         p->n_active++;
     }
-    if (kvb__two_lists(p) && m->state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
+}
+
+static inline void kvb__take_ref(kvb_pool *p, uint32_t idx)
+{
+    kvb__take_pin(p, idx);
+    if (kvb__two_lists(p) && p->meta[idx].state == KVB_STATE_REGISTERED) kvb__two_lists_hit(p, idx);
 }
 
 /* The last reference to a block went: it becomes inactive (registered) or free. */
+#define KVB__OWN_LEVEL UINT32_MAX /* a release's level: each block keeps the one it has (kvb_unpin) */
 static KVB__ALWAYS_INLINE void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
     kvb__meta *m = &p->meta[idx];
+    if (prio == KVB__OWN_LEVEL) prio = m->prio;
     p->n_active--;
     if (m->state == KVB_STATE_REGISTERED) {
         if (m->prio != prio) m->flags &= (uint8_t)~KVB__F_QUEUED; /* S3-FIFO: another level, another place */
@@ -3691,7 +3713,7 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
 
 /* Drop one reference from each of idx[0..n), deepest (last) first. Validates first: on a double
  * release (more drops of a block than it has references) nothing changes. */
-static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
+static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
 {
     size_t i, bad = n;
     for (i = 0; i < n; i++) {
@@ -3706,7 +3728,7 @@ static kvb_result kvb__release_all(kvb_pool *p, const uint32_t *idx, size_t n, u
         return KVB_EDOUBLE;
     }
     for (i = 0; i < n; i++) p->meta[idx[i]].refs++;
-    kvb__release_request(p, idx, n, prio, 1, partial);
+    kvb__release_request(p, idx, n, prio, touch, partial);
     return KVB_OK;
 }
 
@@ -3735,11 +3757,12 @@ static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uin
     return 0;
 }
 
-/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first. */
-static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int partial)
+/* The references kvb__release_take took off: the unreferenced blocks leave, deepest first (FOL counts the
+ * release as a use when `touch`: not for pins). */
+static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
 {
     size_t i;
-    if (p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
+    if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
     for (i = n; i-- > 0;) {
         kvb__meta *m = &p->meta[idx[i]];
         m->flags &= (uint8_t)~KVB__F_MARK;
@@ -3747,23 +3770,21 @@ static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint3
     }
 }
 
-KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
+/* kvb_release and kvb_unpin, arguments checked: one reference off each block, all or nothing. */
+static KVB__ALWAYS_INLINE kvb_result kvb__release_blocks(kvb_pool *pool, const kvb_block *blocks, size_t n, uint32_t prio,
+                                                        int touch, int partial)
 {
-    uint32_t stack[KVB__SCRATCH], *idx, prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
-    int partial;
+    uint32_t stack[KVB__SCRATCH], *idx;
     size_t i;
     kvb_result r = KVB_OK;
-    if (!pool || (!blocks && n)) return KVB_EINVAL;
-    if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
     if (!n) return KVB_OK;
-    partial = last && last < pool->cfg.block_tokens;
     pthread_mutex_lock(&pool->lock);
     if (!(idx = kvb__scratch(pool, stack, n))) {
         pthread_mutex_unlock(&pool->lock);
         return KVB_ENOMEM;
     }
     if (KVB__LIKELY(kvb__release_take(pool, blocks, n, idx))) {
-        kvb__release_taken(pool, idx, n, prio, partial);
+        kvb__release_taken(pool, idx, n, prio, touch, partial);
         kvb__unlock(pool);
         return KVB_OK;
     }
@@ -3772,9 +3793,23 @@ KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n
         else if ((r = kvb__lookup_handle(pool, blocks[i].id, &idx[i])) == KVB_OK && !pool->meta[idx[i]].refs)
             r = KVB_EDOUBLE;
     }
-    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio, partial);
+    if (r == KVB_OK) r = kvb__release_all(pool, idx, n, prio, touch, partial);
     kvb__unlock(pool);
     return r;
+}
+
+KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *opts)
+{
+    uint32_t prio = opts ? opts->priority : 0, last = opts ? opts->last_block_tokens : 0;
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    if (prio >= pool->cfg.priority_levels || last > pool->cfg.block_tokens) return KVB_ERANGE;
+    return kvb__release_blocks(pool, blocks, n, prio, 1, last && last < pool->cfg.block_tokens);
+}
+
+KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n)
+{
+    if (!pool || (!blocks && n)) return KVB_EINVAL;
+    return kvb__release_blocks(pool, blocks, n, KVB__OWN_LEVEL, 0, 0);
 }
 
 KVB_API kvb_result kvb_block_get_info(kvb_pool *pool, uint64_t handle_id, kvb_block_info *out)
@@ -4069,6 +4104,26 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
     }
     k = kvb__prefix(pool, hashes, n, idx);
     kvb__take_matched(pool, idx, k, n, out_blocks);
+    *out_n = k;
+    kvb__unlock(pool);
+    return KVB_OK;
+}
+
+KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks, size_t *out_n)
+{
+    uint32_t stack[KVB__SCRATCH], *idx;
+    size_t i, k;
+    if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
+    pthread_mutex_lock(&pool->lock);
+    if (!(idx = kvb__scratch(pool, stack, n))) {
+        pthread_mutex_unlock(&pool->lock);
+        return KVB_ENOMEM;
+    }
+    k = kvb__prefix(pool, hashes, n, idx);
+    for (i = 0; i < k; i++) {
+        kvb__take_pin(pool, idx[i]);
+        out_blocks[i] = kvb__block_of(pool, idx[i]);
+    }
     *out_n = k;
     kvb__unlock(pool);
     return KVB_OK;
@@ -14055,6 +14110,8 @@ typedef struct kvs__req {
     size_t num_prompt;
     size_t cached, lower_hit;
     size_t lower_from;         /* the token the planned loads start at (the device prefix then found) */
+    kvb_block *pins;           /* stb_ds: that device prefix, held while the loads run (kvs__pin_prefix);
+                                * the array is kept with the struct */
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
@@ -14366,10 +14423,22 @@ static int kvs__repay(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
+/* The device prefix r held while its loads ran goes (kvb_unpin: not a use). Out of memory for
+ * the batch, one at a time (a single block needs none). */
+static void kvs__unpin_prefix(kvs_sched *s, kvs__req *r)
+{
+    size_t i, n = stbds_arrlenu(r->pins);
+    if (!n) return;
+    if (kvb_unpin(s->cfg.device, r->pins, n) != KVB_OK)
+        for (i = n; i-- > 0;) (void)kvb_unpin(s->cfg.device, &r->pins[i], 1);
+    KVB__ARR_SHRINK(r->pins, 0);
+}
+
 /* Give back a request's device blocks and its connector state (its counts stay readable). A commit it
  * still owes is tried a last time: failing that, its blocks go back uncached, and are counted. */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
+    kvs__unpin_prefix(s, r);
     if (!kvs__repay(s, r)) {
         size_t full = r->owed / s->block_tokens;
         s->stats.blocks_not_registered += full > r->registered_blocks ? full - r->registered_blocks : 0;
@@ -14385,6 +14454,7 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 static void kvs__req_free(kvs__req *r)
 {
     kvb_seq_destroy(r->kept_seq);
+    stbds_arrfree(r->pins);
     KVB_FREE(r->tokens);
 }
 
@@ -14439,13 +14509,16 @@ static kvs__req *kvs__req_new(kvs_sched *s, size_t need)
         uint32_t *tokens;
         uint32_t cap;
         kvb_seq *kept;
+        kvb_block *pins;
         tokens = r->tokens;
         cap = r->cap;
         kept = r->kept_seq;
+        pins = r->pins;
         memset(r, 0, sizeof *r);
         r->tokens = tokens;
         r->cap = cap;
         r->kept_seq = kept;
+        r->pins = pins;
     } else {
         if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
             void *block;
@@ -14848,6 +14921,20 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
 /* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads.
  * Only the blocks admission can match are asked for: those before the last token's (kvs__admit computes
  * that token, so a prompt that fills its last block recomputes that block; loading it would be wasted). */
+/* r's cached device prefix (*dev blocks of hashes[0..nh)), held until r's admission matches it
+ * (kvs__admit): while its loads run, other requests' blocks are evicted, and a prefix block that went
+ * would stop the match before the loaded blocks, which would then be recomputed. Held as pins, not uses
+ * (kvb_pin: no lookup counted, no policy sees it; the admission's match is the use). Out of memory for
+ * the list, not held (looked up only, as before). */
+static void kvs__pin_prefix(kvs_sched *s, kvs__req *r, const kvb_hash *hashes, size_t nh, size_t *dev)
+{
+    KVB__ARR_SHRINK(r->pins, 0);
+    if (kvo__fit(&r->pins, nh) && kvb_pin(s->cfg.device, hashes, nh, r->pins, dev) == KVB_OK)
+        stbds_arrsetlen(r->pins, *dev);
+    else if (kvb_lookup(s->cfg.device, hashes, nh, dev) != KVB_OK)
+        *dev = 0;
+}
+
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
@@ -14858,10 +14945,11 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     KVB__ARR_SHRINK(s->hashes, 0);
     hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);
-    kvb_lookup(s->cfg.device, hashes, nh, &dev);
+    kvs__pin_prefix(s, r, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
     if (!async) {
         kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
+        kvs__unpin_prefix(s, r); /* admitted now: its match takes them */
         return 0;
     }
     kvs_connector_update_state_after_alloc(s->conn, r->id, ext);
@@ -14968,7 +15056,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
     size_t cached = 0;
     int planned = 0;
-    if (!kvs__seq_open(s, r)) return 0;
+    if (!kvs__seq_open(s, r)) {
+        kvs__unpin_prefix(s, r);
+        return 0;
+    }
     for (;;) { /* the last token is appended on its own, never from the cache (with one token a block,
                 * its block could be cached too): the engine always computes at least one token (for
                 * its logits) in a block of its own, as in vLLM */
@@ -14988,16 +15079,19 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         }
         if (!v) {
             kvs__seq_close(r);
+            kvs__unpin_prefix(s, r); /* it waits: it holds nothing */
             return 0;
         }
         kvs__preempt(s, v);
     }
+    kvs__unpin_prefix(s, r); /* the match holds them now */
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
     r->computed = (uint32_t)cached;
     r->cached = cached;
     /* the loaded blocks the match reaches: it may stop before their end (evicted once unpinned, or after
-     * a gap) or before their start (a block of the device prefix, not held while they load, went
-     * meanwhile: they are recomputed, and the tokens it caches are device hits). Only loads staged for
+     * a gap) or before their start (a block of the device prefix went while they loaded: held since
+     * staging, unless that found no memory to list it; they are recomputed, and the tokens it caches
+     * are device hits). Only loads staged for
      * this admission count: a request let in without staging (the device had no room for all of its
      * blocks, kvs__admit_queue) keeps the count of an earlier admission, whose loaded blocks it now
      * finds on the device. */
@@ -15015,24 +15109,40 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
-/* Whether the device has room (free or evictable blocks) for all of r's blocks. */
+/* Whether the device has room (free or evictable blocks, or its own pinned prefix) for all of r's blocks. */
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
     size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
-    return need <= (size_t)st.free_blocks + st.inactive_blocks;
+    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins);
 }
 
-/* Loads that landed for queued requests pin their device blocks until those are admitted. When a request
- * cannot get in and nothing runs that would give blocks back, they give theirs back (still cached, now
- * evictable; its own too, which it then matches): else it would wait for ever for blocks that wait for
- * it, its own or those of requests queued behind it. 1 when it should be tried again (once a pass). */
+/* The device prefixes held by the requests of queue q (kvs__pin_prefix) go: 1 when one did. */
+static int kvs__unpin_queued(kvs_sched *s, kvs__req **q)
+{
+    size_t i;
+    int any = 0;
+    for (i = 0; i < stbds_arrlenu(q); i++)
+        if (stbds_arrlenu(q[i]->pins)) {
+            kvs__unpin_prefix(s, q[i]);
+            any = 1;
+        }
+    return any;
+}
+
+/* Loads that landed for queued requests pin their device blocks until those are admitted, and their
+ * device prefixes are held from staging on. When a request cannot get in and nothing runs that would
+ * give blocks back, they give theirs back (still cached, now evictable; its own too, which it then
+ * matches): else it would wait for ever for blocks that wait for it, its own or those of requests queued
+ * behind it. 1 when it should be tried again (once a pass). */
 static int kvs__unpin_loads(kvs_sched *s, int *tried)
 {
+    int any;
     if (*tried || !s->conn || stbds_arrlen(s->running)) return 0;
     *tried = 1;
-    return kvs__conn_unpin_loads(s->conn);
+    any = kvs__unpin_queued(s, s->waiting) | kvs__unpin_queued(s, s->swapped) | kvs__unpin_queued(s, s->onboarding);
+    return kvs__conn_unpin_loads(s->conn) | any;
 }
 
 /* Waiting (or swapped) requests in order, while the budgets last. */

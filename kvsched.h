@@ -3101,6 +3101,8 @@ typedef struct kvs__req {
     size_t num_prompt;
     size_t cached, lower_hit;
     size_t lower_from;         /* the token the planned loads start at (the device prefix then found) */
+    kvb_block *pins;           /* stb_ds: that device prefix, held while the loads run (kvs__pin_prefix);
+                                * the array is kept with the struct */
     uint64_t salt;
     uint64_t extra[KVB_MAX_EXTRA_KEYS];
     size_t num_extra;
@@ -3412,10 +3414,22 @@ static int kvs__repay(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
+/* The device prefix r held while its loads ran goes (kvb_unpin: not a use). Out of memory for
+ * the batch, one at a time (a single block needs none). */
+static void kvs__unpin_prefix(kvs_sched *s, kvs__req *r)
+{
+    size_t i, n = stbds_arrlenu(r->pins);
+    if (!n) return;
+    if (kvb_unpin(s->cfg.device, r->pins, n) != KVB_OK)
+        for (i = n; i-- > 0;) (void)kvb_unpin(s->cfg.device, &r->pins[i], 1);
+    KVB__ARR_SHRINK(r->pins, 0);
+}
+
 /* Give back a request's device blocks and its connector state (its counts stay readable). A commit it
  * still owes is tried a last time: failing that, its blocks go back uncached, and are counted. */
 static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 {
+    kvs__unpin_prefix(s, r);
     if (!kvs__repay(s, r)) {
         size_t full = r->owed / s->block_tokens;
         s->stats.blocks_not_registered += full > r->registered_blocks ? full - r->registered_blocks : 0;
@@ -3431,6 +3445,7 @@ static void kvs__drop_blocks(kvs_sched *s, kvs__req *r)
 static void kvs__req_free(kvs__req *r)
 {
     kvb_seq_destroy(r->kept_seq);
+    stbds_arrfree(r->pins);
     KVB_FREE(r->tokens);
 }
 
@@ -3485,13 +3500,16 @@ static kvs__req *kvs__req_new(kvs_sched *s, size_t need)
         uint32_t *tokens;
         uint32_t cap;
         kvb_seq *kept;
+        kvb_block *pins;
         tokens = r->tokens;
         cap = r->cap;
         kept = r->kept_seq;
+        pins = r->pins;
         memset(r, 0, sizeof *r);
         r->tokens = tokens;
         r->cap = cap;
         r->kept_seq = kept;
+        r->pins = pins;
     } else {
         if (!s->slab_left) { /* requests side by side: a pass over them in arrival order is a stream */
             void *block;
@@ -3894,6 +3912,20 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
 /* Lower tiers first: when they hold blocks past the device prefix, the request waits for the loads.
  * Only the blocks admission can match are asked for: those before the last token's (kvs__admit computes
  * that token, so a prompt that fills its last block recomputes that block; loading it would be wasted). */
+/* r's cached device prefix (*dev blocks of hashes[0..nh)), held until r's admission matches it
+ * (kvs__admit): while its loads run, other requests' blocks are evicted, and a prefix block that went
+ * would stop the match before the loaded blocks, which would then be recomputed. Held as pins, not uses
+ * (kvb_pin: no lookup counted, no policy sees it; the admission's match is the use). Out of memory for
+ * the list, not held (looked up only, as before). */
+static void kvs__pin_prefix(kvs_sched *s, kvs__req *r, const kvb_hash *hashes, size_t nh, size_t *dev)
+{
+    KVB__ARR_SHRINK(r->pins, 0);
+    if (kvo__fit(&r->pins, nh) && kvb_pin(s->cfg.device, hashes, nh, r->pins, dev) == KVB_OK)
+        stbds_arrsetlen(r->pins, *dev);
+    else if (kvb_lookup(s->cfg.device, hashes, nh, dev) != KVB_OK)
+        *dev = 0;
+}
+
 static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
 {
     kvb_hash *hashes;
@@ -3904,10 +3936,11 @@ static int kvs__stage_onboard(kvs_sched *s, kvs__req *r)
     KVB__ARR_SHRINK(s->hashes, 0);
     hashes = stbds_arraddnptr(s->hashes, nh);
     kvs__prompt_hashes(s, r, hashes, nh);
-    kvb_lookup(s->cfg.device, hashes, nh, &dev);
+    kvs__pin_prefix(s, r, hashes, nh, &dev);
     kvs_connector_get_num_new_matched_tokens(s->conn, r->id, hashes, nh, dev * s->block_tokens, &ext, &async);
     if (!async) {
         kvs_connector_update_state_after_alloc(s->conn, r->id, 0);
+        kvs__unpin_prefix(s, r); /* admitted now: its match takes them */
         return 0;
     }
     kvs_connector_update_state_after_alloc(s->conn, r->id, ext);
@@ -4014,7 +4047,10 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
 {
     size_t cached = 0;
     int planned = 0;
-    if (!kvs__seq_open(s, r)) return 0;
+    if (!kvs__seq_open(s, r)) {
+        kvs__unpin_prefix(s, r);
+        return 0;
+    }
     for (;;) { /* the last token is appended on its own, never from the cache (with one token a block,
                 * its block could be cached too): the engine always computes at least one token (for
                 * its logits) in a block of its own, as in vLLM */
@@ -4034,16 +4070,19 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
         }
         if (!v) {
             kvs__seq_close(r);
+            kvs__unpin_prefix(s, r); /* it waits: it holds nothing */
             return 0;
         }
         kvs__preempt(s, v);
     }
+    kvs__unpin_prefix(s, r); /* the match holds them now */
     if (s->conn) kvs_connector_release_loads(s->conn, r->id);
     r->computed = (uint32_t)cached;
     r->cached = cached;
     /* the loaded blocks the match reaches: it may stop before their end (evicted once unpinned, or after
-     * a gap) or before their start (a block of the device prefix, not held while they load, went
-     * meanwhile: they are recomputed, and the tokens it caches are device hits). Only loads staged for
+     * a gap) or before their start (a block of the device prefix went while they loaded: held since
+     * staging, unless that found no memory to list it; they are recomputed, and the tokens it caches
+     * are device hits). Only loads staged for
      * this admission count: a request let in without staging (the device had no room for all of its
      * blocks, kvs__admit_queue) keeps the count of an earlier admission, whose loaded blocks it now
      * finds on the device. */
@@ -4061,24 +4100,40 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
-/* Whether the device has room (free or evictable blocks) for all of r's blocks. */
+/* Whether the device has room (free or evictable blocks, or its own pinned prefix) for all of r's blocks. */
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
     size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
-    return need <= (size_t)st.free_blocks + st.inactive_blocks;
+    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins);
 }
 
-/* Loads that landed for queued requests pin their device blocks until those are admitted. When a request
- * cannot get in and nothing runs that would give blocks back, they give theirs back (still cached, now
- * evictable; its own too, which it then matches): else it would wait for ever for blocks that wait for
- * it, its own or those of requests queued behind it. 1 when it should be tried again (once a pass). */
+/* The device prefixes held by the requests of queue q (kvs__pin_prefix) go: 1 when one did. */
+static int kvs__unpin_queued(kvs_sched *s, kvs__req **q)
+{
+    size_t i;
+    int any = 0;
+    for (i = 0; i < stbds_arrlenu(q); i++)
+        if (stbds_arrlenu(q[i]->pins)) {
+            kvs__unpin_prefix(s, q[i]);
+            any = 1;
+        }
+    return any;
+}
+
+/* Loads that landed for queued requests pin their device blocks until those are admitted, and their
+ * device prefixes are held from staging on. When a request cannot get in and nothing runs that would
+ * give blocks back, they give theirs back (still cached, now evictable; its own too, which it then
+ * matches): else it would wait for ever for blocks that wait for it, its own or those of requests queued
+ * behind it. 1 when it should be tried again (once a pass). */
 static int kvs__unpin_loads(kvs_sched *s, int *tried)
 {
+    int any;
     if (*tried || !s->conn || stbds_arrlen(s->running)) return 0;
     *tried = 1;
-    return kvs__conn_unpin_loads(s->conn);
+    any = kvs__unpin_queued(s, s->waiting) | kvs__unpin_queued(s, s->swapped) | kvs__unpin_queued(s, s->onboarding);
+    return kvs__conn_unpin_loads(s->conn) | any;
 }
 
 /* Waiting (or swapped) requests in order, while the budgets last. */

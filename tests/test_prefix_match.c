@@ -613,6 +613,145 @@ static void test_register_batch_same_as_one_by_one(void)
     kvb_pool_destroy(single);
 }
 
+/* n single blocks registered with hashes (i + 1, salt) as roots, each its own request, released in order. */
+static void register_roots(kvb_pool *pool, size_t n, uint64_t salt, kvb_hash *h)
+{
+    kvb_block b[8], out[8];
+    KVT_CHECK(n <= 8);
+    KVT_EQ(kvb_alloc(pool, n, b), KVB_OK);
+    for (size_t i = 0; i < n; i++) h[i] = fx_hash(i + 1, salt);
+    KVT_EQ(kvb_register_hashed(pool, b, n, h, NULL, out), KVB_OK);
+    for (size_t i = 0; i < n; i++) KVT_EQ(kvb_release(pool, &out[i], 1, NULL), KVB_OK);
+}
+
+/* kvb_pin: the prefix kvb_match would give, held (nothing evicts it), with no lookup or hit counted; the
+ * pins go with kvb_unpin, and then the blocks are inactive and cached as before. */
+static void test_pin_holds_a_prefix_without_counting(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    kvb_block chain[4], reg[4], pins[5], all[8];
+    kvb_hash h[5], parents[4];
+    size_t n = 99;
+    KVT_EQ(kvb_alloc(pool, 4, chain), KVB_OK);
+    for (int i = 0; i < 5; i++) h[i] = fx_hash(100 + (uint64_t)i, 7);
+    parents[0] = fx_hash(0, 0);
+    for (int i = 1; i < 4; i++) parents[i] = h[i - 1];
+    KVT_EQ(kvb_register_hashed(pool, chain, 4, h, parents, reg), KVB_OK);
+    KVT_EQ(kvb_release(pool, reg, 4, NULL), KVB_OK);
+    kvb_pool_stats before = fx_stats(pool);
+    KVT_EQ(kvb_pin(pool, h, 5, pins, &n), KVB_OK); /* the 5th hash was never registered */
+    KVT_EQ(n, 4);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.lookups, before.lookups);
+    KVT_EQ(st.lookup_blocks, before.lookup_blocks);
+    KVT_EQ(st.hit_blocks, before.hit_blocks);
+    KVT_EQ(st.hit_tokens, before.hit_tokens);
+    KVT_EQ(st.inactive_blocks, 0);
+    KVT_EQ(st.active_blocks, 4);
+    for (int i = 0; i < 4; i++) {
+        KVT_EQ(pins[i].id, reg[i].id);
+        KVT_EQ(fx_info(pool, pins[i].id).refs, 1);
+    }
+    /* every other block can be taken; the pinned ones cannot be evicted */
+    KVT_EQ(kvb_alloc(pool, 4, all), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, all + 4), KVB_ENOSPACE);
+    KVT_EQ(fx_lookup(pool, h, 5), 4);
+    KVT_EQ(kvb_release(pool, all, 4, NULL), KVB_OK);
+    KVT_EQ(kvb_unpin(pool, pins, 4), KVB_OK);
+    st = fx_stats(pool);
+    KVT_EQ(st.inactive_blocks, 4);
+    KVT_EQ(st.active_blocks, 0);
+    KVT_EQ(st.lookups, before.lookups);
+    KVT_EQ(fx_lookup(pool, h, 4), 4);
+    KVT_EQ(kvb_unpin(pool, pins, 1), KVB_EDOUBLE);
+    KVT_EQ(kvb_unpin(NULL, pins, 1), KVB_EINVAL);
+    KVT_EQ(kvb_unpin(pool, NULL, 1), KVB_EINVAL);
+    KVT_EQ(kvb_unpin(pool, NULL, 0), KVB_OK);
+    /* bad input */
+    KVT_EQ(kvb_pin(NULL, h, 1, pins, &n), KVB_EINVAL);
+    KVT_EQ(kvb_pin(pool, NULL, 1, pins, &n), KVB_EINVAL);
+    KVT_EQ(kvb_pin(pool, h, 1, NULL, &n), KVB_EINVAL);
+    KVT_EQ(kvb_pin(pool, h, 1, pins, NULL), KVB_EINVAL);
+    KVT_EQ(kvb_pin(pool, NULL, 0, NULL, &n), KVB_OK);
+    KVT_EQ(n, 0);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* ARC sees a kvb_match as a hit (the block moves to T2); a pin and its release are no use: it stays in T1. */
+static void test_pin_is_no_hit_for_arc(void)
+{
+    kvb_pool_config cfg = fx_config(8);
+    cfg.eviction = KVB_EVICT_ARC;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_hash h[2];
+    kvb_block b;
+    size_t n = 0;
+    register_roots(pool, 2, 9, h);
+    KVT_EQ(fx_stats(pool).list_blocks[0], 2);
+    KVT_EQ(kvb_pin(pool, h, 1, &b, &n), KVB_OK);
+    KVT_EQ(n, 1);
+    KVT_EQ(kvb_unpin(pool, &b, 1), KVB_OK);
+    KVT_EQ(fx_stats(pool).list_blocks[0], 2);
+    KVT_EQ(fx_stats(pool).list_blocks[1], 0);
+    KVT_EQ(kvb_match(pool, h, 1, &b, &n), KVB_OK); /* a use: to T2 */
+    KVT_EQ(kvb_release(pool, &b, 1, NULL), KVB_OK);
+    KVT_EQ(fx_stats(pool).list_blocks[1], 1);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* FOL counts each release as a use; not a release of pins. Two blocks, each its own request's tail
+ * (class 0, first out under a fixed step); b is used again (count 2). a pinned and let go is still
+ * seen once, so a full pool evicts a; counted as a use, a would be class 2 too, and b (released
+ * earlier) would go. */
+static void test_unpin_is_no_use_for_fol(void)
+{
+    kvb_pool_config cfg = fx_config(2);
+    cfg.eviction = KVB_EVICT_FOL;
+    cfg.fol_class_step = 1000;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_hash h[2];
+    kvb_block b, fresh;
+    size_t n = 0;
+    register_roots(pool, 2, 11, h);
+    KVT_EQ(kvb_match(pool, h + 1, 1, &b, &n), KVB_OK);
+    KVT_EQ(kvb_release(pool, &b, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_pin(pool, h, 1, &b, &n), KVB_OK);
+    KVT_EQ(n, 1);
+    KVT_EQ(kvb_unpin(pool, &b, 1), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, &fresh), KVB_OK);
+    KVT_EQ(fx_lookup(pool, h, 1), 0);     /* a went */
+    KVT_EQ(fx_lookup(pool, h + 1, 1), 1); /* b stays */
+    KVT_EQ(kvb_release(pool, &fresh, 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
+/* A block let go by kvb_unpin keeps its priority level (kvb_release would put it at opts' level, 0 by
+ * default). */
+static void test_unpin_keeps_the_level(void)
+{
+    kvb_pool_config cfg = fx_config(4);
+    cfg.priority_levels = 2;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_block b, reg, pin;
+    kvb_hash h = fx_hash(5, 5);
+    size_t n = 0;
+    kvb_release_opts high = {.priority = 1};
+    KVT_EQ(kvb_alloc(pool, 1, &b), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, &b, 1, &h, NULL, &reg), KVB_OK);
+    KVT_EQ(kvb_release(pool, &reg, 1, &high), KVB_OK);
+    KVT_EQ(fx_info(pool, reg.id).priority, 1);
+    KVT_EQ(kvb_pin(pool, &h, 1, &pin, &n), KVB_OK);
+    KVT_EQ(n, 1);
+    KVT_EQ(kvb_unpin(pool, &pin, 1), KVB_OK);
+    KVT_EQ(fx_info(pool, reg.id).priority, 1);
+    KVT_EQ(fx_stats(pool).inactive_blocks, 1);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -631,5 +770,9 @@ int main(void)
     KVT_RUN(test_near_collisions_told_apart);
     KVT_RUN(test_structured_hashes_spread);
     KVT_RUN(test_register_batch_same_as_one_by_one);
+    KVT_RUN(test_pin_holds_a_prefix_without_counting);
+    KVT_RUN(test_pin_is_no_hit_for_arc);
+    KVT_RUN(test_unpin_is_no_use_for_fol);
+    KVT_RUN(test_unpin_keeps_the_level);
     return kvt_summary();
 }

@@ -1279,13 +1279,14 @@ static size_t loaded_blocks_of(const sf_env *e, uint64_t q)
     return n;
 }
 
-/* Lower-tier hits are the loaded blocks the admission's match reaches, not the first cached tokens: the
- * device prefix is not held while the loads run, and when one of its blocks goes meanwhile, the match
- * stops at that gap and the loaded blocks after it are recomputed. A 72-token prompt (4 full blocks), all
- * on the host, blocks 0 and 1 still on the device: blocks 2 and 3 are loaded; block 1 is dropped from
- * the device before q is admitted, so q caches block 0 alone, a device hit, and no lower-tier hit
- * (the count was min(loaded, cached) = 16 tokens). */
-static void test_lower_hits_after_a_device_gap(void)
+/* The device prefix is held while the loads behind it run: a block of it that went meanwhile would stop
+ * the admission's match before the loaded blocks, which would then be recomputed (vLLM holds them too).
+ * A 72-token prompt (4 full blocks), all on the host, blocks 0 and 1 still on the device: blocks 2 and
+ * 3 are loaded; while they load, block 1 cannot be dropped (kvb_invalidate drops only blocks nobody
+ * holds). q caches all 4 blocks: 2 from the device, 2 from the host. (Before, block 1 went, q cached
+ * block 0 alone and recomputed the loaded ones.) That the hold counts no lookup and is no use to the
+ * policy: test_prefix_match (kvb_pin). */
+static void test_device_prefix_held_while_loading(void)
 {
     sf_env e;
     uint32_t b[72];
@@ -1300,15 +1301,38 @@ static void test_lower_hits_after_a_device_gap(void)
     sf_turn(&e, &st); /* q's loads of blocks 2 and 3 start */
     KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
     KVT_EQ(loaded_blocks_of(&e, q), 2);
-    KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK); /* the gap */
-    KVT_EQ(dropped, 1);
+    KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK);
+    KVT_EQ(dropped, 0); /* held */
     sf_run(&e, 10);
     KVT_EQ(sf_settle(&e), 0);
     kvs_slot_info iq = sf_slot(&e, q);
-    KVT_EQ(iq.num_cached, 16);
-    KVT_EQ(iq.num_lower_hit_tokens, 0);
-    KVT_EQ(sf_stats(&e).lower_hit_tokens, 0);
-    KVT_EQ(sf_stats(&e).cached_tokens, 16);
+    KVT_EQ(iq.num_cached, 64);
+    KVT_EQ(iq.num_lower_hit_tokens, 32);
+    KVT_EQ(sf_stats(&e).lower_hit_tokens, 32);
+    KVT_EQ(sf_stats(&e).cached_tokens, 64);
+    sf_close(&e);
+}
+
+/* A request that ends while its loads run gives its held prefix back: aborted while onboarding, the
+ * device's blocks are all evictable again (and sf_close checks the pool). */
+static void test_abort_while_loading_lets_the_prefix_go(void)
+{
+    sf_env e;
+    uint32_t b[72];
+    kvb_hash h[4];
+    size_t dropped = 0;
+    kvs_step st;
+    open_after_a_stored_prompt(&e, 75, b, 72, h);
+    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
+    uint64_t q = sf_add(&e, b, 72, 1, 0);
+    sf_turn(&e, &st);
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK);
+    KVT_EQ(dropped, 0);
+    KVT_EQ(sf_abort(&e, q), KVS_OK);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(kvb_invalidate(e.dev, h, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2); /* nobody holds them now */
     sf_close(&e);
 }
 
@@ -1899,7 +1923,8 @@ int main(void)
     KVT_RUN(test_append_beyond_step_budget);
     KVT_RUN(test_lower_hits_within_cached);
     KVT_RUN(test_onboard_skips_last_token_block);
-    KVT_RUN(test_lower_hits_after_a_device_gap);
+    KVT_RUN(test_device_prefix_held_while_loading);
+    KVT_RUN(test_abort_while_loading_lets_the_prefix_go);
     KVT_RUN(test_lower_hits_not_counted_again);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
