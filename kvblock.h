@@ -4055,25 +4055,9 @@ static void kvb__take_matched(kvb_pool *p, const uint32_t *idx, size_t k, size_t
     p->stats.hit_blocks += k;
 }
 
-KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
-                             size_t *out_n)
-{
-    uint32_t stack[KVB__SCRATCH], *idx;
-    size_t k;
-    if (!pool || !out_n || (n && (!hashes || !out_blocks))) return KVB_EINVAL;
-    pthread_mutex_lock(&pool->lock);
-    if (!(idx = kvb__scratch(pool, stack, n))) {
-        pthread_mutex_unlock(&pool->lock);
-        return KVB_ENOMEM;
-    }
-    k = kvb__prefix(pool, hashes, n, idx);
-    kvb__take_matched(pool, idx, k, n, out_blocks);
-    *out_n = k;
-    kvb__unlock(pool);
-    return KVB_OK;
-}
-
-KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks, size_t *out_n)
+/* kvb_match (a use: counted, the policy told) and kvb_pin (neither). */
+static kvb_result kvb__match_prefix(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
+                                    size_t *out_n, int use)
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     size_t i, k;
@@ -4084,13 +4068,25 @@ KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb
         return KVB_ENOMEM;
     }
     k = kvb__prefix(pool, hashes, n, idx);
-    for (i = 0; i < k; i++) {
-        kvb__take_pin(pool, idx[i]);
-        out_blocks[i] = kvb__block_of(pool, idx[i]);
-    }
+    if (use) kvb__take_matched(pool, idx, k, n, out_blocks);
+    else
+        for (i = 0; i < k; i++) {
+            kvb__take_pin(pool, idx[i]);
+            out_blocks[i] = kvb__block_of(pool, idx[i]);
+        }
     *out_n = k;
     kvb__unlock(pool);
     return KVB_OK;
+}
+
+KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks, size_t *out_n)
+{
+    return kvb__match_prefix(pool, hashes, n, out_blocks, out_n, 1);
+}
+
+KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks, size_t *out_n)
+{
+    return kvb__match_prefix(pool, hashes, n, out_blocks, out_n, 0);
 }
 
 KVB_API kvb_result kvb_request_begin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,

@@ -40,7 +40,9 @@
  * requests (swap in), then waiting ones. Admission matches the device prefix cache first, then asks the
  * connector for lower-tier hits among the full blocks before the last token's (that token is always
  * computed, for its logits, so its block is too): those blocks are onboarded (asynchronously) before the
- * request prefills. When blocks run out, the victim is the running request of lowest priority, latest
+ * request prefills, and its device prefix is held meanwhile (kvb_pin: not counted as a use), so that
+ * no eviction cuts the prefix off from the loaded blocks (vLLM holds them too; without, 5% of the loaded
+ * blocks in a serve_sim run were recomputed). When blocks run out, the victim is the running request of lowest priority, latest
  * arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it; KVS_PREEMPT_SWAP offloads its blocks
  * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
  * strictly lower priority, in that order and only as many as it needs, and only when preempting all of

@@ -419,14 +419,15 @@ static void op_alloc(dz *d)
     }
 }
 
-static void op_release(dz *d)
+/* kvb_release, or kvb_unpin (no options: each block keeps its level). */
+static void op_release(dz *d, int unpin)
 {
     kvb_block b[D_MAXN];
     int sl[D_MAXN], uses[D_SLOTS] = {0};
-    uint8_t pb = u8(d); /* the level and where the request ends in its last block (policies here ignore it) */
+    uint8_t pb = unpin ? 0 : u8(d); /* the level and where the request ends in its last block (policies here ignore it) */
     uint32_t x[D_MAXN], prio = pb % (d->m.levels + 1), last = (uint32_t)(pb >> 4) % (D_BT + 2);
     size_t n = below(d, D_MAXN), i, k = 0;
-    kvb_release_opts o = {prio, last};
+    kvb_release_opts o = {.priority = prio, .last_block_tokens = last};
     kvb_result want = KVB_OK, r;
     for (i = 0; i < n; i++) { /* never a reference this harness does not own (a sequence's) */
         uint64_t id = pick_handle(d, &sl[k]);
@@ -441,10 +442,10 @@ static void op_release(dz *d)
         if (b[i].id & KVB_WEAK_BIT) want = KVB_EWEAK;
         else if ((want = m_lookup(&d->m, b[i].id, &x[i])) == KVB_OK && !d->m.b[x[i]].refs) want = KVB_EDOUBLE;
     }
-    r = kvb_release(d->pool, b, n, &o);
-    SAME("release", r, want);
+    r = unpin ? kvb_unpin(d->pool, b, n) : kvb_release(d->pool, b, n, &o);
+    SAME(unpin ? "unpin" : "release", r, want);
     if (r != KVB_OK) return;
-    for (i = n; i-- > 0;) m_drop_ref(&d->m, x[i], prio);
+    for (i = n; i-- > 0;) m_drop_ref(&d->m, x[i], unpin ? d->m.b[x[i]].prio : prio);
     for (i = 0; i < n; i++) d->s[sl[i]].held--;
 }
 
@@ -518,6 +519,24 @@ static void take_matched(dz *d, const uint32_t *x, size_t k, size_t n, const kvb
         m_take_ref(&d->m, x[i]);
         d->m.st.hit_tokens += d->m.b[x[i]].ntok;
         SAME("matched handle", out[i].id, m_handle(&d->m, x[i]));
+        put_slot(d, out[i].id, 0);
+    }
+}
+
+/* kvb_pin: kvb_match's prefix and references, nothing counted. */
+static void op_pin(dz *d)
+{
+    kvb_hash h[D_MAXN];
+    kvb_block out[D_MAXN];
+    uint32_t x[D_MAXN];
+    size_t n = below(d, D_MAXN), k = 0, want, i;
+    for (i = 0; i < n; i++) h[i] = pick_hash(d);
+    want = m_prefix(&d->m, h, n, x);
+    SAME("pin", kvb_pin(d->pool, h, n, out, &k), KVB_OK);
+    SAME("pinned", k, want);
+    for (i = 0; i < k; i++) {
+        m_take_ref(&d->m, x[i]);
+        SAME("pinned handle", out[i].id, m_handle(&d->m, x[i]));
         put_slot(d, out[i].id, 0);
     }
 }
@@ -883,11 +902,11 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         abort(); /* kvb__mix changed: search for new ones */
     d.uni[11].lo = d.uni[10].lo;
     for (d.op = 0; d.op < D_MAX_OPS && d.at < d.n; d.op++) {
-        uint8_t op = u8(&d) % 19;
+        uint8_t op = u8(&d) % 21;
         if (d.trace) fprintf(stderr, "op %d: %u\n", d.op, op);
         switch (op) {
         case 0: case 1: op_alloc(&d); break;
-        case 2: case 3: op_release(&d); break;
+        case 2: case 3: op_release(&d, 0); break;
         case 4: op_retain(&d); break;
         case 5: op_register(&d, 1); break;
         case 6: op_register(&d, 0); break;
@@ -906,7 +925,9 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
         case 15: op_seq_commit(&d, u8(&d) & 1); break;
         case 16: op_seq_destroy(&d); break;
         case 17: op_seq_fork(&d); break;
-        default: op_invalidate(&d); break;
+        case 18: op_invalidate(&d); break;
+        case 19: op_pin(&d); break;
+        default: op_release(&d, 1); break;
         }
         compare(&d);
     }
