@@ -14926,8 +14926,10 @@ static void kvs__prompt_hashes(kvs_sched *s, const kvs__req *r, kvb_hash *out, s
  * the list, not held (looked up only, as before). */
 static void kvs__pin_prefix(kvs_sched *s, kvs__req *r, const kvb_hash *hashes, size_t nh, size_t *dev)
 {
+    size_t room = r->cap / s->block_tokens; /* room for any prompt its token buffer holds: a struct reused
+                                             * for a longer one (same class) needs no more (the steady state) */
     KVB__ARR_SHRINK(r->pins, 0);
-    if (kvo__fit(&r->pins, nh) && kvb_pin(s->cfg.device, hashes, nh, r->pins, dev) == KVB_OK)
+    if (kvo__fit(&r->pins, room > nh ? room : nh) && kvb_pin(s->cfg.device, hashes, nh, r->pins, dev) == KVB_OK)
         stbds_arrsetlen(r->pins, *dev);
     else if (kvb_lookup(s->cfg.device, hashes, nh, dev) != KVB_OK)
         *dev = 0;
