@@ -620,16 +620,18 @@ KVB_API kvb_result kvb_match(kvb_pool *pool, const kvb_hash *hashes, size_t n, k
                              size_t *out_n);
 
 /* The same prefix as kvb_match, with a reference on each matched block (so it cannot be evicted), but
- * not a use: no lookup or hit is counted and the eviction policy does not see it (ARC and S3-FIFO count
- * no hit). For blocks a request will match later, held meanwhile (an engine waiting for loads behind a
- * cached prefix: vLLM holds them too); let them go with kvb_unpin.
+ * not a use: no lookup or hit is counted and the policy counts nothing (ARC and S3-FIFO no hit; FOL no
+ * use at kvb_unpin). For blocks a request will match later, held meanwhile (an engine waiting for loads
+ * behind a cached prefix: vLLM holds them too); let them go with kvb_unpin. A block that was idle and
+ * is idle again after kvb_unpin has its place in the eviction order as if released then (S3-FIFO: kept).
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
                            size_t *out_n);
 
 /* Let go of pins (kvb_pin): kvb_release's work and errors, but not a use (FOL does not count it); a block
- * whose last reference goes becomes inactive at the priority level it had, as released now.
- * Thread safety: safe from any thread. */
+ * whose last reference goes becomes inactive, as released now, at the level it had when it last became
+ * inactive (a kvb_release while the pin was held does not set the level: only the last reference's
+ * release does). Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n);
 
 /* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
@@ -3723,7 +3725,8 @@ static int kvb__release_take(kvb_pool *p, const kvb_block *blocks, size_t n, uin
 
 /* The references kvb__release_take took off: the unreferenced blocks leave, deepest first (FOL counts the
  * release as a use when `touch`: not for pins). */
-static void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch, int partial)
+static KVB__ALWAYS_INLINE void kvb__release_taken(kvb_pool *p, const uint32_t *idx, size_t n, uint32_t prio, int touch,
+                                                  int partial)
 {
     size_t i;
     if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
@@ -4056,8 +4059,8 @@ static void kvb__take_matched(kvb_pool *p, const uint32_t *idx, size_t k, size_t
 }
 
 /* kvb_match (a use: counted, the policy told) and kvb_pin (neither). */
-static kvb_result kvb__match_prefix(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb_block *out_blocks,
-                                    size_t *out_n, int use)
+static KVB__ALWAYS_INLINE kvb_result kvb__match_prefix(kvb_pool *pool, const kvb_hash *hashes, size_t n,
+                                                       kvb_block *out_blocks, size_t *out_n, int use)
 {
     uint32_t stack[KVB__SCRATCH], *idx;
     size_t i, k;

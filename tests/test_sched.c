@@ -1279,6 +1279,15 @@ static size_t loaded_blocks_of(const sf_env *e, uint64_t q)
     return n;
 }
 
+/* A block's references, by its handle. */
+static uint32_t refs_of(kvb_pool *pool, kvb_block b)
+{
+    kvb_block_info info;
+    memset(&info, 0, sizeof info);
+    KVT_EQ(kvb_block_get_info(pool, b.id, &info), KVB_OK);
+    return info.refs;
+}
+
 /* The device prefix is held while the loads behind it run: a block of it that went meanwhile would stop
  * the admission's match before the loaded blocks, which would then be recomputed (vLLM holds them too).
  * A 72-token prompt (4 full blocks), all on the host, blocks 0 and 1 still on the device: blocks 2 and
@@ -1303,6 +1312,15 @@ static void test_device_prefix_held_while_loading(void)
     KVT_EQ(loaded_blocks_of(&e, q), 2);
     KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK);
     KVT_EQ(dropped, 0); /* held */
+    const kvs_sched_item *it = NULL;
+    for (int i = 0; i < 10 && !it; i++) {
+        KVT_EQ(sf_plan(&e, &st), KVS_OK);
+        if ((it = sf_item(&st, q, NULL)) != NULL) /* admitted: the hold went, its sequence's references stay */
+            for (size_t j = 0; j < 4; j++) KVT_EQ(refs_of(e.dev, it->blocks[j]), 1);
+        sf_model(&e, &st);
+        sf_commit(&e, &st);
+    }
+    KVT_CHECK(it != NULL);
     sf_run(&e, 10);
     KVT_EQ(sf_settle(&e), 0);
     kvs_slot_info iq = sf_slot(&e, q);
@@ -1310,6 +1328,9 @@ static void test_device_prefix_held_while_loading(void)
     KVT_EQ(iq.num_lower_hit_tokens, 32);
     KVT_EQ(sf_stats(&e).lower_hit_tokens, 32);
     KVT_EQ(sf_stats(&e).cached_tokens, 64);
+    kvb_pool_stats ps;
+    KVT_EQ(kvb_pool_get_stats(e.dev, &ps), KVB_OK);
+    KVT_EQ(ps.active_blocks, 0); /* q finished: the hold went at its admission, its own references at its end */
     sf_close(&e);
 }
 
