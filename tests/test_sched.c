@@ -1357,6 +1357,47 @@ static void test_abort_while_loading_lets_the_prefix_go(void)
     sf_close(&e);
 }
 
+/* A request that cannot get in after its loads holds nothing while it waits: q (priority 0) is staged
+ * with blocks 0 and 1 held on the device and 2 and 3 loading; r (priority 1, 12 blocks) takes the rest
+ * of the device. When q's loads are done it does not fit and may preempt nobody: its hold goes (blocks 0
+ * and 1 idle, evictable), and the loaded blocks stay pinned for it. */
+static void test_waiting_request_lets_its_prefix_go(void)
+{
+    sf_env e;
+    uint32_t b[72], c[180];
+    kvb_hash h[4];
+    size_t dropped = 0;
+    kvs_step st;
+    kvb_pool_stats ps;
+    open_after_a_stored_prompt(&e, 77, b, 72, h);
+    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2);
+    uint64_t q = sf_add(&e, b, 72, 4, 0);
+    sf_turn(&e, &st);
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    sf_tokens(78, c, 180);
+    uint64_t r = sf_add(&e, c, 180, 5, 1);
+    sf_turn(&e, &st); /* r in; q's loads are done, it does not fit */
+    KVT_EQ(sf_state(&e, r), KVS_SLOT_DECODING);
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    KVT_EQ(kvb_pool_get_stats(e.dev, &ps), KVB_OK);
+    KVT_EQ(ps.free_blocks, 0);
+    KVT_EQ(ps.inactive_blocks, 2);
+    kvb_weak idle[4];
+    size_t nidle = 0, seen = 0;
+    KVT_EQ(kvb_eviction_candidates(e.dev, 4, idle, &nidle), KVB_OK);
+    KVT_EQ(nidle, 2);
+    for (size_t k = 0; k < nidle; k++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(e.dev, idle[k].id, &bi), KVB_OK);
+        for (int z = 0; z < 2; z++) seen += bi.hash.lo == h[z].lo && bi.hash.hi == h[z].hi;
+    }
+    KVT_EQ(seen, 2); /* q's prefix, held no more */
+    sf_run(&e, 100);
+    KVT_EQ(sf_settle(&e), 0);
+    sf_close(&e);
+}
+
 /* A request's lower-tier hits belong to the admission whose loads were staged for it. q (priority 0)
  * is admitted with 3 blocks loaded from the host (48 tokens); r (the same prompt, priority 1) shares
  * them; once q has 85 tokens, f and g (one prompt, priority 1) fill the device and q is preempted. When
@@ -1946,6 +1987,7 @@ int main(void)
     KVT_RUN(test_onboard_skips_last_token_block);
     KVT_RUN(test_device_prefix_held_while_loading);
     KVT_RUN(test_abort_while_loading_lets_the_prefix_go);
+    KVT_RUN(test_waiting_request_lets_its_prefix_go);
     KVT_RUN(test_lower_hits_not_counted_again);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
