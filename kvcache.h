@@ -11050,8 +11050,9 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * computed, for its logits, so its block is too): those blocks are onboarded (asynchronously) before the
  * request prefills, and its device prefix is held meanwhile (kvb_pin: not counted as a use), so that
  * no eviction cuts the prefix off from the loaded blocks (vLLM holds them too; without, 5% of the loaded
- * blocks in a serve_sim run were recomputed). When blocks run out, the victim is the running request of lowest priority, latest
- * arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it; KVS_PREEMPT_SWAP offloads its blocks
+ * blocks in a serve_sim run were recomputed). When blocks run out, the victim is the running request of
+ * lowest priority, latest arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it;
+ * KVS_PREEMPT_SWAP offloads its blocks
  * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
  * strictly lower priority, in that order and only as many as it needs, and only when preempting all of
  * them could make room for it (its cached prefix counted in its favour): else it waits and preempts
@@ -15094,10 +15095,9 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     /* the loaded blocks the match reaches: it may stop before their end (evicted once unpinned, or after
      * a gap) or before their start (a block of the device prefix went while they loaded: held since
      * staging, unless that found no memory to list it; they are recomputed, and the tokens it caches
-     * are device hits). Only loads staged for
-     * this admission count: a request let in without staging (the device had no room for all of its
-     * blocks, kvs__admit_queue) keeps the count of an earlier admission, whose loaded blocks it now
-     * finds on the device. */
+     * are device hits). Only loads staged for this admission count: a request let in without staging
+     * (the device had no room for all of its blocks, kvs__admit_queue) keeps the count of an earlier
+     * admission, whose loaded blocks it now finds on the device. */
     if (r->state != KVS_SLOT_ONBOARDING || cached <= r->lower_from) r->lower_hit = 0;
     else if (r->lower_hit > cached - r->lower_from) r->lower_hit = cached - r->lower_from;
     r->registered_blocks = cached / s->block_tokens;

@@ -1288,6 +1288,23 @@ static uint32_t refs_of(kvb_pool *pool, kvb_block b)
     return info.refs;
 }
 
+/* A 72-token prompt b (4 full blocks, hashes h) stored as by open_after_a_stored_prompt; blocks 2 and 3
+ * dropped from the device; q (prompt b, priority 0) added and staged: blocks 0 and 1 held on the
+ * device, 2 and 3 loading. Returns q. */
+static uint64_t stage_two_loading(sf_env *e, uint32_t seed, uint32_t *b, kvb_hash *h, uint32_t max_new)
+{
+    size_t dropped = 0;
+    kvs_step st;
+    open_after_a_stored_prompt(e, seed, b, 72, h);
+    KVT_EQ(kvb_invalidate(e->dev, h + 2, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2);
+    KVT_EQ(lookup(e->dev, h, 4), 2);
+    uint64_t q = sf_add(e, b, 72, max_new, 0);
+    sf_turn(e, &st); /* q's loads of blocks 2 and 3 start */
+    KVT_EQ(sf_state(e, q), KVS_SLOT_ONBOARDING);
+    return q;
+}
+
 /* The device prefix is held while the loads behind it run: a block of it that went meanwhile would stop
  * the admission's match before the loaded blocks, which would then be recomputed (vLLM holds them too).
  * A 72-token prompt (4 full blocks), all on the host, blocks 0 and 1 still on the device: blocks 2 and
@@ -1302,13 +1319,7 @@ static void test_device_prefix_held_while_loading(void)
     kvb_hash h[4];
     size_t dropped = 0;
     kvs_step st;
-    open_after_a_stored_prompt(&e, 73, b, 72, h);
-    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
-    KVT_EQ(dropped, 2);
-    KVT_EQ(lookup(e.dev, h, 4), 2);
-    uint64_t q = sf_add(&e, b, 72, 1, 0);
-    sf_turn(&e, &st); /* q's loads of blocks 2 and 3 start */
-    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    uint64_t q = stage_two_loading(&e, 73, b, h, 1);
     KVT_EQ(loaded_blocks_of(&e, q), 2);
     KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK);
     KVT_EQ(dropped, 0); /* held */
@@ -1342,12 +1353,7 @@ static void test_abort_while_loading_lets_the_prefix_go(void)
     uint32_t b[72];
     kvb_hash h[4];
     size_t dropped = 0;
-    kvs_step st;
-    open_after_a_stored_prompt(&e, 75, b, 72, h);
-    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
-    uint64_t q = sf_add(&e, b, 72, 1, 0);
-    sf_turn(&e, &st);
-    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    uint64_t q = stage_two_loading(&e, 75, b, h, 1);
     KVT_EQ(kvb_invalidate(e.dev, h + 1, 1, &dropped), KVB_OK);
     KVT_EQ(dropped, 0);
     KVT_EQ(sf_abort(&e, q), KVS_OK);
@@ -1366,15 +1372,9 @@ static void test_waiting_request_lets_its_prefix_go(void)
     sf_env e;
     uint32_t b[72], c[180];
     kvb_hash h[4];
-    size_t dropped = 0;
     kvs_step st;
     kvb_pool_stats ps;
-    open_after_a_stored_prompt(&e, 77, b, 72, h);
-    KVT_EQ(kvb_invalidate(e.dev, h + 2, 2, &dropped), KVB_OK);
-    KVT_EQ(dropped, 2);
-    uint64_t q = sf_add(&e, b, 72, 4, 0);
-    sf_turn(&e, &st);
-    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    uint64_t q = stage_two_loading(&e, 77, b, h, 4);
     sf_tokens(78, c, 180);
     uint64_t r = sf_add(&e, c, 180, 5, 1);
     sf_turn(&e, &st); /* r in; q's loads are done, it does not fit */
