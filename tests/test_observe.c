@@ -7,7 +7,8 @@
  * - A reader that is never read does not hold publishing back: it keeps the newest events and counts
  *   the rest as lost; callbacks see everything; kind masks filter; seq counts from 1 without gaps.
  * - The recorder's log file reads back as recorded; a cut-short or corrupted file gives back the records
- *   before the damage and says where it is; a missing or foreign file is an I/O error.
+ *   before the damage and says where it is; a missing or foreign file is an I/O error, and so is a read
+ *   that fails part way (nothing is returned).
  * - A recorded run with preemption and device prefix hits replays identically into a fresh scheduler
  *   (from memory and from the log file); a different budget is reported at the first differing decision.
  * - Breakpoints and pauses stop the engine thread where they say and hold it until resumed; hooks see
@@ -24,6 +25,11 @@
  * thread could move them (metrics_text_is_whole_when_a_counter_gains_a_digit) */
 static void metrics_between_passes(void);
 #define KVS__METRICS_BETWEEN_PASSES(sched) metrics_between_passes()
+/* kvs_log_read's seam between two records: from there on the file's reads fail
+ * (read_error_in_the_middle_of_a_log_is_an_io_error) */
+#include <stdio.h>
+static void log_between_records(FILE *f);
+#define KVS__LOG_BETWEEN_RECORDS(f) log_between_records(f)
 #include "kvsched.h"
 #include "kvtest.h"
 #include "sched_fixtures.h"
@@ -1110,6 +1116,60 @@ static void corrupt_record_stops_the_log_where_it_is(void)
         if (log && m == k) check_prefix_equal(rec, log, m);
         kvs_log_free(log);
     }
+    free(file);
+    free(rec);
+    unlink(path);
+}
+
+/* Records kvs_log_read reads before its file's reads start failing; 0: they never do. */
+static size_t log_reads_fail_after;
+
+/* The stream's descriptor becomes one open for writing only: its buffered bytes still read, the next
+ * read(2) fails (EBADF), as a disk's I/O error would. */
+static void log_between_records(FILE *f)
+{
+    int wo;
+    if (!log_reads_fail_after || --log_reads_fail_after) return;
+    if ((wo = open("/dev/null", O_WRONLY)) < 0) return;
+    (void)dup2(wo, fileno(f));
+    close(wo);
+}
+
+/* A read that fails part way through a sound log is an I/O error, not the log's end and not damage:
+ * before, the records read until then came back as the whole log (KVS_OK). */
+static void read_error_in_the_middle_of_a_log_is_an_io_error(void)
+{
+    char path[64];
+    size_t n = 0, m = 7, bytes = 0, copies = 0;
+    kvs_event *rec, *log = NULL, *sentinel = (kvs_event *)&m;
+    kvs_log_report rep;
+    unsigned char *file, *big;
+    KVT_CHECK(make_temp(path, sizeof path));
+    rec = record_small_run(path, &n);
+    file = read_file(path, &bytes);
+    KVT_CHECK(file && n > 0 && bytes == KVS_LOG_HEADER_BYTES + n * KVS_RECORD_BYTES);
+    /* the same records over and over, 64 KiB and more: far past what one read of the stream buffers */
+    while (file && n && copies * n * KVS_RECORD_BYTES < 65536) copies++;
+    big = file ? (unsigned char *)malloc(KVS_LOG_HEADER_BYTES + copies * n * KVS_RECORD_BYTES) : NULL;
+    KVT_CHECK(big != NULL);
+    if (big) {
+        memcpy(big, file, KVS_LOG_HEADER_BYTES);
+        for (size_t c = 0; c < copies; c++)
+            memcpy(big + KVS_LOG_HEADER_BYTES + c * n * KVS_RECORD_BYTES, file + KVS_LOG_HEADER_BYTES, n * KVS_RECORD_BYTES);
+        KVT_CHECK(write_file(path, big, KVS_LOG_HEADER_BYTES + copies * n * KVS_RECORD_BYTES));
+        KVT_EQ(kvs_log_read(path, &log, &m, &rep), KVS_OK); /* sound, read whole */
+        KVT_EQ(m, copies * n);
+        kvs_log_free(log);
+        log = sentinel;
+        m = 7;
+        log_reads_fail_after = 1;
+        KVT_EQ(kvs_log_read(path, &log, &m, &rep), KVS_EIO);
+        KVT_EQ(log_reads_fail_after, 0); /* the seam was reached */
+        KVT_CHECK(log == sentinel);       /* nothing returned */
+        KVT_EQ(m, 7);
+        log_reads_fail_after = 0;
+    }
+    free(big);
     free(file);
     free(rec);
     unlink(path);
@@ -3086,6 +3146,7 @@ int main(void)
     KVT_RUN(cut_short_log_keeps_the_whole_records);
     KVT_RUN(corrupt_record_stops_the_log_where_it_is);
     KVT_RUN(missing_or_foreign_file_is_an_io_error);
+    KVT_RUN(read_error_in_the_middle_of_a_log_is_an_io_error);
     KVT_RUN(recorder_keeps_only_its_kinds_and_counts_what_no_longer_fits);
     /* 4 */
     KVT_RUN(recorded_run_preempts_and_hits_the_device_cache);
