@@ -72,7 +72,8 @@
  *                                   kvs_router_feed(router, worker), &id)   (one bus per engine)
  * The adapters cannot return an error: a batch they could not apply (out of memory while growing) is
  * dropped whole and counted (kvs_router_stats.dropped_events); the index is then stale, as after lost
- * events. A batch is applied all or nothing: the index is grown for every STORED in it first.
+ * events. A batch is applied all or nothing: the index is grown first for every STORED in it of a hash
+ * it does not hold.
  *
  * 5. CONFIGURATION (kvs_router_config; zero means default)
  *     num_workers       required, 1 .. KVS_ROUTER_MAX_WORKERS (1024)
@@ -514,7 +515,9 @@ static kvs_result kvs__rapply(kvs_router *r, uint32_t worker, const kvb_event *e
         if (events[i].kind != KVB_EVENT_STORED && events[i].kind != KVB_EVENT_REMOVED &&
             events[i].kind != KVB_EVENT_CLEARED)
             return KVS_EINVAL;
-        stored += (size_t)(events[i].kind == KVB_EVENT_STORED && kvs__rindexed(r, &events[i]));
+        /* a hash the index holds needs no slot (one the batch deletes first frees the slot it takes) */
+        stored += (size_t)(events[i].kind == KVB_EVENT_STORED && kvs__rindexed(r, &events[i]) &&
+                           !kvs__rfind(r, &events[i].hash));
     }
     res = kvs__rreserve(r, stored);
     if (res != KVS_OK) return res;

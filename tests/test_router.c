@@ -841,6 +841,37 @@ static void test_steady_state_does_not_allocate(void)
     kvs_router_destroy(r);
 }
 
+/* STOREDs of hashes the index already holds (another worker's blocks, repeats) add no entry: they do
+ * not grow the index, so at two thirds full they need no memory. The batch used to reserve a slot for
+ * every STORED: the table doubled for nothing, and with no memory the batch was refused (KVS_ENOMEM;
+ * through an adapter, dropped with its REMOVEDs) though it needed none. */
+static void test_stores_of_held_hashes_do_not_grow(void)
+{
+    kvs_router *r = make_router(2, KVS_ROUTE_KV, 8); /* 16 slots: 10 hashes at most */
+    uint64_t cap, bits[1];
+    size_t before, b;
+    make_chains();
+    store(r, 0, g_chain[0], 0, 10);
+    cap = stats_of(r).capacity;
+    KVT_EQ(cap, 16);
+    KVT_EQ(stats_of(r).hashes, 10);
+    before = g_allocs;
+    g_fail_allocs = 1;
+    store(r, 1, g_chain[0], 0, 10); /* KVS_OK expected: the same 10 hashes */
+    store(r, 0, g_chain[0], 0, 10); /* repeats */
+    g_fail_allocs = 0;
+    KVT_EQ(g_allocs - before, 0);
+    KVT_EQ(stats_of(r).capacity, cap);
+    KVT_EQ(stats_of(r).hashes, 10);
+    KVT_EQ(stats_of(r).stale_events, 10);
+    for (b = 0; b < 10; b++) {
+        KVT_EQ(kvs_router_holders(r, &g_chain[0][b], bits, 1), KVS_OK);
+        KVT_EQ(bits[0], 3);
+    }
+    KVT_EQ(kvs_router_check(r, NULL, 0), KVS_OK);
+    kvs_router_destroy(r);
+}
+
 int main(void)
 {
     KVT_RUN(test_index_matches_pools_5_workers);
@@ -859,5 +890,6 @@ int main(void)
     KVT_RUN(test_engines_on_threads_feed_one_router);
     KVT_RUN(test_bad_arguments_change_nothing);
     KVT_RUN(test_steady_state_does_not_allocate);
+    KVT_RUN(test_stores_of_held_hashes_do_not_grow);
     return kvt_summary();
 }
