@@ -16417,10 +16417,12 @@ static int kvs__rbits_zero(const kvs_router *r, const uint64_t *s)
     return 1;
 }
 
-/* Slots for `hashes` distinct hashes at most two thirds full, one slot always empty. */
+/* Slots for `hashes` distinct hashes at most two thirds full, one slot always empty; 0 for more than
+ * a size_t can count. */
 static size_t kvs__rcapacity_for(size_t hashes)
 {
     size_t c = 16;
+    if (hashes > SIZE_MAX / 4) return 0; /* more than memory holds (a 32-bit size_t: 2^30 hashes) */
     while (c < hashes + hashes / 2 + 1) c <<= 1;
     return c;
 }
@@ -16430,8 +16432,8 @@ static kvs_result kvs__rreserve(kvs_router *r, size_t more)
 {
     size_t cap = kvs__rcapacity_for(r->count + more), i, old_cap = r->capacity;
     uint64_t *old = r->slots, *fresh;
-    if (cap <= r->capacity) return KVS_OK;
-    if (cap > SIZE_MAX / (r->stride * sizeof(uint64_t))) return KVS_ENOMEM;
+    if (cap && cap <= r->capacity) return KVS_OK;
+    if (!cap || cap > SIZE_MAX / (r->stride * sizeof(uint64_t))) return KVS_ENOMEM;
     fresh = (uint64_t *)KVS__RALLOC(cap * r->stride * sizeof(uint64_t));
     if (!fresh) return KVS_ENOMEM;
     memset(fresh, 0, cap * r->stride * sizeof(uint64_t));

@@ -872,6 +872,28 @@ static void test_stores_of_held_hashes_do_not_grow(void)
     kvs_router_destroy(r);
 }
 
+/* The index's size for a count of hashes never overflows: beyond what a size_t can count it is 0, which
+ * growing reports as KVS_ENOMEM, the router unchanged. (With a 32-bit size_t, an expected_blocks near
+ * its maximum took the doubling past the top bit, and it went round for ever.) */
+static void test_capacity_beyond_memory_is_refused(void)
+{
+    kvs_router *r = make_router(2, KVS_ROUTE_KV, 8);
+    size_t top = (size_t)1 << (sizeof(size_t) * 8 - 1);
+    KVT_EQ(kvs__rcapacity_for(0), 16);
+    KVT_EQ(kvs__rcapacity_for(10), 16);
+    KVT_EQ(kvs__rcapacity_for(11), 32);
+    KVT_EQ(kvs__rcapacity_for(SIZE_MAX / 4), top);
+    KVT_EQ(kvs__rcapacity_for(SIZE_MAX / 4 + 1), 0);
+    KVT_EQ(kvs__rcapacity_for(SIZE_MAX), 0);
+    make_chains();
+    store(r, 0, g_chain[0], 0, 4);
+    KVT_EQ(kvs__rreserve(r, SIZE_MAX / 2), KVS_ENOMEM);
+    KVT_EQ(stats_of(r).capacity, 16);
+    KVT_EQ(stats_of(r).hashes, 4);
+    KVT_EQ(kvs_router_check(r, NULL, 0), KVS_OK);
+    kvs_router_destroy(r);
+}
+
 int main(void)
 {
     KVT_RUN(test_index_matches_pools_5_workers);
@@ -891,5 +913,6 @@ int main(void)
     KVT_RUN(test_bad_arguments_change_nothing);
     KVT_RUN(test_steady_state_does_not_allocate);
     KVT_RUN(test_stores_of_held_hashes_do_not_grow);
+    KVT_RUN(test_capacity_beyond_memory_is_refused);
     return kvt_summary();
 }
