@@ -1398,6 +1398,65 @@ static void test_waiting_request_lets_its_prefix_go(void)
     sf_close(&e);
 }
 
+/* A request whose loads are done counts its own held prefix as room: its prefix blocks are its own
+ * (kvs__fits). Device of 16 over a host of 32, one admission a step: prompts a and b (72 tokens: 4 full
+ * blocks and 8 more) each stored on the host, blocks 0 and 1 of each still on the device. q (a) and q2
+ * (b) are staged together: each holds its 2 device blocks and loads 2. The test then holds 4 free
+ * blocks, so 4 are free or evictable: q needs 5, 2 of them its own held prefix, 1 to allocate. It is
+ * admitted with nothing else let go: q2 keeps its held prefix and its loaded blocks (4 active blocks).
+ * Without its own hold counted, q "did not fit" with nothing running, and the deadlock breaker let go
+ * of every queued request's holds and loads first, q2's too. */
+static void test_own_held_prefix_counts_as_room(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t a[72], b[72];
+    kvb_hash ha[4], hb[4];
+    size_t dropped = 0;
+    kvs_step st;
+    kvb_pool_stats ps;
+    kvb_block hold[4];
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 16;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    o.max_seqs = 1;
+    sf_open(&e, &o);
+    sf_tokens(81, a, 72);
+    sf_tokens(82, b, 72);
+    hashes_of(a, 72, ha, 4, 4);
+    hashes_of(b, 72, hb, 4, 4);
+    uint64_t x = sf_add(&e, a, 72, 1, 0), y = sf_add(&e, b, 72, 1, 0);
+    sf_run(&e, 20);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(lookup(e.host, ha, 4), 4);
+    KVT_EQ(lookup(e.host, hb, 4), 4);
+    KVT_EQ(sf_release(&e, x), KVS_OK);
+    KVT_EQ(sf_release(&e, y), KVS_OK);
+    KVT_EQ(kvb_invalidate(e.dev, ha + 2, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2);
+    KVT_EQ(kvb_invalidate(e.dev, hb + 2, 2, &dropped), KVB_OK);
+    KVT_EQ(dropped, 2);
+    uint64_t q = sf_add(&e, a, 72, 4, 0), q2 = sf_add(&e, b, 72, 4, 0);
+    sf_turn(&e, &st); /* both staged: 2 held each, 2 to load each (their device blocks taken as they land) */
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_ONBOARDING);
+    KVT_EQ(sf_state(&e, q2), KVS_SLOT_ONBOARDING);
+    KVT_EQ(kvb_pool_get_stats(e.dev, &ps), KVB_OK);
+    KVT_EQ(ps.active_blocks, 4);
+    KVT_EQ(kvb_alloc(e.dev, 4, hold), KVB_OK); /* 16 - 4 held - 4 loaded - these 4: 4 left */
+    for (int i = 0; i < 4 && sf_state(&e, q) != KVS_SLOT_DECODING; i++) sf_turn(&e, &st);
+    KVT_EQ(sf_state(&e, q), KVS_SLOT_DECODING);
+    KVT_EQ(sf_slot(&e, q).num_cached, 64);
+    KVT_EQ(sf_state(&e, q2), KVS_SLOT_ONBOARDING); /* not admitted yet: one admission a step */
+    KVT_EQ(kvb_invalidate(e.dev, hb, 4, &dropped), KVB_OK);
+    KVT_EQ(dropped, 0); /* q2's prefix still held, its loaded blocks still pinned */
+    KVT_EQ(kvb_release(e.dev, hold, 4, NULL), KVB_OK);
+    sf_run(&e, 40);
+    KVT_EQ(sf_settle(&e), 0);
+    KVT_EQ(sf_slot(&e, q2).num_cached, 64);
+    sf_close(&e);
+}
+
 /* A request's lower-tier hits belong to the admission whose loads were staged for it. q (priority 0)
  * is admitted with 3 blocks loaded from the host (48 tokens); r (the same prompt, priority 1) shares
  * them; once q has 85 tokens, f and g (one prompt, priority 1) fill the device and q is preempted. When
@@ -1988,6 +2047,7 @@ int main(void)
     KVT_RUN(test_device_prefix_held_while_loading);
     KVT_RUN(test_abort_while_loading_lets_the_prefix_go);
     KVT_RUN(test_waiting_request_lets_its_prefix_go);
+    KVT_RUN(test_own_held_prefix_counts_as_room);
     KVT_RUN(test_lower_hits_not_counted_again);
     KVT_RUN(test_bad_input);
     KVT_RUN(test_sizing);
