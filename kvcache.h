@@ -9920,7 +9920,8 @@ static int kvo__rout_add(kvo__rclient *cl, const char *s, size_t len)
 
 static const char kvo__rasking[] = "*1\r\n$6\r\nASKING\r\n";
 
-/* The small commands (GET, GETRANGE, DEL) of node k's items, pipelined in one write. */
+/* The small commands (GET, GETRANGE, DEL) of node k's items, pipelined in one write; KVO__R_NOMEM (nothing
+ * sent) when the out buffer cannot grow. */
 static int kvo__rsend_small(kvo__rop *op, size_t k, char *why, size_t why_size)
 {
     kvo__rclient *cl = op->cl;
@@ -9943,7 +9944,7 @@ static int kvo__rsend_small(kvo__rop *op, size_t k, char *why, size_t why_size)
     return kvo__rsend_buf(cl->nodes[k].c->fd, cl->out, cl->out_len, why, why_size);
 oom:
     kvo__rmsg(why, why_size, "out of memory");
-    return -1;
+    return KVO__R_NOMEM;
 }
 
 /* The SETs of node k's items: header and suffix around the block bytes, straight from the pool when
@@ -10412,7 +10413,10 @@ static void kvo__rop_run(kvo__rop *op)
             if (e == KVO_OK) {
                 e = op->kind == KVO__OP_SET ? kvo__rsend_sets(op, k, why, sizeof why)
                                             : kvo__rsend_small(op, k, why, sizeof why);
-                if (e) {
+                if (e == KVO__R_NOMEM) { /* nothing went out: the connection stays */
+                    kvo__rmsg(msg, sizeof msg, "redis %s:%d: out of memory", cl->nodes[k].host, cl->nodes[k].port);
+                    e = KVO_ENOMEM;
+                } else if (e) {
                     kvo__rmsg(msg, sizeof msg, "redis %s:%d: connection lost mid-batch: %s (%zu copies failed)",
                              cl->nodes[k].host, cl->nodes[k].port, why, mine);
                     kvo__rdrop(r, &cl->nodes[k], why, &op->delta);
@@ -10423,7 +10427,8 @@ static void kvo__rop_run(kvo__rop *op)
                 for (i = 0; i < op->n; i++)
                     if (op->items[i].result == KVO__R_PENDING && op->items[i].node == (int)k)
                         kvo__rfail(op, &op->items[i], e, msg);
-                if (r->cluster) cl->have_map = 0; /* a failover may have moved its slots: ask again next job */
+                if (r->cluster && e != KVO_ENOMEM)
+                    cl->have_map = 0; /* a failover may have moved its slots: ask again next job */
                 continue;
             }
             sent[k] = 1;
@@ -10558,7 +10563,7 @@ static void kvo__rdelete_bad(kvo__redis *r, kvo__rclient *cl, const kvo__rop *ge
         }
     kvo__rop_init(&del, r, cl, KVO__OP_DEL, NULL, items, bad);
     kvo__rop_run(&del);
-    delta->io_errors += del.delta.io_errors;
+    /* not its io_errors: those copies failed their check, not on a connection (disconnects say the rest) */
     delta->moved += del.delta.moved;
     delta->ask += del.delta.ask;
     delta->slot_refreshes += del.delta.slot_refreshes;
@@ -10748,6 +10753,7 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
 {
     kvo__redis *r;
     const char *password;
+    kvb_pool_config pool_config;
     char msg[KVO__R_MSG + 128] = "";
     kvo_result e;
     uint32_t i;
@@ -10759,6 +10765,11 @@ KVO_API kvo_result kvo_redis_backend_create(const kvo_redis_config *config, kvo_
         kvo__rsay_error(config, "redis: invalid config (pool and layout.page_bytes are required; a block of at "
                                 "most 512 MiB less the 64-byte header, a Redis value's limit; threads <= 64; "
                                 "namespace_prefix <= 128 characters)");
+        return KVO_EINVAL;
+    }
+    if (kvb_pool_get_config(config->pool, &pool_config) != KVB_OK || pool_config.storage != KVB_STORAGE_NONE) {
+        kvo__rsay_error(config, "redis: config.pool must be a metadata-only pool (its blocks stand for entries in "
+                                "Redis; no bytes are copied into it)");
         return KVO_EINVAL;
     }
     password = config->password;

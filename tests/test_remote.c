@@ -1159,7 +1159,8 @@ static int run_job(kvo_backend *b, kvb_pool *src, kvb_pool *dst, const uint32_t 
 /* ---- scripted servers: one connection at a time, on a thread ---------------------------------------- */
 
 typedef struct script_server script_server;
-/* The reply to one command (name upper-cased, key its first argument); out is room to write it in. */
+/* The reply to one command (name upper-cased, key its first argument); out is room to write it in; NULL
+ * closes the connection instead. */
 typedef const char *(*script_fn)(script_server *sv, const char *name, const char *key, char *out, size_t size);
 
 struct script_server {
@@ -1217,7 +1218,7 @@ static void *script_serve(void *arg)
         char name[32] = "", key[256] = "", out[256];
         while (script_command(sv, fd, &len, name, sizeof name, key, sizeof key)) {
             const char *reply = sv->answer(sv, name, key, out, sizeof out);
-            if (send(fd, reply, strlen(reply), MSG_NOSIGNAL) < 0) break;
+            if (!reply || send(fd, reply, strlen(reply), MSG_NOSIGNAL) < 0) break;
         }
         close(fd);
     }
@@ -1912,6 +1913,134 @@ static void test_gather_out_of_memory(void)
     rf_stop(&s);
 }
 
+/* The pipelined small commands (GETRANGE of a lookup, the GETs of a read, the DELs after it) are built
+ * in the client's out buffer before anything is sent: with each allocation failing in turn, a lookup and
+ * a read end in KVO_OK, a miss or KVO_ENOMEM, never an I/O error, and the connection is kept. Before,
+ * the out buffer failing to grow was "connection lost mid-batch: out of memory": KVO_EIO, an io_error
+ * for each copy and the node dropped, though nothing had been sent. */
+static void test_out_buffer_out_of_memory(void)
+{
+    enum { KEYS = 200 };
+    rf_server s;
+    char addr[64];
+    static kvb_hash h[KEYS];
+    static uint32_t idx[KEYS];
+    static int results[KEYS];
+    int enomem = 0;
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(KEYS, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(16);
+    for (uint32_t i = 0; i < KEYS; i++) {
+        h[i].lo = 7000u + i; /* never written: lookups and reads miss */
+        h[i].hi = 61;
+        idx[i] = i;
+    }
+    for (long at = 0;; at++) {
+        size_t n = 99;
+        int fired;
+        kvo_backend *b = redis_open(addr, g4, 0);
+        if (!b) break;
+        KVT_EQ(kvo_redis_lookup(b, h, 1, &n), KVO_OK); /* connected; the out buffer is small yet */
+        oom_arm(at, 0);
+        int jr = run_job(b, g4, mem, idx, idx, h, KEYS, results);
+        kvo_result lr = kvo_redis_lookup(b, h, KEYS, &n);
+        fired = oom_fired;
+        oom_disarm();
+        KVT_CHECK(lr == KVO_OK || lr == KVO_ENOMEM);
+        KVT_EQ(n, 0);
+        KVT_CHECK(jr == KVO_ENOTFOUND || jr == KVO_ENOMEM);
+        size_t other = 0;
+        for (size_t i = 0; i < KEYS; i++) other += results[i] != KVO_ENOTFOUND && results[i] != KVO_ENOMEM;
+        KVT_EQ(other, 0);
+        enomem += lr == KVO_ENOMEM || jr == KVO_ENOMEM;
+        kvo_redis_stats rs = rstats(b);
+        KVT_EQ(rs.io_errors, 0);
+        KVT_EQ(rs.disconnects, 0);
+        KVT_EQ(rs.connects, 1);
+        kvo_backend_destroy(b);
+        if (!fired) break;
+    }
+    KVT_CHECK(enomem >= 2);
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    rf_stop(&s);
+}
+
+/* A server whose values are damaged (GET: 3 bytes) and that drops the connection at the DEL that follows:
+ * the read is a miss (KVO_ECHECKSUM, one checksum error) and no copy failed on the connection, so no
+ * io_error. The DEL's lost connection used to be added to io_errors: the damaged copy was counted both
+ * as a checksum error and as an I/O error. */
+static const char *damaged_answer(script_server *sv, const char *name, const char *key, char *out, size_t size)
+{
+    (void)sv;
+    (void)key;
+    (void)out;
+    (void)size;
+    if (!strcmp(name, "PING")) return "+PONG\r\n";
+    if (!strcmp(name, "CLUSTER")) return "-ERR This instance has cluster support disabled\r\n";
+    if (!strcmp(name, "GET")) return "$3\r\nabc\r\n";
+    if (!strcmp(name, "DEL")) return NULL; /* connection closed */
+    return "-ERR unknown\r\n";
+}
+
+static void test_damaged_entry_delete_lost(void)
+{
+    script_server sv;
+    char addr[64];
+    memset(&sv, 0, sizeof sv);
+    if (!script_start(&sv, damaged_answer)) {
+        KVT_CHECK(!"the scripted server did not start");
+        return;
+    }
+    server_addr(sv.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
+    kvo_backend *b = redis_open(addr, g4, 0);
+    if (b) {
+        kvb_hash h[1] = {{12, 2}};
+        uint32_t idx[1] = {0};
+        int results[1] = {0};
+        KVT_EQ(run_job(b, g4, mem, idx, idx, h, 1, results), KVO_ECHECKSUM);
+        KVT_EQ(results[0], KVO_ECHECKSUM);
+        kvo_redis_stats st = rstats(b);
+        KVT_EQ(st.checksum_errors, 1);
+        KVT_EQ(st.io_errors, 0);
+        KVT_EQ(st.gets, 0);
+        KVT_EQ(st.disconnects, 1); /* the DEL's connection went: counted there */
+        kvo_backend_destroy(b);
+    }
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    script_stop(&sv);
+}
+
+/* config.pool is the G4 tier, a metadata-only pool: one with storage is refused at create (KVO_EINVAL,
+ * with a reason), as kvo_redis_import refuses it. It used to be taken: its blocks' bytes were never
+ * written (the copies go to Redis), and kvo_redis_manager_lookup, whose import into it always failed,
+ * silently never found what Redis held. */
+static void test_pool_with_storage_refused(void)
+{
+    rf_server s;
+    char addr[64];
+    if (!rf_start(&s, NULL)) {
+        KVT_CHECK(!"redis-server did not start");
+        return;
+    }
+    server_addr(s.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *b = (kvo_backend *)1;
+    kvo_redis_config rc = rconfig(addr, mem, 0);
+    g_err[0] = 0;
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_EINVAL);
+    KVT_CHECK(b == NULL);
+    KVT_CHECK(strstr(g_err, "metadata-only") != NULL);
+    if (b && b != (kvo_backend *)1) kvo_backend_destroy(b);
+    kvb_pool_destroy(mem);
+    rf_stop(&s);
+}
+
 static void test_servers_skipped(void) { KVT_SKIP("redis-server not installed"); }
 
 int main(int argc, char **argv)
@@ -1946,6 +2075,9 @@ int main(int argc, char **argv)
     KVT_RUN(test_lost_entry_dropped);
     KVT_RUN(test_remote_bounds);
     KVT_RUN(test_gather_out_of_memory);
+    KVT_RUN(test_out_buffer_out_of_memory);
+    KVT_RUN(test_damaged_entry_delete_lost);
+    KVT_RUN(test_pool_with_storage_refused);
     KVT_RUN(test_stray_reply);
     KVT_RUN(test_log_reads_stats);
     KVT_RUN(test_auth);
