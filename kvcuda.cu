@@ -305,7 +305,7 @@ extern "C" kvc_result kvc_get_device_info(kvc_context *ctx, kvc_device_info *out
     kvc__device_scope ds;
     kvc_result r;
     size_t fr = 0, tot = 0;
-    if (!out) return KVC_EINVAL;
+    if (!out) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_get_device_info: NULL out") : KVC_EINVAL;
     if ((r = kvc__enter(ctx, &ds)) != KVC_OK) return r;
     *out = ctx->info;
     out->batch_copy = __atomic_load_n(&ctx->batch_ok, __ATOMIC_RELAXED);
@@ -419,7 +419,7 @@ extern "C" kvc_result kvc_device_free(kvc_context *ctx, void *ptr)
 {
     kvc__device_scope ds;
     kvc__alloc a;
-    if (!ctx || !ptr) return KVC_EINVAL;
+    if (!ctx || !ptr) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_device_free: NULL pointer") : KVC_EINVAL;
     if (!kvc__forget(ctx, ptr, KVC_MEMORY_DEVICE, &a))
         return kvc__fail(ctx, KVC_ENOTFOUND, "kvc_device_free: %p is not device memory of this context", ptr);
     if (ctx->status == KVC_OK) kvc__select(&ds, ctx->device);
@@ -521,7 +521,7 @@ extern "C" kvc_result kvc_pinned_free(kvc_context *ctx, void *ptr)
 {
     kvc__device_scope ds;
     kvc__alloc a;
-    if (!ctx || !ptr) return KVC_EINVAL;
+    if (!ctx || !ptr) return ctx ? kvc__fail(ctx, KVC_EINVAL, "kvc_pinned_free: NULL pointer") : KVC_EINVAL;
     if (!kvc__forget(ctx, ptr, KVC_MEMORY_PINNED, &a))
         return kvc__fail(ctx, KVC_ENOTFOUND, "kvc_pinned_free: %p is not pinned memory of this context", ptr);
     if (ctx->status == KVC_OK) kvc__select(&ds, ctx->device);
@@ -641,12 +641,19 @@ extern "C" int kvc_copy_block(void *user, void *const *dst, const void *const *s
     kvc_context *ctx = (kvc_context *)user;
     cudaError_t e = cudaSuccess;
     size_t i;
+    if (!ctx) return -1;
+    if (n && (!dst || !src)) {
+        kvc__fail(ctx, KVC_EINVAL, "kvc_copy_block: NULL span array");
+        return -1;
+    }
     if (kvc__enter(ctx, &ds) != KVC_OK) return -1;
     for (i = 0; i < n && e == cudaSuccess; i++)
         e = cudaMemcpyAsync(dst[i], src[i], (size_t)bytes, cudaMemcpyDeviceToDevice, ctx->cow_stream);
     if (e == cudaSuccess) e = cudaStreamSynchronize(ctx->cow_stream);
     if (e != cudaSuccess) {
         kvc__cuda_fail(ctx, e, "kvcuda: block copy for sequence copy-on-write");
+        cudaStreamSynchronize(ctx->cow_stream); /* spans queued before the failed one: ended before -1 */
+        (void)cudaGetLastError();
         return -1;
     }
     return 0;

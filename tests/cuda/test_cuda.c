@@ -361,6 +361,37 @@ static void test_null_arguments(void)
     kvc_context_destroy(failed);
 }
 
+/* Section 5: every failure writes a one-line message on the context, a NULL argument's too (a failed
+ * context serves: the argument checks come first). Runs without a GPU. */
+static void test_null_argument_messages(void)
+{
+    kvc_context *ctx = NULL;
+    KVT_EQ(kvc_context_create(-1, &ctx), KVC_ENODEVICE);
+    KVT_CHECK(ctx != NULL);
+    if (!ctx) return;
+    KVT_EQ(kvc_get_device_info(ctx, NULL), KVC_EINVAL);
+    KVT_CHECK(strstr(kvc_last_error_message(ctx), "kvc_get_device_info") != NULL);
+    KVT_EQ(kvc_device_free(ctx, NULL), KVC_EINVAL);
+    KVT_CHECK(strstr(kvc_last_error_message(ctx), "kvc_device_free") != NULL);
+    KVT_EQ(kvc_pinned_free(ctx, NULL), KVC_EINVAL);
+    KVT_CHECK(strstr(kvc_last_error_message(ctx), "kvc_pinned_free") != NULL);
+    kvc_context_destroy(ctx);
+}
+
+/* kvc_copy_block (public, and the hook kvc_pool_create installs) checks its span arrays: NULL ones with
+ * n > 0 are -1 with a message, on a usable context (a crash before) as on a failed one. */
+static void test_copy_block_null_spans(void)
+{
+    kvc_context *ctx = gpu_or_null();
+    if (!ctx) kvc_context_create(-1, &ctx);
+    KVT_CHECK(ctx != NULL);
+    if (!ctx) return;
+    KVT_EQ(kvc_copy_block(NULL, NULL, NULL, 1, 256), -1);
+    KVT_EQ(kvc_copy_block(ctx, NULL, NULL, 1, 256), -1);
+    KVT_CHECK(strstr(kvc_last_error_message(ctx), "kvc_copy_block") != NULL);
+    kvc_context_destroy(ctx);
+}
+
 static kvb_pool *host_pool(uint32_t blocks, kvb_layout layout)
 {
     kvb_pool_config c;
@@ -1259,6 +1290,41 @@ static void test_stale_thread_error(void)
     kvc_context_destroy(ctx);
 }
 
+/* kvc_copy_block whose second span fails (a NULL destination: cudaErrorInvalidValue at the call) returns
+ * -1 only after the first span's copy ended: kvblock then gives the new block back (KVB_ECOPY, nothing
+ * changed), and nothing may write it any more. The first span is 1 GiB; its last page is read at once
+ * through the legacy stream, which does not wait for the copy-on-write stream (a still running copy
+ * has not reached it yet). Needs a GPU. */
+static void test_copy_block_failure_waits(void)
+{
+    NEED_GPU(ctx);
+    const size_t bytes = (size_t)1 << 30, tail = 4096;
+    void *a = NULL, *b = NULL;
+    KVT_EQ(kvc_device_alloc(ctx, bytes, &a), KVC_OK);
+    KVT_EQ(kvc_device_alloc(ctx, bytes, &b), KVC_OK);
+    unsigned char *h = (unsigned char *)malloc(tail);
+    if (a && b && h) {
+        KVT_EQ(kvct_slow_fill(a, bytes, 7, 0, NULL), 0);
+        KVT_EQ(kvc_memcpy(ctx, h, (unsigned char *)a + bytes - tail, tail), KVC_OK); /* after the fill */
+        size_t bad = 0;
+        for (size_t i = 0; i < tail; i++) bad += h[i] != kvct_byte(7, bytes - tail + i);
+        KVT_EQ(bad, 0);
+        void *dst[2] = {b, NULL};
+        const void *src[2] = {a, a};
+        KVT_EQ(kvc_copy_block(ctx, dst, src, 2, bytes), -1);
+        KVT_EQ(kvc_memcpy(ctx, h, (unsigned char *)b + bytes - tail, tail), KVC_OK);
+        bad = 0;
+        for (size_t i = 0; i < tail; i++) bad += h[i] != kvct_byte(7, bytes - tail + i);
+        if (bad) fprintf(stderr, "  %zu of %zu bytes of the first span's end not copied at the return\n", bad, tail);
+        KVT_EQ(bad, 0);
+        KVT_CHECK(strstr(kvc_last_error_message(ctx), "copy-on-write") != NULL);
+    }
+    free(h);
+    if (a) kvc_device_free(ctx, a);
+    if (b) kvc_device_free(ctx, b);
+    kvc_context_destroy(ctx);
+}
+
 typedef struct capture_arg {
     pthread_mutex_t m;
     pthread_cond_t c;
@@ -1342,6 +1408,8 @@ int main(void)
     KVT_RUN(test_result_strings);
     KVT_RUN(test_no_device_error);
     KVT_RUN(test_null_arguments);
+    KVT_RUN(test_null_argument_messages);
+    KVT_RUN(test_copy_block_null_spans);
     KVT_RUN(test_plan_on_host);
     KVT_RUN(test_roundtrip_block_contiguous);
     KVT_RUN(test_roundtrip_layer_separate);
@@ -1356,5 +1424,6 @@ int main(void)
     KVT_RUN(test_concurrent_submitters);
     KVT_RUN(test_stale_thread_error);
     KVT_RUN(test_capture_on_another_thread);
+    KVT_RUN(test_copy_block_failure_waits);
     return kvt_summary();
 }
