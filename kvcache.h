@@ -16935,9 +16935,10 @@ KVS_API kvs_result kvs_router_check(kvs_router *router, char *why, size_t why_si
  * A copy whose block index is out of range fails alone with KVB_ERANGE; a CUDA error fails every copy
  * of the job with KVC_ECUDA and a message naming the call and the CUDA error (its own: an error an
  * earlier call left on the submitting thread is not taken for the launch's). Nothing aborts.
- * CUDA graphs: the workers' polls and a submit run in relaxed stream-capture mode, so an engine thread
- * capturing a graph in global mode (PyTorch's default) neither fails their event queries (a job
- * reported failed while its copies still ran) nor has its capture invalidated by them.
+ * CUDA graphs: the workers' polls, a submit and a device pool's copy-on-write (kvc_copy_block) run in
+ * relaxed stream-capture mode, so an engine thread capturing a graph in global mode (PyTorch's default)
+ * neither fails their event queries and waits (a job reported failed while its copies still ran) nor
+ * has its capture invalidated by them.
  *
  * 4. THREAD SAFETY — contexts, allocations, events and backends are safe to use from any thread. A
  * context must outlive its pools, events and backends. kvc_last_error_message returns a pointer into

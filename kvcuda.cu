@@ -635,24 +635,36 @@ extern "C" kvc_result kvc_pool_storage_alloc(kvc_context *ctx, kvc_memory where,
 /* kvb_pool_config.copy_block of a device pool (sequence copy-on-write and truncate): one device-to-
  * device cudaMemcpyAsync per span on the context's own copy-on-write stream, then a wait for that
  * stream only, so offloads in flight on the copy streams do not hold the pool's lock. */
+static cudaError_t kvc__copy_spans(kvc_context *ctx, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
+{
+    cudaError_t e = cudaSuccess;
+    size_t i;
+    for (i = 0; i < n && e == cudaSuccess; i++)
+        e = cudaMemcpyAsync(dst[i], src[i], (size_t)bytes, cudaMemcpyDeviceToDevice, ctx->cow_stream);
+    if (e == cudaSuccess) return cudaStreamSynchronize(ctx->cow_stream);
+    cudaStreamSynchronize(ctx->cow_stream); /* spans queued before the failed one: ended before -1 */
+    return e;
+}
+
 extern "C" int kvc_copy_block(void *user, void *const *dst, const void *const *src, size_t n, uint64_t bytes)
 {
     kvc__device_scope ds;
     kvc_context *ctx = (kvc_context *)user;
-    cudaError_t e = cudaSuccess;
-    size_t i;
+    cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+    cudaError_t e;
     if (!ctx) return -1;
     if (n && (!dst || !src)) {
         kvc__fail(ctx, KVC_EINVAL, "kvc_copy_block: NULL span array");
         return -1;
     }
     if (kvc__enter(ctx, &ds) != KVC_OK) return -1;
-    for (i = 0; i < n && e == cudaSuccess; i++)
-        e = cudaMemcpyAsync(dst[i], src[i], (size_t)bytes, cudaMemcpyDeviceToDevice, ctx->cow_stream);
-    if (e == cudaSuccess) e = cudaStreamSynchronize(ctx->cow_stream);
+    /* relaxed capture mode, as kvc__submit: another thread capturing a graph in global mode would have
+     * the wait fail and its capture invalidated; this thread touches only its own stream */
+    cudaThreadExchangeStreamCaptureMode(&mode);
+    e = kvc__copy_spans(ctx, dst, src, n, bytes);
+    cudaThreadExchangeStreamCaptureMode(&mode);
     if (e != cudaSuccess) {
         kvc__cuda_fail(ctx, e, "kvcuda: block copy for sequence copy-on-write");
-        cudaStreamSynchronize(ctx->cow_stream); /* spans queued before the failed one: ended before -1 */
         (void)cudaGetLastError();
         return -1;
     }

@@ -1401,6 +1401,57 @@ static void test_capture_on_another_thread(void)
     kvc_context_destroy(ctx);
 }
 
+/* kvc_copy_block (sequence copy-on-write on a device pool) while another thread captures a graph in
+ * global mode: its wait on the copy-on-write stream neither fails nor invalidates that capture (relaxed
+ * capture mode, as the submits). Needs a GPU. */
+static void test_copy_block_while_another_thread_captures(void)
+{
+    NEED_GPU(ctx);
+    const size_t bytes = (size_t)1 << 20;
+    void *a = NULL, *b = NULL;
+    unsigned char *h = (unsigned char *)malloc(bytes);
+    KVT_EQ(kvc_device_alloc(ctx, bytes, &a), KVC_OK);
+    KVT_EQ(kvc_device_alloc(ctx, bytes, &b), KVC_OK);
+    if (!a || !b || !h) {
+        free(h);
+        kvc_context_destroy(ctx);
+        return;
+    }
+    KVT_EQ(kvct_slow_fill(a, bytes, 9, 0, NULL), 0);
+    KVT_EQ(kvc_synchronize(ctx), KVC_OK);
+    capture_arg ca;
+    memset(&ca, 0, sizeof ca);
+    pthread_mutex_init(&ca.m, NULL);
+    pthread_cond_init(&ca.c, NULL);
+    pthread_t th;
+    KVT_EQ(pthread_create(&th, NULL, capture_main, &ca), 0);
+    pthread_mutex_lock(&ca.m);
+    while (ca.state == 0) pthread_cond_wait(&ca.c, &ca.m);
+    pthread_mutex_unlock(&ca.m);
+    KVT_EQ(ca.state, 1);
+    void *dst[1] = {b};
+    const void *src[1] = {a};
+    int r = kvc_copy_block(ctx, dst, src, 1, bytes);
+    pthread_mutex_lock(&ca.m);
+    ca.state = 2;
+    pthread_cond_broadcast(&ca.c);
+    pthread_mutex_unlock(&ca.m);
+    pthread_join(th, NULL);
+    KVT_EQ(r, 0);
+    if (r) fprintf(stderr, "  %s\n", kvc_last_error_message(ctx));
+    KVT_EQ(ca.end_error, 0); /* the capture was not invalidated */
+    KVT_EQ(kvc_memcpy(ctx, h, b, bytes), KVC_OK);
+    size_t bad = 0;
+    for (size_t i = 0; i < bytes; i++) bad += h[i] != kvct_byte(9, i);
+    KVT_EQ(bad, 0);
+    free(h);
+    kvc_device_free(ctx, a);
+    kvc_device_free(ctx, b);
+    pthread_mutex_destroy(&ca.m);
+    pthread_cond_destroy(&ca.c);
+    kvc_context_destroy(ctx);
+}
+
 int main(void)
 {
     signal(SIGALRM, watchdog_fired);
@@ -1424,6 +1475,7 @@ int main(void)
     KVT_RUN(test_concurrent_submitters);
     KVT_RUN(test_stale_thread_error);
     KVT_RUN(test_capture_on_another_thread);
+    KVT_RUN(test_copy_block_while_another_thread_captures);
     KVT_RUN(test_copy_block_failure_waits);
     return kvt_summary();
 }
