@@ -1275,14 +1275,18 @@ static int kvo__disk_open(kvo__disk *d, int direct)
 static int kvo__disk_fallback(kvo__disk *d)
 {
     char msg[512];
+    int say = 0;
     pthread_mutex_lock(&d->lock);
-    if (d->direct && !d->direct_ok) {
+    if (d->direct && !KVO__LOAD(&d->direct_ok)) { /* set outside the lock (kvo__disk_io) */
         d->direct = 0;
         d->stats.direct_io = 0;
+        say = 1;
+    }
+    pthread_mutex_unlock(&d->lock);
+    if (say) { /* outside the lock: the callback may call back (kvo_disk_backend_stats) */
         snprintf(msg, sizeof msg, "%s: O_DIRECT refused by the file system, using buffered I/O", d->path);
         kvo__disk_say(d, msg);
     }
-    pthread_mutex_unlock(&d->lock);
     return d->bfd;
 }
 
@@ -1594,8 +1598,9 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
     d->base.destroy = kvo__disk_destroy;
     d->base.name = "disk";
     d->base.impl = d;
-    r = kvo__disk_prepare_file(d, config->direct >= 0);
-    if (r == KVO_OK) r = kvo__workers_start(&d->workers, config->threads, &d->base, kvo__disk_run);
+    /* the workers first: a create that fails after the file was preallocated would leave it behind */
+    r = kvo__workers_start(&d->workers, config->threads, &d->base, kvo__disk_run);
+    if (r == KVO_OK) r = kvo__disk_prepare_file(d, config->direct >= 0);
     if (r != KVO_OK) {
         kvo__disk_destroy(&d->base);
         return r;

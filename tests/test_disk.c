@@ -3,6 +3,7 @@
  * error, never wrong data, and so is a whole slot of kvcache 0.1's format; file errors (missing directory, preallocation refused, writes refused by
  * the kernel) give clear errors and Failed transfers with nothing lost above; the O_DIRECT fallback
  * is said once. File errors are provoked for real with RLIMIT_FSIZE (writes past it fail with EFBIG). */
+#include "oom_hooks.h" /* first: out of memory on demand (disarmed unless a test arms it) */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #include "kvoffload.h"
@@ -613,6 +614,53 @@ static void test_preallocation_refused(void)
     KVT_EQ(rmdir(dir), 0);
 }
 
+/* Out of memory at each allocation of a create in turn (the workers' queue, threads and arguments
+ * included): KVO_ENOMEM, no backend, and no file holding the tier's space is left behind, as for a
+ * preallocation that failed. Before, the workers were started after the file was preallocated, so a
+ * create that failed there left the whole file (32 MiB here) on the disk. */
+static void test_create_out_of_memory_holds_no_space(void)
+{
+    char dir[64], path[160];
+    uint64_t block_bytes = UINT64_C(1) << 20;
+    int tries = 0;
+    if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
+    snprintf(path, sizeof path, "%s/g3.kv", dir);
+    kvb_pool *pool = of_meta_pool(NB);
+    kvo_disk_config dc;
+    log_count lc;
+    memset(&lc, 0, sizeof lc);
+    memset(&dc, 0, sizeof dc);
+    dc.path = path;
+    dc.disk_pool = pool;
+    dc.block_bytes = block_bytes;
+    dc.threads = 2;
+    dc.log = count_log;
+    dc.log_user = &lc;
+    for (long at = 0; at < 64; at++) {
+        kvo_backend *b = NULL;
+        struct stat sb;
+        oom_arm(at, 0);
+        kvo_result r = kvo_disk_backend_create(&dc, &b);
+        int fired = oom_fired;
+        oom_disarm();
+        if (!fired) { /* every allocation of the call was tried */
+            KVT_EQ(r, KVO_OK);
+            kvo_backend_destroy(b);
+            break;
+        }
+        tries++;
+        KVT_EQ(r, KVO_ENOMEM);
+        KVT_CHECK(b == NULL);
+        if (b) kvo_backend_destroy(b);
+        KVT_CHECK(stat(path, &sb) != 0 || (uint64_t)sb.st_blocks * 512 < block_bytes); /* nothing held */
+        unlink(path);
+    }
+    KVT_CHECK(tries >= 4);
+    unlink(path);
+    kvb_pool_destroy(pool);
+    KVT_EQ(rmdir(dir), 0);
+}
+
 /* Writes start failing after the file was made: the offload is Failed with a message, the disk tier
  * gets nothing and holds nothing, the host tier keeps every block; once writes work again, a retry
  * succeeds. */
@@ -732,6 +780,86 @@ static void test_cut_write_is_not_a_direct_io_refusal(void)
     disk_close(&d);
 }
 
+/* The O_DIRECT fallback is said through the log callback; the callback may ask the backend how it
+ * stands (kvo_disk_backend_stats: direct_io now 0). Here the backend's first O_DIRECT transfer is a
+ * write the kernel cuts at the file size limit (EINVAL): taken, as documented, for a refusal by the file
+ * system, so the fallback is said. Before, the backend called the log with its own lock held, so a stats
+ * call from the callback waited for ever (here: a helper thread's call, waited for 2 s). */
+typedef struct stats_from_log {
+    kvo_backend *backend;
+    atomic_int calls, answered, direct_io;
+    pthread_t helper;
+    int started;
+} stats_from_log;
+
+static void *stats_from_log_helper(void *arg)
+{
+    stats_from_log *s = (stats_from_log *)arg;
+    kvo_disk_stats st;
+    memset(&st, 0, sizeof st);
+    if (kvo_disk_backend_stats(s->backend, &st) == KVO_OK) atomic_store(&s->direct_io, st.direct_io);
+    atomic_store(&s->answered, 1);
+    return NULL;
+}
+
+static void stats_from_log_cb(void *user, const char *message)
+{
+    stats_from_log *s = (stats_from_log *)user;
+    (void)message;
+    if (atomic_fetch_add(&s->calls, 1) != 0 || !s->backend) return;
+    s->started = pthread_create(&s->helper, NULL, stats_from_log_helper, s) == 0;
+    for (int i = 0; s->started && i < 2000 && !atomic_load(&s->answered); i++) of_sleep_us(1000);
+}
+
+static void test_log_callback_may_read_stats(void)
+{
+    disk d;
+    kvb_hash h[1];
+    kvb_block held[NB];
+    size_t nheld;
+    fsize_guard g;
+    stats_from_log s;
+    memset(&d, 0, sizeof d);
+    memset(&s, 0, sizeof s);
+    snprintf(d.dir, sizeof d.dir, "/tmp/kvtest-XXXXXX");
+    if (!mkdtemp(d.dir)) KVT_SKIP("cannot make a temp directory");
+    snprintf(d.path, sizeof d.path, "%s/g3.kv", d.dir);
+    d.pool = of_meta_pool(NB);
+    kvo_disk_config dc = disk_config(&d, 0, 0);
+    dc.log = stats_from_log_cb;
+    dc.log_user = &s;
+    KVT_EQ(kvo_disk_backend_create(&dc, &d.backend), KVO_OK);
+    if (!d.backend) return;
+    s.backend = d.backend;
+    if (!disk_stats(&d).direct_io) {
+        disk_close(&d);
+        KVT_SKIP("no O_DIRECT on /tmp");
+    }
+    of_chain(43, 1, h);
+    kvb_pool *g2 = of_mem_pool(NB, KVB_LAYOUT_LAYER_SEPARATE);
+    of_register(g2, h, 1, NULL, NULL);
+    nheld = hold_all_but(d.pool, NB - 1, held);
+    uint64_t cut = kvo_disk_slot_offset(d.backend, NB - 1) + 4096 + 100; /* inside the slot's data */
+    if (!fsize_limit(&g, (rlim_t)cut)) {
+        release_all(d.pool, held, nheld);
+        kvb_pool_destroy(g2);
+        disk_close(&d);
+        KVT_SKIP("cannot lower RLIMIT_FSIZE");
+    }
+    kvo_transfer_info info = offload(g2, d.pool, d.backend, h, 1);
+    fsize_restore(&g);
+    release_all(d.pool, held, nheld);
+    KVT_EQ(info.status, KVO_STATUS_FAILED);
+    KVT_EQ(atomic_load(&s.calls), 1);
+    KVT_EQ(atomic_load(&s.answered), 1); /* within the callback: the stats call did not wait for it */
+    if (s.started) pthread_join(s.helper, NULL);
+    KVT_EQ(atomic_load(&s.direct_io), 0);
+    KVT_EQ(disk_stats(&d).direct_io, 0);
+    KVT_EQ(offload(g2, d.pool, d.backend, h, 1).transferred, 1); /* buffered from now on */
+    kvb_pool_destroy(g2);
+    disk_close(&d);
+}
+
 /* ---- O_DIRECT ---- */
 
 static int direct_supported(const char *dir)
@@ -808,8 +936,10 @@ int main(void)
     KVT_RUN(test_bad_paths_and_config);
     KVT_RUN(test_preallocation_no_space);
     KVT_RUN(test_preallocation_refused);
+    KVT_RUN(test_create_out_of_memory_holds_no_space);
     KVT_RUN(test_write_failure_loses_nothing);
     KVT_RUN(test_cut_write_is_not_a_direct_io_refusal);
+    KVT_RUN(test_log_callback_may_read_stats);
     KVT_RUN(test_direct_io_or_fallback_tmp);
     KVT_RUN(test_direct_io_or_fallback_shm);
     return kvt_summary();
