@@ -295,7 +295,8 @@ typedef struct kvo_disk_stats {
  * Thread safety: submit from any thread. */
 KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out);
 KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out);
-/* Byte offset of the slot of block `index` in the file (header first, then the data). */
+/* Byte offset of the slot of block `index` in the file (header first, then the data); UINT64_MAX for a
+ * backend that is no disk backend or an index past the disk pool's blocks. */
 KVO_API uint64_t kvo_disk_slot_offset(kvo_backend *disk, uint32_t index);
 
 /* 64-bit checksum of bytes (disk and remote slots). Thread safety: pure function. */
@@ -1622,7 +1623,8 @@ KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out
 
 KVO_API uint64_t kvo_disk_slot_offset(kvo_backend *disk, uint32_t index)
 {
-    if (!disk || disk->submit != kvo__disk_submit) return 0;
+    if (!disk || disk->submit != kvo__disk_submit || index >= ((kvo__disk *)disk->impl)->num_slots)
+        return UINT64_MAX; /* not 0: that is slot 0's */
     return (uint64_t)index * ((kvo__disk *)disk->impl)->slot_bytes;
 }
 

@@ -516,6 +516,19 @@ static void test_bad_paths_and_config(void)
     dc.block_bytes = OF_BLOCK_BYTES;
     KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
     KVT_CHECK(b == NULL);
+    /* a slot's offset: none for no backend, another kind, or a block past the disk pool's 8 (was 0,
+     * slot 0's own offset, where a test or tool would then flip bytes) */
+    dc.path = path;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_OK);
+    kvo_backend *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    KVT_EQ(kvo_disk_slot_offset(b, 0), 0);
+    KVT_CHECK(kvo_disk_slot_offset(b, 7) > kvo_disk_slot_offset(b, 6));
+    KVT_EQ(kvo_disk_slot_offset(b, 8), UINT64_MAX);
+    KVT_EQ(kvo_disk_slot_offset(NULL, 0), UINT64_MAX);
+    KVT_EQ(kvo_disk_slot_offset(mem, 0), UINT64_MAX);
+    kvo_backend_destroy(mem);
+    kvo_backend_destroy(b);
     unlink(path);
     kvb_pool_destroy(pool);
     KVT_EQ(rmdir(dir), 0);
