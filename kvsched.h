@@ -310,7 +310,8 @@ KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, ui
                                                             const kvb_hash *hashes, size_t num_hashes,
                                                             size_t num_computed, size_t *out_tokens,
                                                             int *out_async);
-/* The scheduler takes num_external_tokens of them (0 drops the plan): at most what was offered, and
+/* The scheduler takes num_external_tokens of them (0 drops the plan): at most what was offered (after a
+ * take, at most what was taken), and
  * num_computed + num_external_tokens on a block boundary (else KVS_EINVAL). Both calls return
  * KVS_ESTATE while the request's loads are on their way. */
 KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
@@ -2492,13 +2493,22 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request, size_t n)
     return p;
 }
 
+/* A G1 -> G2 transfer ended: recorded for get_finished, if one of the connector's stores still waits for
+ * it. get_finished also takes a transfer it finds final or gone (kvs__offloaded): one that ended inside
+ * the offer, before its store was listed, or whose record found no memory; so a record of a store
+ * already reported would never be taken, and none is made. */
 static void kvs__on_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
 {
     kvs_connector *c = (kvs_connector *)user;
+    size_t i;
     (void)info;
     if (tier != 0) return;
     pthread_mutex_lock(&c->lock);
-    (void)kvs__id_put(&c->offloaded, t.id, c); /* out of memory: the store is seen done when it is reported */
+    for (i = 0; i < stbds_arrlenu(c->stores); i++)
+        if (!c->stores[i].done && c->stores[i].t.id == t.id) {
+            (void)kvs__id_put(&c->offloaded, t.id, c); /* out of memory: get_finished sees it final */
+            break;
+        }
     pthread_mutex_unlock(&c->lock);
 }
 
@@ -2674,6 +2684,7 @@ static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t 
         }
         KVB__ARR_SHRINK(p->runs, w);
         p->accepted = 1;
+        p->offered = num_external_tokens; /* the runs now end there: a later take may not reach past it */
     }
     pthread_mutex_unlock(&c->lock);
     return r;
@@ -2890,9 +2901,15 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
     return 1;
 }
 
-static int kvs__offloaded(kvs_connector *c, uint64_t id)
+/* The store's transfer t has ended: the manager told the hook (id in c->offloaded), or it is final or gone
+ * (released by the manager after the hook) though the hook's call was lost (no memory for the pipeline's
+ * on_done note, or for the id here). Locked. */
+static int kvs__offloaded(kvs_connector *c, kvo_transfer t)
 {
-    return kvs__id_del(&c->offloaded, id) != NULL;
+    kvo_transfer_info info;
+    if (kvs__id_del(&c->offloaded, t.id)) return 1;
+    if (kvo_transfer_get_info(kvo_manager_pipeline(c->cfg.tiers, 0, 0), t, &info) != KVO_OK) return 1;
+    return info.status >= KVO_STATUS_COMPLETE;
 }
 
 static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *out)
@@ -2914,7 +2931,7 @@ static kvs_result kvs__conn_get_finished(kvs_connector *c, kvs_worker_output *ou
     KVB__ARR_SHRINK(c->loads, w);
     for (i = w = 0; i < stbds_arrlenu(c->stores); i++) { /* the events of one transfer are neighbours */
         kvs__active_store *s = &c->stores[i];
-        if (s->done || (s->t.id && s->t.id == fin) || kvs__offloaded(c, s->t.id)) {
+        if (s->done || (s->t.id && s->t.id == fin) || kvs__offloaded(c, s->t)) {
             fin = s->t.id;
             stbds_arrput(c->fin_stores, s->event);
         } else {
@@ -2938,7 +2955,9 @@ static kvs_result kvs__conn_update_output(kvs_connector *c, const kvs_worker_out
 {
     /* Loads keep their blocks in the plan until kvs_connector_release_loads / request_finished, and the
      * worker's lists were already cleared: in one process there is nothing left to carry over. */
-    if (!c || !output) return KVS_EINVAL;
+    if (!c || !output || (output->num_finished_loads && !output->finished_loads) ||
+        (output->num_finished_stores && !output->finished_stores))
+        return KVS_EINVAL;
     return KVS_OK;
 }
 
@@ -3005,7 +3024,8 @@ KVS_API size_t kvs_connector_pending(kvs_connector *c)
     /* taken, built (bound or not) or started; the bound ones are among the built or stale */
     n = stbds_arrlenu(c->loads) + stbds_arrlenu(c->stores) + stbds_arrlenu(c->noted) + stbds_arrlenu(c->built_stores);
     for (i = 0; i < stbds_arrlenu(c->plans); i++)
-        n += stbds_arrlenu(c->plans[i].built) + (c->plans[i].accepted ? stbds_arrlenu(c->plans[i].runs) : 0);
+        n += stbds_arrlenu(c->plans[i].built) + (c->plans[i].accepted ? stbds_arrlenu(c->plans[i].runs) : 0) +
+             (c->plans[i].accepted && c->plans[i].async && !stbds_arrlen(c->plans[i].runs)); /* reported at once */
     pthread_mutex_unlock(&c->lock);
     return n;
 }

@@ -4,6 +4,7 @@
  * finished; the scheduler side accounts it. Loads land registered in the device pool with the host's
  * bytes; eager stores of newly registered device blocks land in the host; lazy mode plans no stores;
  * dropped and finished plans load nothing; nothing stays pinned or pending. */
+#include "oom_hooks.h" /* disarmed unless a test arms it */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
 #define KVSCHED_IMPLEMENTATION
@@ -825,6 +826,127 @@ static void test_two_connectors_created_at_once(void)
     rig_close(&r);
 }
 
+
+/* A store whose transfer ends while allocation `at` (and with `sticky` every later one) fails: the
+ * pipeline may have no memory for its on_done note (then the manager's hook is not called), or the
+ * connector's hook none for the transfer's id. The store must still be reported (landed or failed), not
+ * stay pending for ever: before, get_finished only ever matched the hook's ids, so the event was never
+ * reported and pending stayed 1. Returns whether allocation `at` came. */
+static int store_with_lost_hook_call(long at, int sticky)
+{
+    rig r;
+    uint32_t u[32];
+    kvb_hash hu[2], parents[2];
+    kvb_block b[2], held[2];
+    size_t n = 0;
+    int fired;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(4, u, 32);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_stores, 2);
+    uint64_t store_event = meta.num_stores ? meta.stores[0].event : 0;
+    oom_arm(at, sticky);
+    (void)kvo_manager_drain(r.e.m, 5000000);
+    fired = oom_fired;
+    oom_disarm();
+    KVT_CHECK(pump(&r, 0, &store_event, 1));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(kvb_release(r.e.dev, held, 2, NULL), KVB_OK);
+    rig_close(&r);
+    return fired;
+}
+
+static void test_store_reported_when_its_hook_call_is_lost(void)
+{
+    (void)store_with_lost_hook_call(0, 1); /* no memory at all: the pipeline's note is lost */
+    for (long at = 0; at < 64 && store_with_lost_hook_call(at, 0); at++) {
+    } /* each allocation on its own: the note's, the hook's id map's */
+}
+
+/* A take, then a second, larger take of the same offer: the first trimmed the plan to its blocks, so the
+ * second cannot be honoured and is refused (KVS_EINVAL, the plan as the first take left it). Before, it
+ * returned KVS_OK and the step loaded only the first take's 2 blocks: the engine waited for 64 tokens
+ * and was told its loads were done with 2 of the 4 blocks never loaded. */
+static void test_second_larger_take_is_refused(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    size_t n = 0, tokens = 0;
+    int async = 0;
+    kvs_connector_meta meta;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 32), KVS_OK);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 64), KVS_EINVAL); /* more than the plan holds now */
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 32), KVS_OK);     /* the same again is fine */
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    if (meta.num_loads == 1) {
+        KVT_EQ(meta.loads[0].first_block, 0);
+        KVT_EQ(meta.loads[0].num_blocks, 2);
+    }
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(of_present(r.e.dev, h, 4), 2);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    rig_close(&r);
+}
+
+/* A taken async offer whose taken blocks are all on the device: build_meta will report its load done at
+ * once, and until then pending counts it, as it counts a taken plan's runs. Before, pending was 0 before
+ * build_meta and 1 after it. */
+static void test_pending_counts_a_taken_offer_with_nothing_to_load(void)
+{
+    rig r;
+    kvb_hash h[4];
+    kvb_block held;
+    size_t tokens = 0;
+    int async = 0;
+    kvs_connector_meta meta;
+    offer_with_device_block_0(&r, h, &held, &tokens, &async);
+    KVT_EQ(async, 1);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 16), KVS_OK); /* block 0: on the device */
+    KVT_EQ(kvs_connector_pending(r.c), 1);
+    start_step(&r, &meta);
+    KVT_EQ(kvs_connector_pending(r.c), 1);
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    KVT_EQ(kvb_release(r.e.dev, &held, 1, NULL), KVB_OK);
+    rig_close(&r);
+}
+
+/* update_output checks its lists as bind_meta checks the metadata's: a count with no list is KVS_EINVAL
+ * (it returned KVS_OK). */
+static void test_update_output_checks_its_lists(void)
+{
+    rig r;
+    uint64_t one = 1;
+    kvs_worker_output out;
+    rig_open(&r, KVS_OFFLOAD_EAGER);
+    memset(&out, 0, sizeof out);
+    out.num_finished_loads = 1;
+    KVT_EQ(kvs_connector_update_output(r.c, &out), KVS_EINVAL);
+    memset(&out, 0, sizeof out);
+    out.num_finished_stores = 1;
+    KVT_EQ(kvs_connector_update_output(r.c, &out), KVS_EINVAL);
+    out.finished_stores = &one;
+    KVT_EQ(kvs_connector_update_output(r.c, &out), KVS_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -842,5 +964,9 @@ int main(void)
     KVT_RUN(test_destroy_with_stores_in_flight);
     KVT_RUN(test_other_offloads_do_not_pile_up);
     KVT_RUN(test_two_connectors_created_at_once);
+    KVT_RUN(test_store_reported_when_its_hook_call_is_lost);
+    KVT_RUN(test_second_larger_take_is_refused);
+    KVT_RUN(test_pending_counts_a_taken_offer_with_nothing_to_load);
+    KVT_RUN(test_update_output_checks_its_lists);
     return kvt_summary();
 }
