@@ -11348,10 +11348,11 @@ KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t requ
 /* This step's loads and stores (valid until the next build_meta), with those of earlier steps not started
  * yet (a step's metadata never bound loses nothing; a load or store bound twice starts once). */
 KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out);
-/* Account what the worker finished (clears the request's pending loads and stores). */
+/* Account what the worker finished. In one process there is nothing left to carry over (get_finished
+ * already let the finished loads and stores go): it checks its lists (KVS_EINVAL) and changes nothing. */
 KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output);
 /* Whether the request's blocks must stay alive after it ends (always 0 here: offloads hold weak
- * handles) — and forget the request, cancelling its unstarted loads. */
+ * handles) — and forget the request: its loads, started or not, are cancelled (their transfers let go). */
 KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks);
 
 /* Worker side. */
