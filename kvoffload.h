@@ -1928,6 +1928,16 @@ static void kvo__slot_free(kvo_pipeline *pl, const kvo__container *c)
     stbds_arrput(pl->free_slots, c->slot);
 }
 
+/* A release level: each block keeps the level it had (the pipeline's reference to a source block is not
+ * the release that set it; kvblock.h's kvb_unpin level, with kvb_release's use). */
+#define KVO__OWN_LEVEL UINT32_MAX
+
+static kvb_result kvo__release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *o)
+{
+    if (o->priority == KVO__OWN_LEVEL) return kvb__release_blocks(pool, blocks, n, KVB__OWN_LEVEL, 1, 0);
+    return kvb_release(pool, blocks, n, o);
+}
+
 /* Release the non-zero handles among blocks[0..n) in one call, then clear them. */
 static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint32_t prio)
 {
@@ -1937,8 +1947,8 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
         if (blocks[i].id) blocks[k++] = blocks[i];
     memset(&o, 0, sizeof o);
     o.priority = prio;
-    if (k && kvb_release(pool, blocks, k, &o) != KVB_OK) /* out of memory for a long batch: one at a time */
-        for (i = 0; i < k; i++) (void)kvb_release(pool, &blocks[i], 1, &o);
+    if (k && kvo__release(pool, blocks, k, &o) != KVB_OK) /* out of memory for a long batch: one at a time */
+        for (i = 0; i < k; i++) (void)kvo__release(pool, &blocks[i], 1, &o);
     for (i = 0; i < n && k; i++) blocks[i].id = 0;
 }
 
@@ -1970,7 +1980,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     kvo_pipeline_stats *s = &pl->stats;
     if (c->final) return;
     if (pl->keep_failed && c->info.failed && !c->onboard) kvo__keep_failed(pl, c);
-    kvo__release_held(pl->cfg.src, c->src_strong, c->n, 0);
+    kvo__release_held(pl->cfg.src, c->src_strong, c->n, KVO__OWN_LEVEL); /* the source's level stays */
     if (st != KVO_STATUS_COMPLETE) kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
     kvo__unmark_inflight(pl, c);
     kvo_event_release(c->pre);
@@ -3147,6 +3157,21 @@ static int kvo__offers_earlier(const kvo__container *c, size_t i)
     return 0;
 }
 
+/* Whether c joins c->hashes[i] at an earlier place too: both would wait for the same copy, and should it
+ * fail, the first loads the block and the second waits on that load of its own (the join-cycle breaker
+ * then copied it twice). The joins of c are counted in pl->join_loads (scratch, empty between passes)
+ * while it is matched; out of memory for that, a scan. Locked. */
+static int kvo__joins_earlier(kvo_pipeline *pl, const kvo__container *c, size_t i)
+{
+    size_t j;
+    if (kvo__count_get(&pl->join_loads, &c->hashes[i])) return 1;
+    if (kvb__ctab_add(&pl->join_loads, &c->hashes[i], 1)) return 0;
+    for (j = 0; j < i; j++)
+        if (c->state[j] == KVO__B_JOINING && c->hashes[j].lo == c->hashes[i].lo && c->hashes[j].hi == c->hashes[i].hi)
+            return 1;
+    return 0;
+}
+
 static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_hash *hashes, size_t n)
 {
     size_t i, k, offers = 0; /* a join scans for a repeat only after an offer: joining another's prefix stays linear */
@@ -3161,6 +3186,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
         }
         if (kvo__count_get(&pl->inflight, &hashes[i])) { /* another transfer brings it: no second copy */
             if (offers && kvo__offers_earlier(c, i)) break; /* a repeat of its own: waiting on it would never end */
+            if (kvo__joins_earlier(pl, c, i)) break;        /* a repeat of its own join ends it too */
             c->state[i] = KVO__B_JOINING;
             continue;
         }
@@ -3171,6 +3197,8 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
         kvo__count_add(&pl->inflight, &hashes[i], 1);
         offers++;
     }
+    for (k = 0; k < i; k++) /* the scratch table back to empty */
+        if (c->state[k] == KVO__B_JOINING) (void)kvb__ctab_sub(&pl->join_loads, &c->hashes[k], 0, 1);
     c->inflight_marked = 1;
     return i;
 }

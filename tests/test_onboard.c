@@ -510,6 +510,39 @@ static void test_requests_joining_each_other_end(void)
     rig_close(&r);
 }
 
+/* One request names h0 twice while another's copy of it is in flight: both places join that copy. The
+ * copy fails; the request loads h0 itself once, and its second place must not become a second copy of
+ * the same hash (it waited on its own load, and the join-cycle breaker copied h0 again). */
+static void test_repeated_join_after_failed_copy_copies_once(void)
+{
+    rig r;
+    rig_open(&r);
+    of_backend_set_hold(r.w, 1);
+    of_backend_set_fail(r.w, 1, KVO_EIO);           /* b0's copy of h0 fails */
+    kvo_transfer b0 = onboard(&r, &r.h[0], 1);
+    KVT_EQ(kvo_pipeline_poll(r.p), KVO_OK);         /* b0 in the backend, held */
+    KVT_EQ(of_backend_held(r.w), 1);
+    kvb_hash rep[2] = {r.h[0], r.h[0]};
+    kvo_transfer a = onboard(&r, rep, 2);           /* both join b0 */
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);                        /* b0 fails */
+    KVT_EQ(of_status(r.p, b0), KVO_STATUS_FAILED);
+    kvo_status sa = of_pump(r.p, &r.clock, a, 1000, 200);
+    KVT_CHECK(of_final(sa));
+    KVT_EQ(of_backend_copies(r.w), 2);              /* b0's failed h0 and a's: never a third */
+    KVT_EQ(of_backend_saw_src(r.w, r.g2, kvb_block_index(r.in_g2[0].id)), 2);
+    kvb_block got[2];
+    size_t n = 0;
+    if (sa == KVO_STATUS_COMPLETE) {
+        KVT_EQ(kvo_transfer_take_blocks(r.p, a, got, 2, &n), KVO_OK);
+        for (size_t i = 0; i < n; i++) KVT_CHECK(of_bytes_ok(r.g1, got[i], r.h[0]));
+        KVT_EQ(kvb_release(r.g1, got, n, NULL), KVB_OK);
+    }
+    kvo_transfer_release(r.p, a);
+    kvo_transfer_release(r.p, b0);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(120);
@@ -527,5 +560,6 @@ int main(void)
     KVT_RUN(test_joined_copy_that_fails_is_loaded_again);
     KVT_RUN(test_failed_join_leaves_other_copies_in_flight);
     KVT_RUN(test_requests_joining_each_other_end);
+    KVT_RUN(test_repeated_join_after_failed_copy_copies_once);
     return kvt_summary();
 }

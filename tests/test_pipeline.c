@@ -144,6 +144,49 @@ static void test_dst_priority(void)
     rig_close(&r);
 }
 
+/* An offload does not move its source blocks to another eviction level: the engine released them at
+ * level 2, and the pipeline's own reference (upgrade, copy, release) is not the engine's release. It
+ * released them at level 0, so every block offloaded from G1 became the first to be evicted there. */
+static void test_offload_keeps_source_priority(void)
+{
+    rig r;
+    memset(&r, 0, sizeof r);
+    kvb_pool_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.num_blocks = SRC_BLOCKS;
+    sc.block_tokens = OF_TOKENS;
+    sc.storage = KVB_STORAGE_HOST;
+    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    sc.priority_levels = 3;
+    r.src = of_pool_from(&sc);
+    r.dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r.mem), KVO_OK);
+    r.w = of_backend_wrap(r.mem);
+    r.clock.now = 1000000;
+    r.n = 4;
+    of_chain(1, 4, r.h);
+    kvb_block held[4];
+    of_register(r.src, r.h, 4, held, r.weak);
+    kvb_release_opts o;
+    memset(&o, 0, sizeof o);
+    o.priority = 2;
+    KVT_EQ(kvb_release(r.src, held, 4, &o), KVB_OK); /* the engine lets them go at level 2 */
+    kvo_pipeline_config pc = rig_config(&r);
+    rig_start(&r, &pc);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 4);
+    KVT_EQ(of_active(r.src), 0);
+    for (size_t i = 0; i < 4; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r.src, r.weak[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+        KVT_EQ(bi.priority, 2);
+    }
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    rig_close(&r);
+}
+
 static void count_done(kvo_copy_job *job, int result, const char *message)
 {
     (void)message;
@@ -1914,6 +1957,7 @@ int main(void)
     KVT_RUN(test_result_strings);
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_dst_priority);
+    KVT_RUN(test_offload_keeps_source_priority);
     KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_handles_of_another_pipeline_refused);
     KVT_RUN(test_backend_refuses_blocks_past_the_pool);
