@@ -4261,7 +4261,9 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
     return KVB_OK;
 }
 
-KVB_API kvb_result kvb_upgrade(kvb_pool *pool, kvb_weak weak, kvb_block *out)
+/* kvb_upgrade; `use` 0: the reference is no use of the block (no policy hit, as kvb_pin's): kvoffload.h's
+ * offloads, which copy a block down and give it back, take theirs so. */
+static kvb_result kvb__upgrade(kvb_pool *pool, kvb_weak weak, kvb_block *out, int use)
 {
     uint32_t idx;
     kvb_result r;
@@ -4271,11 +4273,17 @@ KVB_API kvb_result kvb_upgrade(kvb_pool *pool, kvb_weak weak, kvb_block *out)
     if (r == KVB_OK && pool->meta[idx].refs == 0 && pool->meta[idx].state != KVB_STATE_REGISTERED)
         r = KVB_EGONE;
     if (r == KVB_OK) {
-        kvb__take_ref(pool, idx);
+        if (use) kvb__take_ref(pool, idx);
+        else kvb__take_pin(pool, idx);
         out->id = weak.id & ~KVB_WEAK_BIT;
     }
     pthread_mutex_unlock(&pool->lock);
     return r;
+}
+
+KVB_API kvb_result kvb_upgrade(kvb_pool *pool, kvb_weak weak, kvb_block *out)
+{
+    return kvb__upgrade(pool, weak, out, 1);
 }
 
 static unsigned char *kvb__page(const kvb_pool *p, uint32_t idx, uint32_t layer, uint32_t part)

@@ -42,6 +42,9 @@
  * dropped (counted), never copied; P4 the queues are swept of cancelled containers right before each
  * upgrade; P5 after the upgrade the blocks of all containers of a batch are flattened into one backend
  * job; P6 the precondition wait is cancellable (it is a poll, never a blocking wait).
+ * The pipeline's reference to a source block is no use of it: taken and given back, it counts no hit for
+ * the source pool's policy (ARC, S3-FIFO) and no reference for FOL, and the block keeps its level (as
+ * kvb_pin / kvb_unpin); only an onboard's source block, matched in its tier, counts as used there.
  * Cancel takes a container out anywhere before the backend has its job, on-deck batches included (its
  * copies leave the job, its references are given back, nothing of it is copied); once the backend has
  * the job, the transfer completes and cancel waits for it.
@@ -1928,13 +1931,16 @@ static void kvo__slot_free(kvo_pipeline *pl, const kvo__container *c)
     stbds_arrput(pl->free_slots, c->slot);
 }
 
-/* A release level: each block keeps the level it had (the pipeline's reference to a source block is not
- * the release that set it; kvblock.h's kvb_unpin level, with kvb_release's use). */
+/* Release levels: each block keeps the level it had (the pipeline's reference to a source block is not
+ * the release that set it): an onboard's source block was used (matched in its tier: kvb_release's
+ * use, kvb_unpin's level); an offload's was not (copied down: kvb_unpin, no use, as its upgrade took it). */
 #define KVO__OWN_LEVEL UINT32_MAX
+#define KVO__OWN_LEVEL_NO_USE (UINT32_MAX - 1)
 
 static kvb_result kvo__release(kvb_pool *pool, const kvb_block *blocks, size_t n, const kvb_release_opts *o)
 {
     if (o->priority == KVO__OWN_LEVEL) return kvb__release_blocks(pool, blocks, n, KVB__OWN_LEVEL, 1, 0);
+    if (o->priority == KVO__OWN_LEVEL_NO_USE) return kvb_unpin(pool, blocks, n);
     return kvb_release(pool, blocks, n, o);
 }
 
@@ -1980,7 +1986,8 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     kvo_pipeline_stats *s = &pl->stats;
     if (c->final) return;
     if (pl->keep_failed && c->info.failed && !c->onboard) kvo__keep_failed(pl, c);
-    kvo__release_held(pl->cfg.src, c->src_strong, c->n, KVO__OWN_LEVEL); /* the source's level stays */
+    /* the source's level stays; an offload's reference was no use of its block either */
+    kvo__release_held(pl->cfg.src, c->src_strong, c->n, c->onboard ? KVO__OWN_LEVEL : KVO__OWN_LEVEL_NO_USE);
     if (st != KVO_STATUS_COMPLETE) kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
     kvo__unmark_inflight(pl, c);
     kvo_event_release(c->pre);
@@ -2595,7 +2602,7 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
         kvo__stage(pl, c, KVO_STATUS_TRANSFERRING);
         for (j = 0; j < c->n; j++) {
             if (c->state[j] != KVO__B_OFFER) continue;
-            if (!c->onboard && kvb_upgrade(pl->cfg.src, c->src[j], &c->src_strong[j]) != KVB_OK) {
+            if (!c->onboard && kvb__upgrade(pl->cfg.src, c->src[j], &c->src_strong[j], 0) != KVB_OK) {
                 c->state[j] = KVO__B_DROPPED; /* evicted since it was enqueued: discarded, not copied */
                 c->info.dropped++;
                 kvo__count_add(&pl->inflight, &c->hashes[j], -1);

@@ -2451,7 +2451,8 @@ static void kvs__plan_free(kvs__plan *p)
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
-    if (stbds_arrlen(p->loaded)) kvb_release(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded), NULL);
+    /* held for the request, not used (its admission's match and release are): no use, each its level */
+    if (stbds_arrlen(p->loaded)) kvb_unpin(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded));
     KVB__ARR_SHRINK(p->loaded, 0);
     KVB__ARR_SHRINK(p->hashes, 0);
     KVB__ARR_SHRINK(p->runs, 0);
@@ -2894,7 +2895,7 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
             if (p && n && kvo__fit(&p->loaded, stbds_arrlenu(p->loaded) + n)) /* n = 0: a miss */
                 memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
-            else if (n) kvb_release(c->cfg.device, got, n, NULL);
+            else if (n) kvb_unpin(c->cfg.device, got, n);
         }
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }

@@ -21,7 +21,7 @@ typedef struct rig {
 /* The pools, a manager over them (pipelines in poll or thread mode, with an optional on_stage observer)
  * and the connector. spy_down: G1 -> G2 copies go through the test backend (r->spy), two jobs at once. */
 static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, kvo_stage_fn on_stage, void *stage_user,
-                        int spy_down)
+                        int spy_down, kvb_evict_policy device_eviction)
 {
     sf_env *e = &r->e;
     kvo_manager_config mc;
@@ -34,6 +34,14 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     e->token_bytes = layout.page_bytes / e->block_tokens;
     e->o.device_memory = 1;
     e->dev = sf__pool(16, 1, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0);
+    if (device_eviction) { /* the same pool under another policy (FOL: a fixed step, tails first) */
+        kvb_pool_config dc;
+        KVT_EQ(kvb_pool_get_config(e->dev, &dc), KVB_OK);
+        kvb_pool_destroy(e->dev);
+        dc.eviction = device_eviction;
+        dc.fol_class_step = 1000;
+        KVT_EQ(kvb_pool_create(&dc, &e->dev), KVB_OK);
+    }
     e->host = sf__pool(32, 1, KVB_LAYOUT_LAYER_SEPARATE, 1);
     KVT_EQ(kvo_memcpy_backend_create(0, &e->mem), KVO_OK);
     memset(&mc, 0, sizeof mc);
@@ -61,7 +69,7 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     KVT_EQ(kvs_connector_create(&cc, &r->c), KVS_OK);
 }
 
-static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL, 0); }
+static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL, 0, 0); }
 
 static void rig_close(rig *r)
 {
@@ -690,7 +698,7 @@ static void test_destroy_with_stores_in_flight(void)
     kvb_block b[2], held[2];
     size_t n = 0;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st, 0);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st, 0, 0);
     sf_tokens(4, u, 32);
     KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
     KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
@@ -726,7 +734,7 @@ static void test_other_offloads_do_not_pile_up(void)
     kvb_block b[3], held[2], other;
     size_t n = 0;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 1);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 1, 0);
     sf_tokens(4, u, 32);
     sf_tokens(5, v, 16);
     KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
@@ -947,6 +955,48 @@ static void test_update_output_checks_its_lists(void)
     rig_close(&r);
 }
 
+/* The connector's hold on loaded device blocks (until the request takes them) is no use of them: the
+ * request's own match and release are. FOL device (fixed step, tails first): the 2 blocks of a 32-token
+ * prompt are loaded from the host for request 5, the engine matches them, the plan goes
+ * (request_finished), the engine releases them: each used once, block 1 a tail seen once. Then y, a
+ * block of its own, is released once: block 1, older, goes first. Before, the connector's release counted
+ * a use too: their counts were 2, block 1's class after every tail, and y went first. */
+static void test_loaded_blocks_are_no_use_of_the_connector(void)
+{
+    rig r;
+    uint32_t t[32], ty[16];
+    kvb_hash h[2], hy[1];
+    size_t n = 0, m = 0, got = 0;
+    kvb_block x[2], y, yr;
+    kvb_weak order[2];
+    kvb_block_info i0, i1;
+    kvs_connector_meta meta;
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 0, KVB_EVICT_FOL);
+    sf_tokens(91, t, 32);
+    sf_tokens(92, ty, 16);
+    KVT_EQ(kvb_hash_prompt(t, 32, 16, NULL, 0, 0, h, 2, &n), KVB_OK);
+    KVT_EQ(kvb_hash_prompt(ty, 16, 16, NULL, 0, 0, hy, 1, &n), KVB_OK);
+    seed_host(&r.e, t, h, 2);
+    ask_take(&r, 5, h, 2, 0, 32);
+    start_step(&r, &meta);
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(kvb_match(r.e.dev, h, 2, x, &m), KVB_OK);
+    KVT_EQ(m, 2);
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    KVT_EQ(kvb_release(r.e.dev, x, 2, NULL), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 1, &y), KVB_OK);
+    KVT_EQ(kvb_register_hashed(r.e.dev, &y, 1, hy, NULL, &yr), KVB_OK);
+    KVT_EQ(kvb_release(r.e.dev, &yr, 1, NULL), KVB_OK);
+    KVT_EQ(of_active(r.e.dev), 0);
+    KVT_EQ(kvb_eviction_candidates(r.e.dev, 2, order, &got), KVB_OK);
+    KVT_EQ(got, 2);
+    KVT_EQ(kvb_block_get_info(r.e.dev, order[0].id, &i0), KVB_OK);
+    KVT_EQ(kvb_block_get_info(r.e.dev, order[1].id, &i1), KVB_OK);
+    KVT_CHECK(i0.hash.lo == h[1].lo && i0.hash.hi == h[1].hi); /* block 1 first, then y */
+    KVT_CHECK(i1.hash.lo == hy[0].lo && i1.hash.hi == hy[0].hi);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -968,5 +1018,6 @@ int main(void)
     KVT_RUN(test_second_larger_take_is_refused);
     KVT_RUN(test_pending_counts_a_taken_offer_with_nothing_to_load);
     KVT_RUN(test_update_output_checks_its_lists);
+    KVT_RUN(test_loaded_blocks_are_no_use_of_the_connector);
     return kvt_summary();
 }

@@ -187,6 +187,81 @@ static void test_offload_keeps_source_priority(void)
     rig_close(&r);
 }
 
+/* An offload is no use of its source blocks: the pipeline takes them (upgrade), copies them down and gives
+ * them back, and the engine did not touch them. Before, both ends counted: under ARC the upgrade was a
+ * hit that moved every offloaded block from T1 to T2 (eager offload made ARC's recency list empty), and
+ * under FOL the release was a use that raised every offloaded block's count. ARC: 4 blocks released
+ * once stay in T1. FOL (fixed step, tails first): a and b released once, a is offloaded (given back, it
+ * is placed as released then: after b), then c is released once: b, a, c go in that order (with a use
+ * counted, a's count was 2, its class after every tail: b, c, a). */
+static void offload_source_pool(kvb_evict_policy ev, rig *r)
+{
+    kvb_pool_config sc;
+    memset(r, 0, sizeof *r);
+    memset(&sc, 0, sizeof sc);
+    sc.num_blocks = SRC_BLOCKS;
+    sc.block_tokens = OF_TOKENS;
+    sc.storage = KVB_STORAGE_HOST;
+    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    sc.eviction = ev;
+    sc.fol_class_step = 1000; /* FOL: fixed; tails (a request's last block, seen once) first */
+    r->src = of_pool_from(&sc);
+    r->dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r->mem), KVO_OK);
+    r->w = of_backend_wrap(r->mem);
+    r->clock.now = 1000000;
+}
+
+static void offload_through(rig *r, const kvb_weak *weak, size_t n)
+{
+    kvo_pipeline_config pc = rig_config(r);
+    rig_start(r, &pc);
+    kvo_transfer t = of_enqueue(r->p, weak, n, NULL);
+    KVT_EQ(of_pump(r->p, &r->clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r->p, t).transferred, n);
+    KVT_EQ(of_active(r->src), 0);
+    KVT_EQ(kvo_transfer_release(r->p, t), KVO_OK);
+}
+
+static void test_offload_is_no_use_of_its_source(void)
+{
+    rig r;
+    kvb_block held[4];
+    kvb_pool_stats st;
+    offload_source_pool(KVB_EVICT_ARC, &r);
+    of_chain(1, 4, r.h);
+    of_register(r.src, r.h, 4, held, r.weak);
+    KVT_EQ(kvb_release(r.src, held, 4, NULL), KVB_OK);
+    KVT_EQ(kvb_pool_get_stats(r.src, &st), KVB_OK);
+    KVT_EQ(st.list_blocks[0], 4); /* T1: seen once */
+    offload_through(&r, r.weak, 4);
+    KVT_EQ(kvb_pool_get_stats(r.src, &st), KVB_OK);
+    KVT_EQ(st.list_blocks[0], 4);
+    KVT_EQ(st.list_blocks[1], 0);
+    rig_close(&r);
+
+    kvb_hash a[1], b[1], c[1];
+    kvb_weak wa[1], wb[1], wc[1], order[3];
+    size_t got = 0;
+    offload_source_pool(KVB_EVICT_FOL, &r);
+    of_chain(2, 1, a);
+    of_chain(3, 1, b);
+    of_chain(4, 1, c);
+    of_register(r.src, a, 1, held, wa);
+    KVT_EQ(kvb_release(r.src, held, 1, NULL), KVB_OK);
+    of_register(r.src, b, 1, held, wb);
+    KVT_EQ(kvb_release(r.src, held, 1, NULL), KVB_OK);
+    offload_through(&r, wa, 1);
+    of_register(r.src, c, 1, held, wc);
+    KVT_EQ(kvb_release(r.src, held, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_eviction_candidates(r.src, 3, order, &got), KVB_OK);
+    KVT_EQ(got, 3);
+    KVT_EQ(order[0].id, wb[0].id);
+    KVT_EQ(order[1].id, wa[0].id); /* still a tail seen once: the offload counted no use */
+    KVT_EQ(order[2].id, wc[0].id);
+    rig_close(&r);
+}
+
 static void count_done(kvo_copy_job *job, int result, const char *message)
 {
     (void)message;
@@ -1958,6 +2033,7 @@ int main(void)
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_dst_priority);
     KVT_RUN(test_offload_keeps_source_priority);
+    KVT_RUN(test_offload_is_no_use_of_its_source);
     KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_handles_of_another_pipeline_refused);
     KVT_RUN(test_backend_refuses_blocks_past_the_pool);
