@@ -44,7 +44,9 @@
  * job; P6 the precondition wait is cancellable (it is a poll, never a blocking wait).
  * The pipeline's reference to a source block is no use of it: taken and given back, it counts no hit for
  * the source pool's policy (ARC, S3-FIFO) and no reference for FOL, and the block keeps its level (as
- * kvb_pin / kvb_unpin); only an onboard's source block, matched in its tier, counts as used there.
+ * kvb_pin / kvb_unpin); only an onboard's source block, matched in its tier, counts as used there. An
+ * onboard's hold on a block it finds already in the destination is no use either (pinned; one not
+ * taken goes back at its own level); blocks it lands go to dst_priority.
  * Cancel takes a container out anywhere before the backend has its job, on-deck batches included (its
  * copies leave the job, its references are given back, nothing of it is copied); once the backend has
  * the job, the transfer completes and cancel waits for it.
@@ -1958,6 +1960,26 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
     for (i = 0; i < n && k; i++) blocks[i].id = 0;
 }
 
+/* An onboard's references in the destination go back: a block it found there (present, or landed by a
+ * transfer it joined) was held, not used (kvb_pin): unpinned, its level kept; a block it landed itself
+ * goes to dst_priority. Then all are cleared. */
+static void kvo__release_dst(kvo_pipeline *pl, kvo__container *c)
+{
+    kvb_block held[64];
+    size_t i, k = 0;
+    for (i = 0; i < c->n; i++) {
+        if (!c->dst_keep[i].id || (c->state[i] != KVO__B_PRESENT && c->state[i] != KVO__B_JOINED)) continue;
+        held[k++] = c->dst_keep[i];
+        c->dst_keep[i].id = 0;
+        if (k == sizeof held / sizeof held[0]) {
+            (void)kvb_unpin(pl->cfg.dst, held, k);
+            k = 0;
+        }
+    }
+    if (k) (void)kvb_unpin(pl->cfg.dst, held, k);
+    kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
+}
+
 static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)
 {
     size_t i;
@@ -1988,7 +2010,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     if (pl->keep_failed && c->info.failed && !c->onboard) kvo__keep_failed(pl, c);
     /* the source's level stays; an offload's reference was no use of its block either */
     kvo__release_held(pl->cfg.src, c->src_strong, c->n, c->onboard ? KVO__OWN_LEVEL : KVO__OWN_LEVEL_NO_USE);
-    if (st != KVO_STATUS_COMPLETE) kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
+    if (st != KVO_STATUS_COMPLETE) kvo__release_dst(pl, c);
     kvo__unmark_inflight(pl, c);
     kvo_event_release(c->pre);
     c->pre = NULL;
@@ -2372,7 +2394,7 @@ static int kvo__resolve_joins(kvo_pipeline *pl, kvo__container *c)
         if (c->state[i] != KVO__B_JOINING) continue;
         if (kvo__count_get(&pl->inflight, &c->hashes[i])) {
             waiting = 1;
-        } else if (kvb_match(pl->cfg.dst, &c->hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
+        } else if (kvb_pin(pl->cfg.dst, &c->hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
             c->state[i] = KVO__B_JOINED;
             c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
             c->info.joined++;
@@ -3065,7 +3087,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     for (i = 0; i < stbds_arrlenu(pipeline->slots); i++) {
         kvo__container *c = pipeline->slots[i].c;
         if (!c) continue;
-        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
+        kvo__release_dst(pipeline, c);
         kvo_token_release(c->token);
         KVB_FREE(c);
     }
@@ -3185,7 +3207,7 @@ static size_t kvo__onboard_match(kvo_pipeline *pl, kvo__container *c, const kvb_
     for (i = 0; i < n; i++) {
         kvb_block_info info;
         c->hashes[i] = hashes[i];
-        if (kvb_match(pl->cfg.dst, &hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) {
+        if (kvb_pin(pl->cfg.dst, &hashes[i], 1, &c->dst_keep[i], &k) == KVB_OK && k) { /* held: no use of it */
             c->state[i] = KVO__B_PRESENT;
             c->dst_weak[i] = kvb_weak_of(c->dst_keep[i]);
             c->info.present++;
@@ -3362,7 +3384,7 @@ KVO_API kvo_result kvo_transfer_take_blocks(kvo_pipeline *pipeline, kvo_transfer
             c->dst_keep[i].id = 0;
         }
         /* what did not fit goes back now (it stays cached), not at kvo_transfer_release */
-        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
+        kvo__release_dst(pipeline, c);
         c->taken = 1;
         *out_n = k;
     }
@@ -3377,7 +3399,7 @@ KVO_API kvo_result kvo_transfer_release(kvo_pipeline *pipeline, kvo_transfer tra
     pthread_mutex_lock(&pipeline->lock);
     c = kvo__cancel_locked(pipeline, transfer); /* NULL also when released by another meanwhile */
     if (c) {
-        kvo__release_held(pipeline->cfg.dst, c->dst_keep, c->n, pipeline->cfg.dst_priority);
+        kvo__release_dst(pipeline, c);
         kvo__slot_free(pipeline, c);
         kvo__container_recycle(pipeline, c);
     }

@@ -217,6 +217,51 @@ static void test_onboard_present_block_is_returned(void)
     rig_close(&r);
 }
 
+/* A block an onboard finds in G1 is held until the caller takes it, not used: the pipeline pins it
+ * (no lookup counted, no ARC hit) and one not taken goes back unpinned, at the level it had. G1 under
+ * ARC with 3 levels: h[0] released there once at level 2 (T1); an onboard of it completes at once and
+ * is let go untaken: still T1, level 2, G1's lookups as before. Before, the onboard's match counted a
+ * lookup and an ARC hit (T2), and its release put the block at the pipeline's dst_priority (0). */
+static void test_present_block_is_held_not_used(void)
+{
+    rig r;
+    kvb_pool_config gc;
+    kvb_pool_stats st;
+    kvb_block held;
+    kvb_weak existing;
+    kvb_block_info bi;
+    rig_open(&r);
+    kvo_pipeline_destroy(r.p);
+    KVT_EQ(kvb_pool_get_config(r.g1, &gc), KVB_OK);
+    kvb_pool_destroy(r.g1);
+    gc.eviction = KVB_EVICT_ARC;
+    gc.priority_levels = 3;
+    KVT_EQ(kvb_pool_create(&gc, &r.g1), KVB_OK);
+    kvo_pipeline_config pc = of_config(r.g2, r.g1, of_backend_iface(r.w), KVO_MODE_POLL, &r.clock);
+    r.p = of_pipeline(&pc);
+    of_register(r.g1, r.h, 1, &held, &existing);
+    kvb_release_opts o;
+    memset(&o, 0, sizeof o);
+    o.priority = 2;
+    KVT_EQ(kvb_release(r.g1, &held, 1, &o), KVB_OK);
+    KVT_EQ(kvb_pool_get_stats(r.g1, &st), KVB_OK);
+    uint64_t lookups = st.lookups;
+    KVT_EQ(st.list_blocks[0], 1);
+    kvo_transfer t = onboard(&r, r.h, 1);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).present, 1);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK); /* not taken */
+    KVT_EQ(kvb_block_get_info(r.g1, existing.id, &bi), KVB_OK);
+    KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+    KVT_EQ(bi.refs, 0);
+    KVT_EQ(bi.priority, 2);
+    KVT_EQ(kvb_pool_get_stats(r.g1, &st), KVB_OK);
+    KVT_EQ(st.list_blocks[0], 1);
+    KVT_EQ(st.list_blocks[1], 0);
+    KVT_EQ(st.lookups, lookups);
+    rig_close(&r);
+}
+
 /* h[2] is in neither tier: h[0], h[1] load; h[3], though in G2, is not asked for any more. */
 static void test_miss_ends_the_prefix(void)
 {
@@ -561,5 +606,6 @@ int main(void)
     KVT_RUN(test_failed_join_leaves_other_copies_in_flight);
     KVT_RUN(test_requests_joining_each_other_end);
     KVT_RUN(test_repeated_join_after_failed_copy_copies_once);
+    KVT_RUN(test_present_block_is_held_not_used);
     return kvt_summary();
 }
