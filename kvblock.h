@@ -629,9 +629,9 @@ KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb
                            size_t *out_n);
 
 /* Let go of pins (kvb_pin): kvb_release's work and errors, but not a use (FOL does not count it); a block
- * whose last reference goes becomes inactive, as released now, at the level it had when it last became
- * inactive (a kvb_release while the pin was held does not set the level: only the last reference's
- * release does). Thread safety: safe from any thread. */
+ * whose last reference goes becomes inactive, as released now, at its level: the one of the last
+ * kvb_release of it (also one while the pin was held), else the one it had when it last became inactive.
+ * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n);
 
 /* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
@@ -3264,6 +3264,16 @@ static KVB__ALWAYS_INLINE void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint
     }
 }
 
+/* A use (kvb_release) that leaves other references behind still names the block's level: the one it goes
+ * to when the last reference goes without a level of its own (kvb_unpin: a pin, an offload's copy).
+ * An S3-FIFO place kept at another level is given up, as kvb__unreferenced gives it up. */
+static KVB__ALWAYS_INLINE void kvb__note_level(kvb__meta *m, uint32_t prio)
+{
+    if (prio == KVB__OWN_LEVEL || m->prio == prio) return;
+    m->flags &= (uint8_t)~KVB__F_QUEUED;
+    m->prio = (uint8_t)prio;
+}
+
 /* Drop one reference; the last one makes the block inactive or free. */
 static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
@@ -3301,7 +3311,10 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 {
     size_t i;
     if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
-    for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
+    for (i = n; i-- > 0;) {
+        kvb__drop_ref(p, idx[i], prio);
+        if (touch && p->meta[idx[i]].refs) kvb__note_level(&p->meta[idx[i]], prio);
+    }
 }
 
 /* Registration, part 1: the block's own metadata, which needs no index slot. */
@@ -3734,6 +3747,7 @@ static KVB__ALWAYS_INLINE void kvb__release_taken(kvb_pool *p, const uint32_t *i
         kvb__meta *m = &p->meta[idx[i]];
         m->flags &= (uint8_t)~KVB__F_MARK;
         if (!m->refs) kvb__unreferenced(p, idx[i], prio);
+        else if (touch) kvb__note_level(m, prio);
     }
 }
 

@@ -665,9 +665,9 @@ KVB_API kvb_result kvb_pin(kvb_pool *pool, const kvb_hash *hashes, size_t n, kvb
                            size_t *out_n);
 
 /* Let go of pins (kvb_pin): kvb_release's work and errors, but not a use (FOL does not count it); a block
- * whose last reference goes becomes inactive, as released now, at the level it had when it last became
- * inactive (a kvb_release while the pin was held does not set the level: only the last reference's
- * release does). Thread safety: safe from any thread. */
+ * whose last reference goes becomes inactive, as released now, at its level: the one of the last
+ * kvb_release of it (also one while the pin was held), else the one it had when it last became inactive.
+ * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_unpin(kvb_pool *pool, const kvb_block *blocks, size_t n);
 
 /* A request's prompt in one call (one lock, one pass): what kvb_match of `hashes`, kvb_alloc of the
@@ -3300,6 +3300,16 @@ static KVB__ALWAYS_INLINE void kvb__unreferenced(kvb_pool *p, uint32_t idx, uint
     }
 }
 
+/* A use (kvb_release) that leaves other references behind still names the block's level: the one it goes
+ * to when the last reference goes without a level of its own (kvb_unpin: a pin, an offload's copy).
+ * An S3-FIFO place kept at another level is given up, as kvb__unreferenced gives it up. */
+static KVB__ALWAYS_INLINE void kvb__note_level(kvb__meta *m, uint32_t prio)
+{
+    if (prio == KVB__OWN_LEVEL || m->prio == prio) return;
+    m->flags &= (uint8_t)~KVB__F_QUEUED;
+    m->prio = (uint8_t)prio;
+}
+
 /* Drop one reference; the last one makes the block inactive or free. */
 static inline void kvb__drop_ref(kvb_pool *p, uint32_t idx, uint32_t prio)
 {
@@ -3337,7 +3347,10 @@ static void kvb__release_request(kvb_pool *p, const uint32_t *idx, size_t n, uin
 {
     size_t i;
     if (touch && p->cfg.eviction == KVB_EVICT_FOL) kvb__release_touch(p, idx, n, partial);
-    for (i = n; i-- > 0;) kvb__drop_ref(p, idx[i], prio);
+    for (i = n; i-- > 0;) {
+        kvb__drop_ref(p, idx[i], prio);
+        if (touch && p->meta[idx[i]].refs) kvb__note_level(&p->meta[idx[i]], prio);
+    }
 }
 
 /* Registration, part 1: the block's own metadata, which needs no index slot. */
@@ -3770,6 +3783,7 @@ static KVB__ALWAYS_INLINE void kvb__release_taken(kvb_pool *p, const uint32_t *i
         kvb__meta *m = &p->meta[idx[i]];
         m->flags &= (uint8_t)~KVB__F_MARK;
         if (!m->refs) kvb__unreferenced(p, idx[i], prio);
+        else if (touch) kvb__note_level(m, prio);
     }
 }
 
@@ -7124,22 +7138,24 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
 
 /* An onboard's references in the destination go back: a block it found there (present, or landed by a
  * transfer it joined) was held, not used (kvb_pin): unpinned, its level kept; a block it landed itself
- * goes to dst_priority. Then all are cleared. */
+ * goes to dst_priority. Deepest first, as one release gives a chain back (plain LRU evicts in that
+ * order, with no leaf check): each run of one kind, from the last run to the first. Then all are cleared. */
 static void kvo__release_dst(kvo_pipeline *pl, kvo__container *c)
 {
-    kvb_block held[64];
-    size_t i, k = 0;
-    for (i = 0; i < c->n; i++) {
-        if (!c->dst_keep[i].id || (c->state[i] != KVO__B_PRESENT && c->state[i] != KVO__B_JOINED)) continue;
-        held[k++] = c->dst_keep[i];
-        c->dst_keep[i].id = 0;
-        if (k == sizeof held / sizeof held[0]) {
-            (void)kvb_unpin(pl->cfg.dst, held, k);
-            k = 0;
+    size_t end = c->n, i;
+    while (end > 0) {
+        int pinned = -1; /* the kind of the run ending at end: none yet */
+        for (i = end; i > 0; i--) {
+            int p;
+            if (!c->dst_keep[i - 1].id) continue;
+            p = c->state[i - 1] == KVO__B_PRESENT || c->state[i - 1] == KVO__B_JOINED;
+            if (pinned < 0) pinned = p;
+            else if (p != pinned) break;
         }
+        if (pinned >= 0) /* [i, end): one run, and blocks already given back */
+            kvo__release_held(pl->cfg.dst, c->dst_keep + i, end - i, pinned ? KVO__OWN_LEVEL_NO_USE : pl->cfg.dst_priority);
+        end = i;
     }
-    if (k) (void)kvb_unpin(pl->cfg.dst, held, k);
-    kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
 }
 
 static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)

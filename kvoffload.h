@@ -1962,22 +1962,24 @@ static void kvo__release_held(kvb_pool *pool, kvb_block *blocks, size_t n, uint3
 
 /* An onboard's references in the destination go back: a block it found there (present, or landed by a
  * transfer it joined) was held, not used (kvb_pin): unpinned, its level kept; a block it landed itself
- * goes to dst_priority. Then all are cleared. */
+ * goes to dst_priority. Deepest first, as one release gives a chain back (plain LRU evicts in that
+ * order, with no leaf check): each run of one kind, from the last run to the first. Then all are cleared. */
 static void kvo__release_dst(kvo_pipeline *pl, kvo__container *c)
 {
-    kvb_block held[64];
-    size_t i, k = 0;
-    for (i = 0; i < c->n; i++) {
-        if (!c->dst_keep[i].id || (c->state[i] != KVO__B_PRESENT && c->state[i] != KVO__B_JOINED)) continue;
-        held[k++] = c->dst_keep[i];
-        c->dst_keep[i].id = 0;
-        if (k == sizeof held / sizeof held[0]) {
-            (void)kvb_unpin(pl->cfg.dst, held, k);
-            k = 0;
+    size_t end = c->n, i;
+    while (end > 0) {
+        int pinned = -1; /* the kind of the run ending at end: none yet */
+        for (i = end; i > 0; i--) {
+            int p;
+            if (!c->dst_keep[i - 1].id) continue;
+            p = c->state[i - 1] == KVO__B_PRESENT || c->state[i - 1] == KVO__B_JOINED;
+            if (pinned < 0) pinned = p;
+            else if (p != pinned) break;
         }
+        if (pinned >= 0) /* [i, end): one run, and blocks already given back */
+            kvo__release_held(pl->cfg.dst, c->dst_keep + i, end - i, pinned ? KVO__OWN_LEVEL_NO_USE : pl->cfg.dst_priority);
+        end = i;
     }
-    if (k) (void)kvb_unpin(pl->cfg.dst, held, k);
-    kvo__release_held(pl->cfg.dst, c->dst_keep, c->n, pl->cfg.dst_priority);
 }
 
 static void kvo__unmark_inflight(kvo_pipeline *pl, kvo__container *c)

@@ -262,6 +262,37 @@ static void test_present_block_is_held_not_used(void)
     rig_close(&r);
 }
 
+/* An onboard let go untaken gives its destination blocks back deepest first, as one release does, so
+ * that plain LRU (no leaf check) evicts a chain from its end: G1 under LRU holds h[0], h[1] (inactive);
+ * an onboard of h[0..4) finds them present and lands h[2], h[3]; released untaken, G1's eviction order
+ * is h[3], h[2], h[1], h[0]. With the pinned blocks given back before the landed ones, h[1] and h[0]
+ * came first: the root evicted first leaves the landed blocks cached but unreachable. */
+static void test_untaken_blocks_go_back_deepest_first(void)
+{
+    rig r;
+    kvb_pool_config gc;
+    kvb_weak cand[8];
+    size_t n = 0;
+    rig_open(&r);
+    kvo_pipeline_destroy(r.p);
+    KVT_EQ(kvb_pool_get_config(r.g1, &gc), KVB_OK);
+    kvb_pool_destroy(r.g1);
+    gc.eviction = KVB_EVICT_LRU;
+    KVT_EQ(kvb_pool_create(&gc, &r.g1), KVB_OK);
+    kvo_pipeline_config pc = of_config(r.g2, r.g1, of_backend_iface(r.w), KVO_MODE_POLL, &r.clock);
+    r.p = of_pipeline(&pc);
+    of_register(r.g1, r.h, 2, NULL, NULL);
+    kvo_transfer t = onboard(&r, r.h, 4);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).present, 2);
+    KVT_EQ(of_info(r.p, t).transferred, 2);
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK); /* not taken */
+    KVT_EQ(kvb_eviction_candidates(r.g1, 8, cand, &n), KVB_OK);
+    KVT_EQ(n, 4);
+    for (size_t i = 0; i < n && i < 4; i++) KVT_CHECK(of_hash_eq(of_hash_of(r.g1, cand[i].id), r.h[3 - i]));
+    rig_close(&r);
+}
+
 /* h[2] is in neither tier: h[0], h[1] load; h[3], though in G2, is not asked for any more. */
 static void test_miss_ends_the_prefix(void)
 {
@@ -607,5 +638,6 @@ int main(void)
     KVT_RUN(test_requests_joining_each_other_end);
     KVT_RUN(test_repeated_join_after_failed_copy_copies_once);
     KVT_RUN(test_present_block_is_held_not_used);
+    KVT_RUN(test_untaken_blocks_go_back_deepest_first);
     return kvt_summary();
 }

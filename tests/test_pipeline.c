@@ -187,6 +187,58 @@ static void test_offload_keeps_source_priority(void)
     rig_close(&r);
 }
 
+/* The level a source block keeps is the one its user gave it, also when the user lets it go while the
+ * offload holds it (eager offload: the block is offered while the request runs, and the request may end
+ * before the copy does): the engine releases 4 blocks at level 2 while their copy is in the backend; once
+ * the pipeline gives them back (the last reference, no use) they are at level 2. They were at level 0:
+ * the level a new block has, the one it had when it was last inactive (kvb_unpin's). */
+static void test_source_released_during_its_offload_keeps_its_level(void)
+{
+    rig r;
+    memset(&r, 0, sizeof r);
+    kvb_pool_config sc;
+    memset(&sc, 0, sizeof sc);
+    sc.num_blocks = SRC_BLOCKS;
+    sc.block_tokens = OF_TOKENS;
+    sc.storage = KVB_STORAGE_HOST;
+    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    sc.priority_levels = 3;
+    r.src = of_pool_from(&sc);
+    r.dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r.mem), KVO_OK);
+    r.w = of_backend_wrap(r.mem);
+    r.clock.now = 1000000;
+    r.n = 4;
+    of_chain(1, 4, r.h);
+    kvb_block held[4];
+    of_register(r.src, r.h, 4, held, r.weak); /* the engine's request holds them */
+    kvo_pipeline_config pc = rig_config(&r);
+    pc.min_batch = 1;
+    rig_start(&r, &pc);
+    of_backend_set_hold(r.w, 1);
+    kvo_transfer t = of_enqueue(r.p, r.weak, 4, NULL);
+    of_polls(r.p, &r.clock, 1000, 5);
+    KVT_EQ(of_backend_held(r.w), 1);
+    KVT_EQ(of_status(r.p, t), KVO_STATUS_TRANSFERRING);
+    kvb_release_opts o;
+    memset(&o, 0, sizeof o);
+    o.priority = 2;
+    KVT_EQ(kvb_release(r.src, held, 4, &o), KVB_OK); /* the request ends, at level 2 */
+    of_backend_set_hold(r.w, 0);
+    of_backend_release(r.w);
+    KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
+    KVT_EQ(of_info(r.p, t).transferred, 4);
+    KVT_EQ(of_active(r.src), 0);
+    for (size_t i = 0; i < 4; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r.src, r.weak[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+        KVT_EQ(bi.priority, 2);
+    }
+    KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
+    rig_close(&r);
+}
+
 /* An offload is no use of its source blocks: the pipeline takes them (upgrade), copies them down and gives
  * them back, and the engine did not touch them. Before, both ends counted: under ARC the upgrade was a
  * hit that moved every offloaded block from T1 to T2 (eager offload made ARC's recency list empty), and
@@ -2033,6 +2085,7 @@ int main(void)
     KVT_RUN(test_create_refuses_bad_config);
     KVT_RUN(test_dst_priority);
     KVT_RUN(test_offload_keeps_source_priority);
+    KVT_RUN(test_source_released_during_its_offload_keeps_its_level);
     KVT_RUN(test_offload_is_no_use_of_its_source);
     KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_handles_of_another_pipeline_refused);

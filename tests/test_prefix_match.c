@@ -752,6 +752,44 @@ static void test_unpin_keeps_the_level(void)
     kvb_pool_destroy(pool);
 }
 
+/* A kvb_release while a pin is held names the level the block goes to when the pin goes last (the
+ * user's level, not the one the block had before it was taken: an offload holding a block while its
+ * request ends must not move it). Every policy; under S3-FIFO the block gives up its place at the old
+ * level and stays evictable at the new one. */
+static void test_release_under_a_pin_sets_the_level(void)
+{
+    static const kvb_evict_policy ev[] = {KVB_EVICT_LINEAGE, KVB_EVICT_LRU, KVB_EVICT_FOL, KVB_EVICT_ARC,
+                                          KVB_EVICT_S3FIFO};
+    for (size_t e = 0; e < sizeof ev / sizeof ev[0]; e++) {
+        kvb_pool_config cfg = fx_config(4);
+        cfg.priority_levels = 2;
+        cfg.eviction = ev[e];
+        kvb_pool *pool = fx_pool_from(&cfg);
+        kvb_block b, reg, pin, use, fresh[4];
+        kvb_weak cand[4];
+        kvb_hash h = fx_hash(5, 5);
+        size_t n = 0;
+        kvb_release_opts high = {.priority = 1};
+        KVT_EQ(kvb_alloc(pool, 1, &b), KVB_OK);
+        KVT_EQ(kvb_register_hashed(pool, &b, 1, &h, NULL, &reg), KVB_OK);
+        KVT_EQ(kvb_release(pool, &reg, 1, NULL), KVB_OK); /* level 0, inactive (S3-FIFO: queued there) */
+        KVT_EQ(kvb_pin(pool, &h, 1, &pin, &n), KVB_OK);
+        KVT_EQ(kvb_match(pool, &h, 1, &use, &n), KVB_OK);
+        KVT_EQ(n, 1);
+        KVT_EQ(kvb_release(pool, &use, 1, &high), KVB_OK); /* the user's release, at level 1: not the last */
+        KVT_EQ(kvb_unpin(pool, &pin, 1), KVB_OK);
+        KVT_EQ(fx_info(pool, reg.id).priority, 1);
+        KVT_EQ(fx_stats(pool).inactive_blocks, 1);
+        KVT_EQ(kvb_eviction_candidates(pool, 4, cand, &n), KVB_OK);
+        KVT_EQ(n, 1);
+        FX_CHECK_POOL(pool);
+        KVT_EQ(kvb_alloc(pool, 4, fresh), KVB_OK); /* it can be evicted */
+        KVT_EQ(kvb_release(pool, fresh, 4, NULL), KVB_OK);
+        FX_CHECK_POOL(pool);
+        kvb_pool_destroy(pool);
+    }
+}
+
 int main(void)
 {
     fx_watchdog(60);
@@ -774,5 +812,6 @@ int main(void)
     KVT_RUN(test_pin_is_no_hit_for_arc);
     KVT_RUN(test_unpin_is_no_use_for_fol);
     KVT_RUN(test_unpin_keeps_the_level);
+    KVT_RUN(test_release_under_a_pin_sets_the_level);
     return kvt_summary();
 }

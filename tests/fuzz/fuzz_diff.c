@@ -176,10 +176,16 @@ static uint32_t m_alloc_one(model *m)
 
 static void m_take_ref(model *m, uint32_t x) { m->b[x].refs++; }
 
-static void m_drop_ref(model *m, uint32_t x, uint32_t prio)
+/* One reference off; `use`: a release (kvb_release, a sequence's end) that names the level even when
+ * other references stay (the level a later kvb_unpin of the last one keeps). */
+static void m_drop_ref(model *m, uint32_t x, uint32_t prio, int use)
 {
     mblock *b = &m->b[x];
-    if (!b->refs || --b->refs) return;
+    if (!b->refs) return;
+    if (--b->refs) {
+        if (use) b->prio = prio;
+        return;
+    }
     if (b->state == KVB_STATE_REGISTERED) {
         b->prio = prio;
         b->when = ++m->clock;
@@ -198,7 +204,7 @@ static uint32_t m_register(model *m, uint32_t x, kvb_hash h, kvb_hash parent, ui
         m->st.dedups++;
         if (m->reject && m->b[x].refs == 1) {
             m_take_ref(m, old);
-            m_drop_ref(m, x, 0);
+            m_drop_ref(m, x, 0, 0);
             return old;
         }
         for (i = 0; i < m->nreg; i++)
@@ -445,7 +451,7 @@ static void op_release(dz *d, int unpin)
     r = unpin ? kvb_unpin(d->pool, b, n) : kvb_release(d->pool, b, n, &o);
     SAME(unpin ? "unpin" : "release", r, want);
     if (r != KVB_OK) return;
-    for (i = n; i-- > 0;) m_drop_ref(&d->m, x[i], unpin ? d->m.b[x[i]].prio : prio);
+    for (i = n; i-- > 0;) m_drop_ref(&d->m, x[i], unpin ? d->m.b[x[i]].prio : prio, !unpin);
     for (i = 0; i < n; i++) d->s[sl[i]].held--;
 }
 
@@ -761,7 +767,7 @@ static kvb_result m_seq_append(model *m, mseq *s, const uint32_t *tokens, size_t
             memcpy(m->b[c].tokens, all + (nb_old - 1) * D_BT, have * sizeof *all);
             m->b[c].ntok = (uint32_t)have;
             m->b[c].state = KVB_STATE_PARTIAL;
-            m_drop_ref(m, last, 0);
+            m_drop_ref(m, last, 0, 0); /* a copy-on-write's drop: no use */
             s->table[nb_old - 1] = last = c;
         }
         memcpy(m->b[last].tokens + have, all + len, fill * sizeof *all);
@@ -843,7 +849,7 @@ static void op_seq_destroy(dz *d)
     if (!s->live) return;
     kvb_seq_destroy(d->seq[q]);
     d->seq[q] = NULL;
-    for (size_t i = s->nb; i-- > 0;) m_drop_ref(&d->m, s->table[i], 0);
+    for (size_t i = s->nb; i-- > 0;) m_drop_ref(&d->m, s->table[i], 0, 1);
     s->live = 0;
 }
 
