@@ -118,6 +118,16 @@ static void seed_host(sf_env *e, const uint32_t *tokens, const kvb_hash *h, size
     KVT_EQ(kvb_release(e->host, out, n, NULL), KVB_OK);
 }
 
+/* A rig (eager) whose host holds the 4 blocks (hashes h) of a 64-token prompt t (seed 3). */
+static void open_with_prompt_on_host(rig *r, uint32_t *t, kvb_hash *h)
+{
+    size_t n = 0;
+    rig_open(r, KVS_OFFLOAD_EAGER);
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r->e, t, h, 4);
+}
+
 static int contains(const uint64_t *a, size_t n, uint64_t x)
 {
     for (size_t i = 0; i < n; i++)
@@ -279,12 +289,9 @@ static void test_destroy_with_loads_in_flight(void)
     rig r;
     uint32_t t[64];
     kvb_hash h[4];
-    size_t n = 0, tokens = 0;
+    size_t tokens = 0;
     int async = -1;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 64);
     KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 64), KVS_OK);
@@ -311,13 +318,10 @@ static void test_dropped_plans(void)
     rig r;
     uint32_t t[64];
     kvb_hash h[4];
-    size_t n = 0, tokens = 0;
+    size_t tokens = 0;
     int async = 0, keep = -1;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
 
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 1, h, 4, 0, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 64);
@@ -445,12 +449,8 @@ static void test_load_of_evicted_blocks(void)
     uint32_t t[64];
     kvb_hash h[4];
     kvb_block all[32];
-    size_t n = 0;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
     ask_take(&r, 5, h, 4, 0, 64);
     KVT_EQ(kvb_alloc(r.e.host, 32, all), KVB_OK); /* the whole host: its 4 cached blocks are evicted */
     KVT_EQ(kvb_release(r.e.host, all, 32, NULL), KVB_OK);
@@ -544,13 +544,10 @@ static void test_ask_again_past_the_hashes(void)
     rig r;
     uint32_t t[64];
     kvb_hash h[4];
-    size_t n = 0, tokens = 9;
+    size_t tokens = 9;
     int async = 9;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
     ask_take(&r, 5, h, 4, 0, 64);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 64, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 0);
@@ -579,13 +576,10 @@ static void test_offer_from_inside_a_block(void)
     rig r;
     uint32_t t[64];
     kvb_hash h[4];
-    size_t n = 0, tokens = 0;
+    size_t tokens = 0;
     int async = 0;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 20, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 44); /* tokens 20 .. 63 */
     KVT_EQ(async, 1);
@@ -888,13 +882,10 @@ static void test_second_larger_take_is_refused(void)
     rig r;
     uint32_t t[64];
     kvb_hash h[4];
-    size_t n = 0, tokens = 0;
+    size_t tokens = 0;
     int async = 0;
     kvs_connector_meta meta;
-    rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(3, t, 64);
-    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    seed_host(&r.e, t, h, 4);
+    open_with_prompt_on_host(&r, t, h);
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 5, h, 4, 0, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 64);
     KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 32), KVS_OK);

@@ -144,25 +144,34 @@ static void test_dst_priority(void)
     rig_close(&r);
 }
 
+/* The rig with a source pool of its own (storage, SRC_BLOCKS, `levels` priority levels, policy `ev`; FOL
+ * with a fixed step, tails first) over a memory destination. */
+static void offload_source_pool(rig *r, kvb_evict_policy ev, uint32_t levels)
+{
+    kvb_pool_config sc;
+    memset(r, 0, sizeof *r);
+    memset(&sc, 0, sizeof sc);
+    sc.num_blocks = SRC_BLOCKS;
+    sc.block_tokens = OF_TOKENS;
+    sc.storage = KVB_STORAGE_HOST;
+    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    sc.eviction = ev;
+    sc.priority_levels = levels;
+    sc.fol_class_step = 1000;
+    r->src = of_pool_from(&sc);
+    r->dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r->mem), KVO_OK);
+    r->w = of_backend_wrap(r->mem);
+    r->clock.now = 1000000;
+}
+
 /* An offload does not move its source blocks to another eviction level: the engine released them at
  * level 2, and the pipeline's own reference (upgrade, copy, release) is not the engine's release. It
  * released them at level 0, so every block offloaded from G1 became the first to be evicted there. */
 static void test_offload_keeps_source_priority(void)
 {
     rig r;
-    memset(&r, 0, sizeof r);
-    kvb_pool_config sc;
-    memset(&sc, 0, sizeof sc);
-    sc.num_blocks = SRC_BLOCKS;
-    sc.block_tokens = OF_TOKENS;
-    sc.storage = KVB_STORAGE_HOST;
-    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    sc.priority_levels = 3;
-    r.src = of_pool_from(&sc);
-    r.dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
-    KVT_EQ(kvo_memcpy_backend_create(0, &r.mem), KVO_OK);
-    r.w = of_backend_wrap(r.mem);
-    r.clock.now = 1000000;
+    offload_source_pool(&r, KVB_EVICT_DEFAULT, 3);
     r.n = 4;
     of_chain(1, 4, r.h);
     kvb_block held[4];
@@ -195,19 +204,7 @@ static void test_offload_keeps_source_priority(void)
 static void test_source_released_during_its_offload_keeps_its_level(void)
 {
     rig r;
-    memset(&r, 0, sizeof r);
-    kvb_pool_config sc;
-    memset(&sc, 0, sizeof sc);
-    sc.num_blocks = SRC_BLOCKS;
-    sc.block_tokens = OF_TOKENS;
-    sc.storage = KVB_STORAGE_HOST;
-    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    sc.priority_levels = 3;
-    r.src = of_pool_from(&sc);
-    r.dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
-    KVT_EQ(kvo_memcpy_backend_create(0, &r.mem), KVO_OK);
-    r.w = of_backend_wrap(r.mem);
-    r.clock.now = 1000000;
+    offload_source_pool(&r, KVB_EVICT_DEFAULT, 3);
     r.n = 4;
     of_chain(1, 4, r.h);
     kvb_block held[4];
@@ -246,24 +243,6 @@ static void test_source_released_during_its_offload_keeps_its_level(void)
  * once stay in T1. FOL (fixed step, tails first): a and b released once, a is offloaded (given back, it
  * is placed as released then: after b), then c is released once: b, a, c go in that order (with a use
  * counted, a's count was 2, its class after every tail: b, c, a). */
-static void offload_source_pool(kvb_evict_policy ev, rig *r)
-{
-    kvb_pool_config sc;
-    memset(r, 0, sizeof *r);
-    memset(&sc, 0, sizeof sc);
-    sc.num_blocks = SRC_BLOCKS;
-    sc.block_tokens = OF_TOKENS;
-    sc.storage = KVB_STORAGE_HOST;
-    sc.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    sc.eviction = ev;
-    sc.fol_class_step = 1000; /* FOL: fixed; tails (a request's last block, seen once) first */
-    r->src = of_pool_from(&sc);
-    r->dst = of_mem_pool(DST_BLOCKS, KVB_LAYOUT_LAYER_SEPARATE);
-    KVT_EQ(kvo_memcpy_backend_create(0, &r->mem), KVO_OK);
-    r->w = of_backend_wrap(r->mem);
-    r->clock.now = 1000000;
-}
-
 static void offload_through(rig *r, const kvb_weak *weak, size_t n)
 {
     kvo_pipeline_config pc = rig_config(r);
@@ -280,7 +259,7 @@ static void test_offload_is_no_use_of_its_source(void)
     rig r;
     kvb_block held[4];
     kvb_pool_stats st;
-    offload_source_pool(KVB_EVICT_ARC, &r);
+    offload_source_pool(&r, KVB_EVICT_ARC, 1);
     of_chain(1, 4, r.h);
     of_register(r.src, r.h, 4, held, r.weak);
     KVT_EQ(kvb_release(r.src, held, 4, NULL), KVB_OK);
@@ -295,7 +274,7 @@ static void test_offload_is_no_use_of_its_source(void)
     kvb_hash a[1], b[1], c[1];
     kvb_weak wa[1], wb[1], wc[1], order[3];
     size_t got = 0;
-    offload_source_pool(KVB_EVICT_FOL, &r);
+    offload_source_pool(&r, KVB_EVICT_FOL, 1);
     of_chain(2, 1, a);
     of_chain(3, 1, b);
     of_chain(4, 1, c);

@@ -1345,6 +1345,29 @@ static void *capture_main(void *p)
     return NULL;
 }
 
+/* Another thread begins a global-mode capture (capture_main) and holds it until capture_stop, which joins
+ * it (ca->end_error: the capture's end). */
+static void capture_start(capture_arg *ca, pthread_t *th)
+{
+    memset(ca, 0, sizeof *ca);
+    pthread_mutex_init(&ca->m, NULL);
+    pthread_cond_init(&ca->c, NULL);
+    KVT_EQ(pthread_create(th, NULL, capture_main, ca), 0);
+    pthread_mutex_lock(&ca->m);
+    while (ca->state == 0) pthread_cond_wait(&ca->c, &ca->m);
+    pthread_mutex_unlock(&ca->m);
+    KVT_EQ(ca->state, 1);
+}
+
+static void capture_stop(capture_arg *ca, pthread_t th)
+{
+    pthread_mutex_lock(&ca->m);
+    ca->state = 2;
+    pthread_cond_broadcast(&ca->c);
+    pthread_mutex_unlock(&ca->m);
+    pthread_join(th, NULL);
+}
+
 /* Another thread captures a CUDA graph in global mode (PyTorch's default) while a job's copies run: the
  * completion worker's polls must neither fail the job early (done called while the copies still run)
  * nor invalidate that capture. */
@@ -1361,26 +1384,15 @@ static void test_capture_on_another_thread(void)
     if (!dev || !host || !be || !scratch) return;
     fill_random(ctx, dev, 62);
     capture_arg ca;
-    memset(&ca, 0, sizeof ca);
-    pthread_mutex_init(&ca.m, NULL);
-    pthread_cond_init(&ca.c, NULL);
     pthread_t th;
-    KVT_EQ(pthread_create(&th, NULL, capture_main, &ca), 0);
-    pthread_mutex_lock(&ca.m);
-    while (ca.state == 0) pthread_cond_wait(&ca.c, &ca.m);
-    pthread_mutex_unlock(&ca.m);
-    KVT_EQ(ca.state, 1);
+    capture_start(&ca, &th);
     /* about 100 ms of work ahead of the copies on their stream: the worker polls during the capture */
     KVT_EQ(kvct_slow_fill(scratch, 4096, 1, (long long)kvct_clock_khz() * 100, kvc_stream(ctx, KVC_D2H)), 0);
     uint32_t si[N] = {1, 3, 5, 8, 9, 14}, di[N] = {0, 2, 4, 6, 7, 15};
     int res[N];
     char msg[256];
     int r = run_job(be, dev, host, si, di, N, res, NULL, msg);
-    pthread_mutex_lock(&ca.m);
-    ca.state = 2;
-    pthread_cond_broadcast(&ca.c);
-    pthread_mutex_unlock(&ca.m);
-    pthread_join(th, NULL);
+    capture_stop(&ca, th);
     KVT_EQ(r, KVO_OK);
     if (r != KVO_OK) fprintf(stderr, "  %s\n", msg);
     KVT_EQ(ca.end_error, 0); /* the capture was not invalidated */
@@ -1420,23 +1432,12 @@ static void test_copy_block_while_another_thread_captures(void)
     KVT_EQ(kvct_slow_fill(a, bytes, 9, 0, NULL), 0);
     KVT_EQ(kvc_synchronize(ctx), KVC_OK);
     capture_arg ca;
-    memset(&ca, 0, sizeof ca);
-    pthread_mutex_init(&ca.m, NULL);
-    pthread_cond_init(&ca.c, NULL);
     pthread_t th;
-    KVT_EQ(pthread_create(&th, NULL, capture_main, &ca), 0);
-    pthread_mutex_lock(&ca.m);
-    while (ca.state == 0) pthread_cond_wait(&ca.c, &ca.m);
-    pthread_mutex_unlock(&ca.m);
-    KVT_EQ(ca.state, 1);
+    capture_start(&ca, &th);
     void *dst[1] = {b};
     const void *src[1] = {a};
     int r = kvc_copy_block(ctx, dst, src, 1, bytes);
-    pthread_mutex_lock(&ca.m);
-    ca.state = 2;
-    pthread_cond_broadcast(&ca.c);
-    pthread_mutex_unlock(&ca.m);
-    pthread_join(th, NULL);
+    capture_stop(&ca, th);
     KVT_EQ(r, 0);
     if (r) fprintf(stderr, "  %s\n", kvc_last_error_message(ctx));
     KVT_EQ(ca.end_error, 0); /* the capture was not invalidated */
