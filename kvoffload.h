@@ -213,7 +213,8 @@ KVO_API void kvo_event_release(kvo_event *event);
 /* ---- cancellable queue -------------------------------------------------------------------------- */
 
 typedef struct kvo_queue kvo_queue;
-/* Called exactly once for each item the queue drops (cancelled, or left at destroy). */
+/* Called exactly once for each item the queue drops (cancelled, or left at destroy). In pop and sweep it
+ * runs with the queue's lock held: it must not call this queue's functions. */
 typedef void (*kvo_drop_fn)(void *item, void *user);
 
 typedef struct kvo_queue_config {
