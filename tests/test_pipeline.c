@@ -165,6 +165,17 @@ static void offload_source_pool(rig *r, kvb_evict_policy ev, uint32_t levels)
     r->clock.now = 1000000;
 }
 
+/* The rig's first n source blocks: registered, inactive, at `level`. */
+static void expect_sources_at_level(rig *r, size_t n, uint32_t level)
+{
+    for (size_t i = 0; i < n; i++) {
+        kvb_block_info bi;
+        KVT_EQ(kvb_block_get_info(r->src, r->weak[i].id, &bi), KVB_OK);
+        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
+        KVT_EQ(bi.priority, level);
+    }
+}
+
 /* An offload does not move its source blocks to another eviction level: the engine released them at
  * level 2, and the pipeline's own reference (upgrade, copy, release) is not the engine's release. It
  * released them at level 0, so every block offloaded from G1 became the first to be evicted there. */
@@ -186,12 +197,7 @@ static void test_offload_keeps_source_priority(void)
     KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
     KVT_EQ(of_info(r.p, t).transferred, 4);
     KVT_EQ(of_active(r.src), 0);
-    for (size_t i = 0; i < 4; i++) {
-        kvb_block_info bi;
-        KVT_EQ(kvb_block_get_info(r.src, r.weak[i].id, &bi), KVB_OK);
-        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
-        KVT_EQ(bi.priority, 2);
-    }
+    expect_sources_at_level(&r, 4, 2);
     KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
     rig_close(&r);
 }
@@ -226,12 +232,7 @@ static void test_source_released_during_its_offload_keeps_its_level(void)
     KVT_EQ(of_pump(r.p, &r.clock, t, 1000, 200), KVO_STATUS_COMPLETE);
     KVT_EQ(of_info(r.p, t).transferred, 4);
     KVT_EQ(of_active(r.src), 0);
-    for (size_t i = 0; i < 4; i++) {
-        kvb_block_info bi;
-        KVT_EQ(kvb_block_get_info(r.src, r.weak[i].id, &bi), KVB_OK);
-        KVT_EQ(bi.state, KVB_STATE_REGISTERED);
-        KVT_EQ(bi.priority, 2);
-    }
+    expect_sources_at_level(&r, 4, 2);
     KVT_EQ(kvo_transfer_release(r.p, t), KVO_OK);
     rig_close(&r);
 }
