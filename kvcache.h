@@ -13554,13 +13554,21 @@ static void kvs__plan_free(kvs__plan *p)
     stbds_arrfree(p->built);
 }
 
+/* Pins given back (kvb_unpin: no use, each block its level). A list longer than any the pool has taken
+ * before needs memory: without it, one block at a time (a single block needs none), the deepest first. */
+static void kvs__unpin_all(kvb_pool *pool, const kvb_block *blocks, size_t n)
+{
+    if (n && kvb_unpin(pool, blocks, n) != KVB_OK)
+        while (n-- > 0) (void)kvb_unpin(pool, &blocks[n], 1);
+}
+
 /* A plan is dropped with its device references; its arrays are kept for the next (kvs__plan_new), unless
  * they could not be given their room. Locked. */
 static void kvs__plan_drop(kvs_connector *c, kvs__plan *p)
 {
     size_t at = (size_t)(p - c->plans);
     /* held for the request, not used (its admission's match and release are): no use, each its level */
-    if (stbds_arrlen(p->loaded)) kvb_unpin(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded));
+    kvs__unpin_all(c->cfg.device, p->loaded, stbds_arrlenu(p->loaded));
     KVB__ARR_SHRINK(p->loaded, 0);
     KVB__ARR_SHRINK(p->hashes, 0);
     KVB__ARR_SHRINK(p->runs, 0);
@@ -14003,7 +14011,7 @@ static int kvs__load_over(kvs_connector *c, kvs__active_load *a)
         if (got && info.status == KVO_STATUS_COMPLETE && kvo_transfer_take_blocks(up, a->t, got, info.blocks, &n) == KVO_OK) {
             if (p && n && kvo__fit(&p->loaded, stbds_arrlenu(p->loaded) + n)) /* n = 0: a miss */
                 memcpy(stbds_arraddnptr(p->loaded, n), got, n * sizeof *got);
-            else if (n) kvb_unpin(c->cfg.device, got, n);
+            else kvs__unpin_all(c->cfg.device, got, n);
         }
         kvo_transfer_release(up, a->t); /* untaken blocks are released with it */
     }
@@ -14558,14 +14566,10 @@ static int kvs__repay(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
-/* The device prefix r held while its loads ran goes (kvb_unpin: not a use). Out of memory for
- * the batch, one at a time (a single block needs none). */
+/* The device prefix r held while its loads ran goes (kvb_unpin: not a use). */
 static void kvs__unpin_prefix(kvs_sched *s, kvs__req *r)
 {
-    size_t i, n = stbds_arrlenu(r->pins);
-    if (!n) return;
-    if (kvb_unpin(s->cfg.device, r->pins, n) != KVB_OK)
-        for (i = n; i-- > 0;) (void)kvb_unpin(s->cfg.device, &r->pins[i], 1);
+    kvs__unpin_all(s->cfg.device, r->pins, stbds_arrlenu(r->pins));
     KVB__ARR_SHRINK(r->pins, 0);
 }
 

@@ -18,10 +18,20 @@ typedef struct rig {
     of_backend *spy;          /* with spy_down: the G1 -> G2 backend, which can hold jobs */
 } rig;
 
-/* The pools, a manager over them (pipelines in poll or thread mode, with an optional on_stage observer)
- * and the connector. spy_down: G1 -> G2 copies go through the test backend (r->spy), two jobs at once. */
-static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, kvo_stage_fn on_stage, void *stage_user,
-                        int spy_down, kvb_evict_policy device_eviction)
+/* How a rig differs from rig_open's: pipeline mode and on_stage observer; spy_down: G1 -> G2 copies go
+ * through the test backend (r->spy), two jobs at once; device_eviction: the device pool's policy (FOL: a
+ * fixed step, tails first); the pools' sizes (0: 16 device blocks, 32 host blocks). */
+typedef struct rig_opts {
+    kvo_mode pipeline_mode;
+    kvo_stage_fn on_stage;
+    void *stage_user;
+    int spy_down;
+    kvb_evict_policy device_eviction;
+    uint32_t device_blocks, host_blocks;
+} rig_opts;
+
+/* The pools, a manager over them and the connector. */
+static void rig_open_ex(rig *r, kvs_offload_mode mode, const rig_opts *o)
 {
     sf_env *e = &r->e;
     kvo_manager_config mc;
@@ -33,16 +43,16 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     e->page_bytes = layout.page_bytes;
     e->token_bytes = layout.page_bytes / e->block_tokens;
     e->o.device_memory = 1;
-    e->dev = sf__pool(16, 1, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0);
-    if (device_eviction) { /* the same pool under another policy (FOL: a fixed step, tails first) */
+    e->dev = sf__pool(o->device_blocks ? o->device_blocks : 16, 1, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0);
+    if (o->device_eviction) { /* the same pool under another policy */
         kvb_pool_config dc;
         KVT_EQ(kvb_pool_get_config(e->dev, &dc), KVB_OK);
         kvb_pool_destroy(e->dev);
-        dc.eviction = device_eviction;
+        dc.eviction = o->device_eviction;
         dc.fol_class_step = 1000;
         KVT_EQ(kvb_pool_create(&dc, &e->dev), KVB_OK);
     }
-    e->host = sf__pool(32, 1, KVB_LAYOUT_LAYER_SEPARATE, 1);
+    e->host = sf__pool(o->host_blocks ? o->host_blocks : 32, 1, KVB_LAYOUT_LAYER_SEPARATE, 1);
     KVT_EQ(kvo_memcpy_backend_create(0, &e->mem), KVO_OK);
     memset(&mc, 0, sizeof mc);
     mc.num_tiers = 2;
@@ -50,16 +60,16 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     mc.pools[1] = e->host;
     mc.down[0] = e->mem;
     mc.up[1] = e->mem;
-    if (spy_down) {
+    if (o->spy_down) {
         r->spy = of_backend_wrap(e->mem);
         mc.down[0] = of_backend_iface(r->spy);
         mc.pipeline.max_concurrent = 2;
     }
     mc.offload = mode == KVS_OFFLOAD_LAZY ? KVO_OFFLOAD_LAZY : KVO_OFFLOAD_EAGER;
     mc.lazy_reserve = 4;
-    mc.pipeline.mode = pipeline_mode;
-    mc.pipeline.on_stage = on_stage;
-    mc.pipeline.stage_user = stage_user;
+    mc.pipeline.mode = o->pipeline_mode;
+    mc.pipeline.on_stage = o->on_stage;
+    mc.pipeline.stage_user = o->stage_user;
     mc.pipeline.min_batch = 1;
     KVT_EQ(kvo_manager_create(&mc, &e->m), KVO_OK);
     memset(&cc, 0, sizeof cc);
@@ -69,7 +79,7 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, kvo_mode pipeline_mode, k
     KVT_EQ(kvs_connector_create(&cc, &r->c), KVS_OK);
 }
 
-static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, KVO_MODE_POLL, NULL, NULL, 0, 0); }
+static void rig_open(rig *r, kvs_offload_mode mode) { rig_open_ex(r, mode, &(rig_opts){.pipeline_mode = KVO_MODE_POLL}); }
 
 static void rig_close(rig *r)
 {
@@ -106,16 +116,19 @@ static void fill_block(sf_env *e, kvb_pool *pool, kvb_block b, const uint32_t *t
 /* Puts blocks 0 .. n-1 of `tokens` into the host, registered under their hashes with their bytes. */
 static void seed_host(sf_env *e, const uint32_t *tokens, const kvb_hash *h, size_t n)
 {
-    kvb_block b[16], out[16];
-    kvb_hash parents[16];
+    kvb_block *b = calloc(n, sizeof *b), *out = calloc(n, sizeof *out);
+    kvb_hash *parents = calloc(n, sizeof *parents); /* block 0's: the root (zero) */
+    KVT_CHECK(b && out && parents);
     KVT_EQ(kvb_alloc(e->host, n, b), KVB_OK);
     for (size_t i = 0; i < n; i++) {
         fill_block(e, e->host, b[i], tokens, i);
         if (i) parents[i] = h[i - 1];
-        else memset(&parents[0], 0, sizeof parents[0]);
     }
     KVT_EQ(kvb_register_hashed(e->host, b, n, h, parents, out), KVB_OK);
     KVT_EQ(kvb_release(e->host, out, n, NULL), KVB_OK);
+    free(b);
+    free(out);
+    free(parents);
 }
 
 /* A rig (eager) whose host holds the 4 blocks (hashes h) of a 64-token prompt t (seed 3). */
@@ -692,7 +705,7 @@ static void test_destroy_with_stores_in_flight(void)
     kvb_block b[2], held[2];
     size_t n = 0;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_THREADS, stall_finished_store, &st, 0, 0);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_THREADS, .on_stage = stall_finished_store, .stage_user = &st});
     sf_tokens(4, u, 32);
     KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
     KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
@@ -728,7 +741,7 @@ static void test_other_offloads_do_not_pile_up(void)
     kvb_block b[3], held[2], other;
     size_t n = 0;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 1, 0);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_POLL, .spy_down = 1});
     sf_tokens(4, u, 32);
     sf_tokens(5, v, 16);
     KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
@@ -962,7 +975,7 @@ static void test_loaded_blocks_are_no_use_of_the_connector(void)
     kvb_weak order[2];
     kvb_block_info i0, i1;
     kvs_connector_meta meta;
-    rig_open_ex(&r, KVS_OFFLOAD_EAGER, KVO_MODE_POLL, NULL, NULL, 0, KVB_EVICT_FOL);
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_POLL, .device_eviction = KVB_EVICT_FOL});
     sf_tokens(91, t, 32);
     sf_tokens(92, ty, 16);
     KVT_EQ(kvb_hash_prompt(t, 32, 16, NULL, 0, 0, h, 2, &n), KVB_OK);
@@ -988,6 +1001,44 @@ static void test_loaded_blocks_are_no_use_of_the_connector(void)
     rig_close(&r);
 }
 
+/* More blocks kept for a request than any earlier call on the device pool took (kvb_unpin's list then
+ * needs memory of its own): the plan is dropped with no memory left, and its blocks go back one at a
+ * time. The device holds block 33 of a 66-block prompt, so the host's copy is loaded in two runs (33 and
+ * 32 blocks, each landing in one call) and the plan keeps 65. Before, kvb_unpin's KVB_ENOMEM was ignored
+ * and all 65 stayed pinned for ever. */
+#define MANY_LOADED 66
+static void test_many_kept_blocks_unpinned_without_memory(void)
+{
+    rig r;
+    uint32_t *t = calloc(MANY_LOADED * 16, sizeof *t);
+    kvb_hash h[MANY_LOADED];
+    kvb_block b, held;
+    size_t n = 0;
+    kvs_connector_meta meta;
+    kvs_result res;
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_POLL, .device_blocks = 80,
+                                                   .host_blocks = 80});
+    sf_tokens(93, t, MANY_LOADED * 16);
+    KVT_EQ(kvb_hash_prompt(t, MANY_LOADED * 16, 16, NULL, 0, 0, h, MANY_LOADED, &n), KVB_OK);
+    seed_host(&r.e, t, h, MANY_LOADED);
+    KVT_EQ(kvb_alloc(r.e.dev, 1, &b), KVB_OK);
+    fill_block(&r.e, r.e.dev, b, t, 33);
+    KVT_EQ(kvb_register_hashed(r.e.dev, &b, 1, &h[33], &h[32], &held), KVB_OK);
+    KVT_EQ(kvb_release(r.e.dev, &held, 1, NULL), KVB_OK);
+    ask_take(&r, 5, h, MANY_LOADED, 0, MANY_LOADED * 16);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 2);
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(of_active(r.e.dev), MANY_LOADED - 1); /* the connector keeps them for the request */
+    oom_arm(0, 1);
+    res = kvs_connector_request_finished(r.c, 5, NULL);
+    oom_disarm();
+    KVT_EQ(res, KVS_OK);
+    KVT_EQ(of_active(r.e.dev), 0);
+    free(t);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -1010,5 +1061,6 @@ int main(void)
     KVT_RUN(test_pending_counts_a_taken_offer_with_nothing_to_load);
     KVT_RUN(test_update_output_checks_its_lists);
     KVT_RUN(test_loaded_blocks_are_no_use_of_the_connector);
+    KVT_RUN(test_many_kept_blocks_unpinned_without_memory);
     return kvt_summary();
 }
