@@ -286,7 +286,7 @@ typedef struct kvo_disk_config {
     uint64_t block_bytes;    /* bytes of one block in the memory pools it copies to and from */
     int direct;              /* 0 = try O_DIRECT and fall back, -1 = never */
     uint32_t threads;        /* 0 = inline in submit */
-    kvo_log_fn log;          /* one-line notes (the O_DIRECT fallback); default: stderr */
+    kvo_log_fn log;          /* one-line notes (the O_DIRECT fallback, a refused disk_pool); default: stderr */
     void *log_user;
 } kvo_disk_config;
 
@@ -297,7 +297,8 @@ typedef struct kvo_disk_stats {
 } kvo_disk_stats;
 
 /* The disk backend: copies memory pool -> disk pool (write) and disk pool -> memory pool (read).
- * KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors.
+ * KVO_EINVAL for a missing path, pool or block_bytes, or a disk pool with storage (said through log; no
+ * file made), KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors.
  * Thread safety: submit from any thread. */
 KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out);
 KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out);
@@ -1581,6 +1582,13 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
     kvo_result r;
     if (!config || !out || !config->path || !config->disk_pool || !config->block_bytes || config->threads > 256)
         return KVO_EINVAL;
+    memset(&pc, 0, sizeof pc);
+    if (kvb_pool_get_config(config->disk_pool, &pc) != KVB_OK || pc.storage != KVB_STORAGE_NONE) {
+        /* its blocks stand for slots of the file: bytes in the pool itself would be served by nobody */
+        if (config->log) config->log(config->log_user, "disk: config.disk_pool must be a metadata-only pool");
+        else fprintf(stderr, "kvoffload: disk: config.disk_pool must be a metadata-only pool\n");
+        return KVO_EINVAL;
+    }
     d = (kvo__disk *)KVB_MALLOC(sizeof *d);
     if (!d) return KVO_ENOMEM;
     memset(d, 0, sizeof *d);
@@ -1592,8 +1600,6 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
         return KVO_ENOMEM;
     }
     strcpy(d->path, config->path);
-    memset(&pc, 0, sizeof pc);
-    kvb_pool_get_config(config->disk_pool, &pc);
     d->pool = config->disk_pool;
     d->num_slots = pc.num_blocks;
     d->block_bytes = config->block_bytes;

@@ -2,7 +2,7 @@
  * layouts with blocks at scattered indices; a corrupted slot (data or header) is a miss plus a checksum
  * error, never wrong data, and so is a whole slot of kvcache 0.1's format; file errors (missing directory, preallocation refused, writes refused by
  * the kernel) give clear errors and Failed transfers with nothing lost above; the O_DIRECT fallback
- * is said once. File errors are provoked for real with RLIMIT_FSIZE (writes past it fail with EFBIG). */
+ * is said once; a disk pool with storage is refused. File errors are provoked for real with RLIMIT_FSIZE (writes past it fail with EFBIG). */
 #include "oom_hooks.h" /* first: out of memory on demand (disarmed unless a test arms it) */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
@@ -534,6 +534,35 @@ static void test_bad_paths_and_config(void)
     KVT_EQ(rmdir(dir), 0);
 }
 
+/* The disk pool stands for the file's slots and holds no bytes: one with storage is refused, the
+ * reason said through the log, and no file is made. */
+static void test_disk_pool_with_storage_refused(void)
+{
+    char dir[64], path[160];
+    kvo_backend *b = NULL;
+    log_count lc;
+    if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
+    snprintf(path, sizeof path, "%s/g3.kv", dir);
+    kvb_pool *mem = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_disk_config dc;
+    memset(&dc, 0, sizeof dc);
+    memset(&lc, 0, sizeof lc);
+    dc.path = path;
+    dc.disk_pool = mem;
+    dc.block_bytes = OF_BLOCK_BYTES;
+    dc.log = count_log;
+    dc.log_user = &lc;
+    KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
+    KVT_CHECK(b == NULL);
+    KVT_EQ(atomic_load(&lc.calls), 1);
+    KVT_CHECK(strstr(lc.last, "metadata-only") != NULL);
+    KVT_CHECK(access(path, F_OK) != 0); /* nothing preallocated */
+    if (b) kvo_backend_destroy(b);
+    unlink(path);
+    kvb_pool_destroy(mem);
+    KVT_EQ(rmdir(dir), 0);
+}
+
 /* Runs with the file size limit set to `limit` bytes (SIGXFSZ ignored): writes at or past it fail with
  * EFBIG, as on a full or failing disk. */
 typedef struct fsize_guard {
@@ -947,6 +976,7 @@ int main(void)
     KVT_RUN(test_old_format_version_is_a_miss);
     KVT_RUN(test_checksum_function);
     KVT_RUN(test_bad_paths_and_config);
+    KVT_RUN(test_disk_pool_with_storage_refused);
     KVT_RUN(test_preallocation_no_space);
     KVT_RUN(test_preallocation_refused);
     KVT_RUN(test_create_out_of_memory_holds_no_space);
