@@ -298,7 +298,8 @@ typedef struct kvo_disk_stats {
 
 /* The disk backend: copies memory pool -> disk pool (write) and disk pool -> memory pool (read).
  * KVO_EINVAL for a missing path, pool or block_bytes, or a disk pool with storage (said through log; no
- * file made), KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors.
+ * file made), KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors. A job whose
+ * memory pool's blocks are not block_bytes is refused at submit with KVO_ELAYOUT.
  * Thread safety: submit from any thread. */
 KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out);
 KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out);

@@ -563,6 +563,57 @@ static void test_disk_pool_with_storage_refused(void)
     KVT_EQ(rmdir(dir), 0);
 }
 
+static int g_done_calls;
+static void count_done(kvo_copy_job *job, int result, const char *message)
+{
+    (void)job;
+    (void)result;
+    (void)message;
+    g_done_calls++;
+}
+
+/* A memory pool whose blocks are not the slot's block_bytes is refused at submit, both ways, with
+ * KVO_ELAYOUT (done not called, nothing read or written): no copy of another size reaches the file. */
+static void test_job_of_other_block_bytes_refused(void)
+{
+    disk d;
+    if (!disk_open(&d, 0)) return;
+    kvb_pool_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.num_blocks = 4;
+    cfg.block_tokens = OF_TOKENS;
+    cfg.storage = KVB_STORAGE_HOST;
+    cfg.layout = of_layout(KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    cfg.layout.page_bytes /= 2; /* half the slot's bytes */
+    kvb_pool *half = of_pool_from(&cfg);
+    uint32_t src_idx[2] = {0, 1}, dst_idx[2] = {2, 3};
+    kvb_hash h[2];
+    int results[2] = {1, 1};
+    of_chain(5, 2, h);
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = half; /* write: memory -> disk */
+    job.dst = d.pool;
+    job.src_idx = src_idx;
+    job.dst_idx = dst_idx;
+    job.hashes = h;
+    job.n = 2;
+    job.results = results;
+    job.done = count_done;
+    g_done_calls = 0;
+    KVT_EQ(d.backend->submit(d.backend, &job), KVO_ELAYOUT);
+    job.src = d.pool; /* read: disk -> memory */
+    job.dst = half;
+    KVT_EQ(d.backend->submit(d.backend, &job), KVO_ELAYOUT);
+    KVT_EQ(g_done_calls, 0);
+    KVT_EQ(results[0], 1);
+    KVT_EQ(results[1], 1);
+    kvo_disk_stats st = disk_stats(&d);
+    KVT_EQ(st.writes + st.reads + st.bytes_written + st.bytes_read, 0);
+    kvb_pool_destroy(half);
+    disk_close(&d);
+}
+
 /* Runs with the file size limit set to `limit` bytes (SIGXFSZ ignored): writes at or past it fail with
  * EFBIG, as on a full or failing disk. */
 typedef struct fsize_guard {
@@ -977,6 +1028,7 @@ int main(void)
     KVT_RUN(test_checksum_function);
     KVT_RUN(test_bad_paths_and_config);
     KVT_RUN(test_disk_pool_with_storage_refused);
+    KVT_RUN(test_job_of_other_block_bytes_refused);
     KVT_RUN(test_preallocation_no_space);
     KVT_RUN(test_preallocation_refused);
     KVT_RUN(test_create_out_of_memory_holds_no_space);
