@@ -142,7 +142,8 @@ typedef struct kvs_router_stats {
     uint64_t route_blocks;    /* hashes given to them */
     uint64_t probes;          /* index probes they made (at most one per block) */
     uint64_t overlap_blocks;  /* the chosen workers' overlaps, summed: predicted hits */
-    uint64_t events;          /* events that changed the index */
+    uint64_t events;          /* events that changed the index (so not a CLEARED of a worker that
+                                 holds nothing: that one is counted nowhere) */
     uint64_t stale_events;    /* STORED of a set bit, REMOVED of a clear one: nothing to change */
     uint64_t ignored_events;  /* of another tier, or of the zero hash */
     uint64_t dropped_events;  /* events of batches the adapters could not apply (out of memory) */
@@ -497,15 +498,18 @@ static void kvs__rremoved(kvs_router *r, uint64_t word, uint64_t bit, const kvb_
 static void kvs__rcleared(kvs_router *r, uint64_t word, uint64_t bit)
 {
     size_t i = 0;
+    int changed = 0;
     while (i < r->capacity) {
         uint64_t *s = kvs__rslot(r, i);
         if (!kvs__rempty(s) && (s[2 + word] & bit)) {
             s[2 + word] &= ~bit;
+            changed = 1;
             if (kvs__rbits_zero(r, s)) { kvs__rdelete(r, i); continue; }
         }
         i++;
     }
-    r->stats.events++;
+    /* a worker that held nothing: no change, and not stale either (a pool reset twice sends two) */
+    if (changed) r->stats.events++;
 }
 
 static kvs_result kvs__rapply(kvs_router *r, uint32_t worker, const kvb_event *events, size_t n)

@@ -872,6 +872,39 @@ static void test_stores_of_held_hashes_do_not_grow(void)
     kvs_router_destroy(r);
 }
 
+/* stats.events counts the events that changed the index: a CLEARED of a worker that holds nothing (a
+ * pool reset twice, or before it stored anything) changes nothing and is not counted; nor is it stale
+ * (the index agrees with the pool), so a faithful feed still shows no stale events. */
+static void test_cleared_of_an_empty_worker_changes_nothing(void)
+{
+    kvs_router *r = make_router(2, KVS_ROUTE_KV, 0);
+    kvb_event cleared;
+    uint64_t bits[1];
+    kvs_router_stats st;
+    make_chains();
+    store(r, 0, g_chain[1], 0, 3);
+    KVT_EQ(stats_of(r).events, 3);
+    memset(&cleared, 0, sizeof cleared);
+    cleared.kind = KVB_EVENT_CLEARED;
+    KVT_EQ(kvs_router_events(r, 1, &cleared, 1), KVS_OK); /* worker 1 holds nothing */
+    st = stats_of(r);
+    KVT_EQ(st.events, 3);
+    KVT_EQ(st.stale_events, 0);
+    KVT_EQ(st.hashes, 3);
+    KVT_EQ(kvs_router_holders(r, &g_chain[1][0], bits, 1), KVS_OK);
+    KVT_EQ(bits[0], 1);
+    KVT_EQ(kvs_router_events(r, 0, &cleared, 1), KVS_OK); /* worker 0's clears its three */
+    st = stats_of(r);
+    KVT_EQ(st.events, 4);
+    KVT_EQ(st.hashes, 0);
+    KVT_EQ(kvs_router_events(r, 0, &cleared, 1), KVS_OK); /* again: nothing left */
+    st = stats_of(r);
+    KVT_EQ(st.events, 4);
+    KVT_EQ(st.stale_events, 0);
+    KVT_EQ(kvs_router_check(r, NULL, 0), KVS_OK);
+    kvs_router_destroy(r);
+}
+
 /* The index's size for a count of hashes never overflows: beyond what a size_t can count it is 0, which
  * growing reports as KVS_ENOMEM, the router unchanged. (With a 32-bit size_t, an expected_blocks near
  * its maximum took the doubling past the top bit, and it went round for ever.) */
@@ -914,5 +947,6 @@ int main(void)
     KVT_RUN(test_steady_state_does_not_allocate);
     KVT_RUN(test_stores_of_held_hashes_do_not_grow);
     KVT_RUN(test_capacity_beyond_memory_is_refused);
+    KVT_RUN(test_cleared_of_an_empty_worker_changes_nothing);
     return kvt_summary();
 }
