@@ -5462,7 +5462,7 @@ typedef struct kvo_disk_config {
     uint64_t block_bytes;    /* bytes of one block in the memory pools it copies to and from */
     int direct;              /* 0 = try O_DIRECT and fall back, -1 = never */
     uint32_t threads;        /* 0 = inline in submit */
-    kvo_log_fn log;          /* one-line notes (the O_DIRECT fallback); default: stderr */
+    kvo_log_fn log;          /* one-line notes (the O_DIRECT fallback, a refused disk_pool); default: stderr */
     void *log_user;
 } kvo_disk_config;
 
@@ -5473,7 +5473,9 @@ typedef struct kvo_disk_stats {
 } kvo_disk_stats;
 
 /* The disk backend: copies memory pool -> disk pool (write) and disk pool -> memory pool (read).
- * KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors.
+ * KVO_EINVAL for a missing path, pool or block_bytes, or a disk pool with storage (said through log; no
+ * file made), KVO_ENOSPC when the file cannot be preallocated, KVO_EIO for other file errors. A job whose
+ * memory pool's blocks are not block_bytes is refused at submit with KVO_ELAYOUT.
  * Thread safety: submit from any thread. */
 KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_backend **out);
 KVO_API kvo_result kvo_disk_backend_stats(kvo_backend *disk, kvo_disk_stats *out);
@@ -6757,6 +6759,13 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
     kvo_result r;
     if (!config || !out || !config->path || !config->disk_pool || !config->block_bytes || config->threads > 256)
         return KVO_EINVAL;
+    memset(&pc, 0, sizeof pc);
+    if (kvb_pool_get_config(config->disk_pool, &pc) != KVB_OK || pc.storage != KVB_STORAGE_NONE) {
+        /* its blocks stand for slots of the file: bytes in the pool itself would be served by nobody */
+        if (config->log) config->log(config->log_user, "disk: config.disk_pool must be a metadata-only pool");
+        else fprintf(stderr, "kvoffload: disk: config.disk_pool must be a metadata-only pool\n");
+        return KVO_EINVAL;
+    }
     d = (kvo__disk *)KVB_MALLOC(sizeof *d);
     if (!d) return KVO_ENOMEM;
     memset(d, 0, sizeof *d);
@@ -6768,8 +6777,6 @@ KVO_API kvo_result kvo_disk_backend_create(const kvo_disk_config *config, kvo_ba
         return KVO_ENOMEM;
     }
     strcpy(d->path, config->path);
-    memset(&pc, 0, sizeof pc);
-    kvb_pool_get_config(config->disk_pool, &pc);
     d->pool = config->disk_pool;
     d->num_slots = pc.num_blocks;
     d->block_bytes = config->block_bytes;
@@ -16340,7 +16347,8 @@ typedef struct kvs_router_stats {
     uint64_t route_blocks;    /* hashes given to them */
     uint64_t probes;          /* index probes they made (at most one per block) */
     uint64_t overlap_blocks;  /* the chosen workers' overlaps, summed: predicted hits */
-    uint64_t events;          /* events that changed the index */
+    uint64_t events;          /* events that changed the index (so not a CLEARED of a worker that
+                                 holds nothing: that one is counted nowhere) */
     uint64_t stale_events;    /* STORED of a set bit, REMOVED of a clear one: nothing to change */
     uint64_t ignored_events;  /* of another tier, or of the zero hash */
     uint64_t dropped_events;  /* events of batches the adapters could not apply (out of memory) */
@@ -16695,15 +16703,18 @@ static void kvs__rremoved(kvs_router *r, uint64_t word, uint64_t bit, const kvb_
 static void kvs__rcleared(kvs_router *r, uint64_t word, uint64_t bit)
 {
     size_t i = 0;
+    int changed = 0;
     while (i < r->capacity) {
         uint64_t *s = kvs__rslot(r, i);
         if (!kvs__rempty(s) && (s[2 + word] & bit)) {
             s[2 + word] &= ~bit;
+            changed = 1;
             if (kvs__rbits_zero(r, s)) { kvs__rdelete(r, i); continue; }
         }
         i++;
     }
-    r->stats.events++;
+    /* a worker that held nothing: no change, and not stale either (a pool reset twice sends two) */
+    if (changed) r->stats.events++;
 }
 
 static kvs_result kvs__rapply(kvs_router *r, uint32_t worker, const kvb_event *events, size_t n)
