@@ -489,7 +489,9 @@ typedef struct kvo_manager_config {
                                                copies from, with backend down[num_tiers - 2] (section 5) */
     uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 (at
                                                most a tier's blocks) */
-    kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools ignored) */
+    kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools and backend
+                                               ignored); on_done is the manager's (KVO_EINVAL if set): a
+                                               finished offload is told through on_offloaded */
     kvo_offloaded_fn on_offloaded;          /* optional */
     void *offloaded_user;
 } kvo_manager_config;
@@ -3540,7 +3542,8 @@ KVO_API kvo_result kvo_manager_create(const kvo_manager_config *config, kvo_mana
     kvo_result r = KVO_OK;
     if (!config || !out || config->num_tiers < 2 || config->num_tiers > KVO_MAX_TIERS ||
         (unsigned)config->offload > KVO_OFFLOAD_LAZY ||
-        (config->branch_from && (config->num_tiers < 4 || config->branch_from > config->num_tiers - 3)))
+        (config->branch_from && (config->num_tiers < 4 || config->branch_from > config->num_tiers - 3)) ||
+        config->pipeline.on_done) /* the manager's own: it would never be called */
         return KVO_EINVAL;
     for (i = 0; i < config->num_tiers; i++)
         if (!config->pools[i]) return KVO_EINVAL;

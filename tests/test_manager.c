@@ -452,6 +452,12 @@ static void test_destroy_while_a_hook_runs(void)
 }
 
 /* Four tiers with G4 beside G3, both fed from G2. */
+/* A pipeline on_done for a manager's template, which must refuse it. */
+static void ignore_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    (void)user, (void)t, (void)info, (void)dst, (void)n;
+}
+
 static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
 {
     kvo_manager_config mc;
@@ -494,6 +500,9 @@ static void branch_open(tiers *t, kvb_pool **g4, kvo_offload_mode mode)
     mc.pipeline.dst_priority = 1; /* refused: the pools have one eviction level */
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
     mc.pipeline.dst_priority = 0;
+    mc.pipeline.on_done = ignore_done; /* refused: the manager's own (it was silently never called) */
+    KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_EINVAL);
+    mc.pipeline.on_done = NULL;
     KVT_EQ(kvo_manager_create(&mc, &t->m), KVO_OK);
 }
 
