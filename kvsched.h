@@ -313,7 +313,8 @@ KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, ui
 /* The scheduler takes num_external_tokens of them (0 drops the plan): at most what was offered (after a
  * take, at most what was taken), and
  * num_computed + num_external_tokens on a block boundary (else KVS_EINVAL). Both calls return
- * KVS_ESTATE while the request's loads are on their way. */
+ * KVS_ESTATE while the request's loads are on their way; a take once build_meta planned the loads is
+ * KVS_ESTATE too (the plan keeps the loaded blocks; a new question makes a new plan). */
 KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request,
                                                           size_t num_external_tokens);
 /* Device blocks of `request` newly registered by this step (eager stores). */
@@ -338,7 +339,8 @@ KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_outpu
 /* Pending loads + stores not reported finished yet. */
 KVS_API size_t kvs_connector_pending(kvs_connector *c);
 /* The scheduler matched the loaded blocks of `request` into its sequence: the connector drops the
- * references it kept on them since the loads finished. */
+ * references it kept on them since the loads finished, and the plan. KVS_ESTATE, nothing changed, while
+ * a take's loads are not all finished (taken, built or on their way); KVS_OK for a request with no plan. */
 KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request);
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
@@ -2401,6 +2403,7 @@ typedef struct kvs__plan {    /* one request's lower-tier blocks, from the sched
     int async;                 /* the offer had blocks to load (*out_async = 1) */
     kvb_block *loaded;         /* stb_ds: device references kept after the loads */
     uint32_t loads_active;
+    int consumed;              /* build_meta planned the take's loads: only a new question takes again */
     size_t room;               /* blocks each of its arrays has room for (kvs__plan_new); 0: not sized */
 } kvs__plan;
 
@@ -2496,6 +2499,7 @@ static kvs__plan kvs__plan_new(kvs_connector *c, uint64_t request, size_t n)
     }
     p.request = request;
     p.accepted = 0;
+    p.consumed = 0;
     p.computed = 0;
     p.offered = 0;
     p.async = 0;
@@ -2681,6 +2685,8 @@ static kvs_result kvs__conn_update_state_after_alloc(kvs_connector *c, uint64_t 
         r = KVS_ESTATE;
     } else if (!num_external_tokens) {
         kvs__plan_drop(c, p);
+    } else if (p->consumed) { /* its loads are done (or were computed instead): it keeps their blocks */
+        r = KVS_ESTATE;
     } else if ((p->computed + num_external_tokens) % c->block_tokens || num_external_tokens > p->offered) {
         r = KVS_EINVAL; /* up to a block boundary, within what was offered */
     } else {
@@ -2761,6 +2767,7 @@ static kvs_result kvs__conn_build_meta(kvs_connector *c, kvs_connector_meta *out
             p->loads_active++;
         }
         KVB__ARR_SHRINK(p->runs, 0);
+        p->consumed |= p->accepted;
         p->accepted = 0;
         for (j = 0; j < stbds_arrlenu(p->built); j++) stbds_arrput(c->meta_loads, p->built[j]);
     }
@@ -2974,12 +2981,14 @@ static kvs_result kvs__conn_update_output(kvs_connector *c, const kvs_worker_out
 static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
 {
     kvs__plan *p;
+    kvs_result r = KVS_OK;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
     p = kvs__plan_of(c, request);
-    if (p && !p->loads_active && !p->accepted) kvs__plan_drop(c, p);
+    if (p && (p->loads_active || p->accepted)) r = KVS_ESTATE; /* the blocks are not all there yet */
+    else if (p) kvs__plan_drop(c, p);
     pthread_mutex_unlock(&c->lock);
-    return KVS_OK;
+    return r;
 }
 
 /* Drop every plan whose loads all finished, with the device references it kept (the blocks stay cached,

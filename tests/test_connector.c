@@ -1039,6 +1039,40 @@ static void test_many_kept_blocks_unpinned_without_memory(void)
     rig_close(&r);
 }
 
+/* A take is planned once: asked for again once build_meta planned its loads, it is KVS_ESTATE (before, it
+ * was accepted: the next get_finished reported the request's loads finished a second time, and the plan
+ * kept the loaded blocks through release_loads, till request_finished). release_loads is KVS_ESTATE while
+ * the loads are on their way (it did nothing and said KVS_OK: the blocks that landed were kept on), then
+ * lets them go. */
+static void test_take_is_planned_once(void)
+{
+    rig r;
+    uint32_t t[64];
+    kvb_hash h[4];
+    kvs_connector_meta meta;
+    kvs_worker_output out;
+    open_with_prompt_on_host(&r, t, h);
+    ask_take(&r, 5, h, 4, 0, 64);
+    KVT_EQ(kvs_connector_release_loads(r.c, 5), KVS_ESTATE); /* taken, not built */
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 1);
+    KVT_EQ(kvs_connector_release_loads(r.c, 5), KVS_ESTATE); /* on their way */
+    KVT_CHECK(pump(&r, 5, NULL, 0));
+    KVT_EQ(of_active(r.e.dev), 4);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 5, 64), KVS_ESTATE);
+    KVT_EQ(kvs_connector_pending(r.c), 0);
+    start_step(&r, &meta);
+    KVT_EQ(meta.num_loads, 0);
+    memset(&out, 0, sizeof out);
+    KVT_EQ(kvs_connector_get_finished(r.c, &out), KVS_OK);
+    KVT_EQ(out.num_finished_loads, 0);
+    KVT_EQ(kvs_connector_release_loads(r.c, 5), KVS_OK);
+    KVT_EQ(of_active(r.e.dev), 0);
+    KVT_EQ(kvs_connector_release_loads(r.c, 5), KVS_OK); /* no plan: nothing to do */
+    KVT_EQ(kvs_connector_request_finished(r.c, 5, NULL), KVS_OK);
+    rig_close(&r);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -1062,5 +1096,6 @@ int main(void)
     KVT_RUN(test_update_output_checks_its_lists);
     KVT_RUN(test_loaded_blocks_are_no_use_of_the_connector);
     KVT_RUN(test_many_kept_blocks_unpinned_without_memory);
+    KVT_RUN(test_take_is_planned_once);
     return kvt_summary();
 }
