@@ -336,7 +336,9 @@ KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c);
 KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c);
 /* Finished loads and stores since the last call (valid until the next call). Polls the tiers. */
 KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out);
-/* Pending loads + stores not reported finished yet. */
+/* Loads and stores not reported finished yet: 0 when there are none. The units follow what each stage
+ * holds (a load per run; a store per block until start_stores, then per event), so compare a count
+ * with 0, not with get_finished's lists. */
 KVS_API size_t kvs_connector_pending(kvs_connector *c);
 /* The scheduler matched the loaded blocks of `request` into its sequence: the connector drops the
  * references it kept on them since the loads finished, and the plan. KVS_ESTATE, nothing changed, while
