@@ -9135,7 +9135,10 @@ typedef struct kvo_redis_stats {
     uint64_t lookups, lookup_keys, lookup_errors;
     uint64_t imported;                   /* blocks registered in the G4 pool by import */
     uint64_t moved, ask, slot_refreshes; /* cluster redirects followed, CLUSTER SLOTS asked */
-    uint64_t connects, connect_failures, disconnects;
+    uint64_t connects;                   /* connections made (connected, AUTH and PING answered) */
+    uint64_t connect_failures;           /* attempts that failed: refused, timed out, or AUTH/PING not
+                                            answered or refused; each attempt counted once */
+    uint64_t disconnects;                /* connections that were up and were lost or dropped */
     uint32_t nodes;                      /* servers known (control connections, as of their last use) */
     int cluster;                         /* 1 when talking to a cluster */
 } kvo_redis_stats;
@@ -9874,6 +9877,7 @@ static int kvo__rconnect(kvo__redis *r, kvo__rclient *cl, size_t i, char *msg, s
     kvo__rnode *nd = &cl->nodes[i];
     uint64_t now = kvo__rnow_us();
     redisContext *c;
+    kvo_redis_stats hello;
     int e;
     if (nd->c && kvo__ralive(nd)) return KVO_OK;
     if (nd->c) kvo__rdrop(r, nd, "connection closed while idle", delta);
@@ -9892,7 +9896,10 @@ static int kvo__rconnect(kvo__redis *r, kvo__rclient *cl, size_t i, char *msg, s
         redisSetTimeout(c, kvo__rtv(r->cfg.command_timeout_ms));
         redisEnableKeepAlive(c);
         nd->c = c;
-        e = kvo__rhello(r, cl, nd, msg, msg_size, delta);
+        /* a handshake lost on the connection is this failed connect (counted below), not a disconnect:
+         * the connection was never up */
+        memset(&hello, 0, sizeof hello);
+        e = kvo__rhello(r, cl, nd, msg, msg_size, &hello);
         if (e && nd->c) {
             redisFree(nd->c);
             nd->c = NULL;

@@ -23,6 +23,7 @@
  * - out of memory in create (no server needed): every allocation failing in turn, once or from then
  *   on, ends in KVO_ENOMEM (or, with the memory there, KVO_ECONNECT), nothing handed out or leaked;
  *   before, a failed string copy freed the clients' uninitialised memory.
+ * - scripted servers: a reconnect lost in its AUTH or PING counts one connect failure (no disconnect).
  * Without redis-server the server tests are skipped with one line. */
 #include "oom_hooks.h"
 #define KVO_WITH_REDIS
@@ -1171,6 +1172,8 @@ struct script_server {
     int sets;                  /* SETs stored (read after script_stop) */
     int map_port, moved_port;  /* cluster nodes: the owner CLUSTER SLOTS names (0: itself, -1: none);
                                   MOVED's target (0: none) */
+    int pings;                 /* PINGs answered */
+    int drop_auth;             /* lost_hello_answer: close on a later AUTH (else on a later PING) */
     char buf[65536];
 };
 
@@ -2016,6 +2019,73 @@ static void test_damaged_entry_delete_lost(void)
     script_stop(&sv);
 }
 
+/* A server that lets the first connection in, closes it at its SET (lost mid-batch), then closes every
+ * later connection in its handshake: at AUTH when drop_auth, else at PING. */
+static const char *lost_hello_answer(script_server *sv, const char *name, const char *key, char *out, size_t size)
+{
+    (void)key;
+    (void)out;
+    (void)size;
+    if (!strcmp(name, "AUTH")) return sv->pings && sv->drop_auth ? NULL : "+OK\r\n";
+    if (!strcmp(name, "PING")) return sv->pings++ ? NULL : "+PONG\r\n";
+    if (!strcmp(name, "CLUSTER")) return "-ERR This instance has cluster support disabled\r\n";
+    return NULL; /* SET: connection closed */
+}
+
+/* A reconnect whose AUTH or PING is lost on the connection is one failed connect: counted in
+ * connect_failures only. It used to count a disconnect as well (the handshake's call dropped a
+ * connection that had never been up). */
+static void reconnect_lost_in_handshake(int on_auth)
+{
+    script_server sv;
+    char addr[64];
+    memset(&sv, 0, sizeof sv);
+    sv.drop_auth = on_auth;
+    if (!script_start(&sv, lost_hello_answer)) {
+        KVT_CHECK(!"the scripted server did not start");
+        return;
+    }
+    server_addr(sv.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
+    kvo_redis_config rc = rconfig(addr, g4, 0);
+    rc.password = on_auth ? "hello-test-pw" : NULL;
+    rc.reconnect_min_ms = rc.reconnect_max_ms = 60000; /* the third job finds the node backing off */
+    kvo_backend *b = NULL;
+    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    if (b) {
+        kvb_hash h[1] = {{41, 4}};
+        uint32_t idx[1] = {0};
+        int results[1] = {0};
+        kvb_block bl[1];
+        KVT_EQ(kvb_alloc(mem, 1, bl), KVB_OK);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, h, 1, results), KVO_EIO); /* lost at the SET */
+        kvo_redis_stats lost = rstats(b);
+        KVT_EQ(lost.disconnects, 1);
+        KVT_EQ(lost.connect_failures, 0);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, h, 1, results), KVO_EIO); /* the reconnect, lost in AUTH/PING */
+        kvo_redis_stats failed = rstats(b);
+        KVT_EQ(failed.connect_failures, 1);
+        KVT_EQ(failed.disconnects, 1);
+        KVT_EQ(failed.connects, lost.connects);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, h, 1, results), KVO_EIO); /* backing off: no attempt */
+        kvo_redis_stats waiting = rstats(b);
+        KVT_EQ(waiting.connect_failures, 1);
+        KVT_EQ(waiting.disconnects, 1);
+        KVT_EQ(waiting.io_errors, 3);
+        kvo_backend_destroy(b);
+    }
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    script_stop(&sv);
+    KVT_EQ(sv.pings, on_auth ? 1 : 2);
+}
+
+static void test_reconnect_lost_in_handshake(void)
+{
+    reconnect_lost_in_handshake(0);
+    reconnect_lost_in_handshake(1);
+}
+
 /* config.pool is the G4 tier, a metadata-only pool: one with storage is refused at create (KVO_EINVAL,
  * with a reason), as kvo_redis_import refuses it. It used to be taken: its blocks' bytes were never
  * written (the copies go to Redis), and kvo_redis_manager_lookup, whose import into it always failed,
@@ -2079,6 +2149,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_damaged_entry_delete_lost);
     KVT_RUN(test_pool_with_storage_refused);
     KVT_RUN(test_stray_reply);
+    KVT_RUN(test_reconnect_lost_in_handshake);
     KVT_RUN(test_log_reads_stats);
     KVT_RUN(test_auth);
     rf_kill_all();
