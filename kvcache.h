@@ -9870,6 +9870,13 @@ static int kvo__rhello(kvo__redis *r, kvo__rclient *cl, kvo__rnode *nd, char *ms
     return KVO_OK;
 }
 
+/* The wait after a failed connect, given the last one (0: none yet): min_ms, then doubling up to max_ms. */
+static uint32_t kvo__rbackoff_next(uint32_t backoff_ms, uint32_t min_ms, uint32_t max_ms)
+{
+    uint32_t next = backoff_ms ? backoff_ms * 2 : min_ms;
+    return next > max_ms ? max_ms : next;
+}
+
 /* A usable connection to node i: KVO_OK, or a code with msg (KVO_EIO while backing off or unreachable,
  * KVO_EAUTH). */
 static int kvo__rconnect(kvo__redis *r, kvo__rclient *cl, size_t i, char *msg, size_t msg_size, kvo_redis_stats *delta)
@@ -9907,8 +9914,7 @@ static int kvo__rconnect(kvo__redis *r, kvo__rclient *cl, size_t i, char *msg, s
         if (e) kvo__rmsg(nd->why, sizeof nd->why, "%s", e == KVO_EAUTH ? "authentication failed" : "handshake failed");
     }
     if (e) {
-        nd->backoff_ms = nd->backoff_ms ? nd->backoff_ms * 2 : r->cfg.reconnect_min_ms;
-        if (nd->backoff_ms > r->cfg.reconnect_max_ms) nd->backoff_ms = r->cfg.reconnect_max_ms;
+        nd->backoff_ms = kvo__rbackoff_next(nd->backoff_ms, r->cfg.reconnect_min_ms, r->cfg.reconnect_max_ms);
         nd->next_try_us = kvo__rnow_us() + (uint64_t)nd->backoff_ms * 1000u;
         delta->connect_failures++;
         return e;
