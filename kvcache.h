@@ -9873,8 +9873,8 @@ static int kvo__rhello(kvo__redis *r, kvo__rclient *cl, kvo__rnode *nd, char *ms
 /* The wait after a failed connect, given the last one (0: none yet): min_ms, then doubling up to max_ms. */
 static uint32_t kvo__rbackoff_next(uint32_t backoff_ms, uint32_t min_ms, uint32_t max_ms)
 {
-    uint32_t next = backoff_ms ? backoff_ms * 2 : min_ms;
-    return next > max_ms ? max_ms : next;
+    uint64_t next = backoff_ms ? (uint64_t)backoff_ms * 2 : min_ms; /* 64 bits: no wrap past 2^31 ms */
+    return next > max_ms ? max_ms : (uint32_t)next;
 }
 
 /* A usable connection to node i: KVO_OK, or a code with msg (KVO_EIO while backing off or unreachable,

@@ -23,6 +23,7 @@
  * - out of memory in create (no server needed): every allocation failing in turn, once or from then
  *   on, ends in KVO_ENOMEM (or, with the memory there, KVO_ECONNECT), nothing handed out or leaked;
  *   before, a failed string copy freed the clients' uninitialised memory.
+ * - the reconnect backoff stops at reconnect_max_ms, past 2^31 ms too (no wrap to a short wait);
  * - scripted servers: a reconnect lost in its AUTH or PING counts one connect failure (no disconnect).
  * Without redis-server the server tests are skipped with one line. */
 #include "oom_hooks.h"
@@ -216,6 +217,29 @@ static void test_key_format(void)
 }
 
 /* No server: create fails fast and says where it looked; bad configs are refused with a reason. */
+/* The reconnect backoff: reconnect_min_ms, doubling, and from then on reconnect_max_ms, whatever max a
+ * uint32_t holds. Past 2^31 ms the doubling used to wrap (3e9 ms came back as 1.7e9, 2^31 as 0: a
+ * reconnect at once). Driven through the helper: the public way is one failed connect per wait. */
+static void test_backoff_saturates(void)
+{
+    KVT_EQ(kvo__rbackoff_next(0, 100, 5000), 100);
+    KVT_EQ(kvo__rbackoff_next(100, 100, 5000), 200);
+    KVT_EQ(kvo__rbackoff_next(4000, 100, 5000), 5000);
+    KVT_EQ(kvo__rbackoff_next(5000, 100, 5000), 5000);
+    KVT_EQ(kvo__rbackoff_next(0x80000000u, 100, UINT32_MAX), UINT32_MAX);
+    KVT_EQ(kvo__rbackoff_next(3000000000u, 100, UINT32_MAX), UINT32_MAX);
+    KVT_EQ(kvo__rbackoff_next(3000000000u, 100, 4000000000u), 4000000000u);
+    uint32_t wait = 0, last = 0;
+    int rises = 1;
+    for (int i = 0; i < 40; i++) {
+        wait = kvo__rbackoff_next(wait, 100, UINT32_MAX);
+        rises = rises && wait >= last;
+        last = wait;
+    }
+    KVT_CHECK(rises);
+    KVT_EQ(wait, UINT32_MAX);
+}
+
 static void test_no_server(void)
 {
     kvb_pool *g4 = of_meta_pool(16);
@@ -2125,6 +2149,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_crc16_and_slots);
     KVT_RUN(test_key_format);
     KVT_RUN(test_no_server);
+    KVT_RUN(test_backoff_saturates);
     KVT_RUN(test_create_out_of_memory);
     if (!rf_have_redis()) {
         KVT_RUN(test_servers_skipped);
