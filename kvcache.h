@@ -9046,8 +9046,11 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  * untouched. Copies whose cluster slot has no known node fail the same way (KVO_EIO, the last node's
  * reason) while no node can be asked for the map. The next job reconnects; after a failed connect, that
  * node is not tried again before a backoff (reconnect_min_ms, doubling up to reconnect_max_ms), and jobs
- * meanwhile fail at once ("down ...; next reconnect attempt in N ms"). Commands are written with
- * send(MSG_NOSIGNAL): a closed connection never raises SIGPIPE.
+ * meanwhile fail at once ("down ...; next reconnect attempt in N ms"). Reply data left on a connection
+ * once a batch has read its replies (a reply no command asked for) means the answers may not have been
+ * the commands' own: that node's copies of the batch fail with KVO_EIO ("reply data no command asked
+ * for ..."), nothing they read is counted, and the connection is dropped (the next job reconnects).
+ * Commands are written with send(MSG_NOSIGNAL): a closed connection never raises SIGPIPE.
  *
  * 7. CONFIGURATION — see kvo_redis_config below; zero fields take the defaults given there.
  *
@@ -9817,17 +9820,22 @@ static int kvo__rcall(kvo__redis *r, kvo__rclient *cl, kvo__rnode *nd, int argc,
     return KVO_OK;
 }
 
+static ssize_t kvo__rpeek(kvo__rnode *nd)
+{
+    char b;
+    ssize_t got;
+    do got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+    while (got < 0 && errno == EINTR);
+    return got;
+}
+
 /* Between batches nothing may be waiting on a connection: readable means closed (or out of step), and so
  * do bytes left in the reader (a reply nobody asked for came in with the last one: it would be taken
  * for the next command's answer). */
 static int kvo__ralive(kvo__rnode *nd)
 {
-    char b;
-    ssize_t got;
     if (nd->c->reader && nd->c->reader->pos < nd->c->reader->len) return 0;
-    got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    if (got < 0 && errno == EINTR) got = recv(nd->c->fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
-    return got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
+    return kvo__rpeek(nd) < 0 && (errno == EAGAIN || errno == EWOULDBLOCK);
 }
 
 /* AUTH (when configured), then PING: KVO_OK, KVO_EAUTH or KVO_EIO, with msg. */
@@ -10436,6 +10444,53 @@ static int kvo__rgather_ready(kvo__rop *op)
     return 0;
 }
 
+/* What a node's replies counted in an op, to be undone when they turn out not to be its own. */
+typedef struct kvo__rmark {
+    kvo_redis_stats delta;
+    uint64_t bytes;
+    int had_msg;
+} kvo__rmark;
+
+static kvo__rmark kvo__rmark_of(const kvo__rop *op)
+{
+    kvo__rmark m;
+    m.delta = op->delta;
+    m.bytes = op->bytes;
+    m.had_msg = op->msg[0] != 0;
+    return m;
+}
+
+/* Reply bytes no command asked for, once the round's replies are read: in the hand reader's buffer, in
+ * hiredis's, or waiting on the socket (a close is not: the next batch finds it). */
+static int kvo__rleft_over(const kvo__rclient *cl, kvo__rnode *nd)
+{
+    if (cl->rpos != cl->rlen || (nd->c->reader && nd->c->reader->pos < nd->c->reader->len)) return 1;
+    return kvo__rpeek(nd) > 0;
+}
+
+/* Node k's connection is out of step: a stray reply shifts every answer after it, so none of this
+ * round's is taken. What they counted is undone, the connection dropped, the node's copies of the
+ * round fail with KVO_EIO. */
+static void kvo__rout_of_step(kvo__rop *op, size_t k, const kvo__rmark *mark)
+{
+    kvo__rclient *cl = op->cl;
+    const char *why = "reply data no command asked for after the batch's replies";
+    char msg[KVO__R_MSG + 64];
+    size_t i, n = 0;
+    op->delta = mark->delta;
+    op->bytes = mark->bytes;
+    if (!mark->had_msg) op->msg[0] = 0;
+    for (i = 0; i < op->n; i++) n += op->items[i].node == (int)k;
+    kvo__rmsg(msg, sizeof msg, "redis %s:%d: %s (%zu copies failed)", cl->nodes[k].host, cl->nodes[k].port, why, n);
+    kvo__rdrop(op->r, &cl->nodes[k], why, &op->delta);
+    if (op->r->cluster) cl->have_map = 0; /* a redirect read may have been another key's */
+    for (i = 0; i < op->n; i++)
+        if (op->items[i].node == (int)k) {
+            op->items[i].corrupt = 0; /* no entry is deleted on a reply that may not be its own */
+            kvo__rfail(op, &op->items[i], KVO_EIO, msg);
+        }
+}
+
 /* Run the op: rounds of (route, write every node's pipeline, read every node's replies) until no item is
  * pending; redirects and TRYAGAIN send items to another round. */
 static void kvo__rop_run(kvo__rop *op)
@@ -10492,6 +10547,7 @@ static void kvo__rop_run(kvo__rop *op)
         if (taken) memset(taken, 0, (cl->n_nodes ? cl->n_nodes : 1) * sizeof *taken);
         for (i = 0; taken && i < op->n; i++) {
             kvo__ritem *it = &op->items[i];
+            it->node = -1; /* a node's items are those sent to it this round (kvo__rout_of_step) */
             if (it->result != KVO__R_PENDING) continue;
             it->moved = -1;
             if (it->ask >= 0) it->node = it->ask;
@@ -10547,8 +10603,10 @@ static void kvo__rop_run(kvo__rop *op)
         }
         /* read every node's replies, in order */
         for (k = 0; k < nn; k++) {
+            kvo__rmark mark;
             if (!sent[k]) continue;
             cl->rpos = cl->rlen = 0;
+            mark = kvo__rmark_of(op);
             for (i = 0; i < op->n; i++) {
                 kvo__ritem *it = &op->items[i];
                 redisReply *reply = NULL;
@@ -10579,8 +10637,7 @@ static void kvo__rop_run(kvo__rop *op)
                 break;
             }
             }
-            if (cl->nodes[k].c && cl->rpos != cl->rlen) /* bytes no command asked for: out of step */
-                kvo__rdrop(r, &cl->nodes[k], "unexpected bytes after the replies", &op->delta);
+            if (cl->nodes[k].c && kvo__rleft_over(cl, &cl->nodes[k])) kvo__rout_of_step(op, k, &mark);
             cl->rpos = cl->rlen = 0;
         }
         if (op->moved_to >= 0) {

@@ -24,7 +24,9 @@
  *   on, ends in KVO_ENOMEM (or, with the memory there, KVO_ECONNECT), nothing handed out or leaked;
  *   before, a failed string copy freed the clients' uninitialised memory.
  * - the reconnect backoff stops at reconnect_max_ms, past 2^31 ms too (no wrap to a short wait);
- * - scripted servers: a reconnect lost in its AUTH or PING counts one connect failure (no disconnect).
+ * - scripted servers: a reconnect lost in its AUTH or PING counts one connect failure (no disconnect);
+ *   reply data left on a connection after a batch's replies (a stray reply) fails that batch's copies
+ *   (KVO_EIO) and drops the connection at once: no stray +OK is taken for a SET's answer.
  * Without redis-server the server tests are skipped with one line. */
 #include "oom_hooks.h"
 #define KVO_WITH_REDIS
@@ -1321,9 +1323,10 @@ static const char *cluster_node_answer(script_server *sv, const char *name, cons
     return "-ERR unknown\r\n";
 }
 
-/* A reply left over in the client's reader is not taken for the next command's: the connection is
- * dropped and made again, and the SET that follows reports the server's refusal (it was taken as
- * stored, from the stray +OK). */
+/* A reply left over in the client's reader is not taken for the next command's: the lookup that
+ * received it fails (KVO_EIO: its own answer may have been the stray one), the connection is dropped at
+ * once and made again, and the SET that follows reports the server's refusal (it was taken as stored,
+ * from the stray +OK). */
 static void test_stray_reply(void)
 {
     script_server sv;
@@ -1345,19 +1348,86 @@ static void test_stray_reply(void)
         kvb_block bl[1];
         size_t n = 9;
         KVT_EQ(kvb_alloc(mem, 1, bl), KVB_OK);
-        KVT_EQ(kvo_redis_lookup(b, h, 1, &n), KVO_OK);
+        KVT_EQ(kvo_redis_lookup(b, h, 1, &n), KVO_EIO);
         KVT_EQ(n, 0);
+        KVT_EQ(rstats(b).disconnects, 1);
+        KVT_EQ(rstats(b).lookup_errors, 1);
         KVT_EQ(run_job(b, mem, g4, idx, idx, h, 1, results), KVO_EREMOTE);
         KVT_EQ(results[0], KVO_EREMOTE);
         kvo_redis_stats st;
         KVT_EQ(kvo_redis_backend_stats(b, &st), KVO_OK);
         KVT_EQ(st.puts, 0);
-        KVT_CHECK(st.disconnects >= 1);
+        KVT_EQ(st.disconnects, 1);
+        KVT_EQ(st.connects, 2);
         kvo_backend_destroy(b);
     }
     kvb_pool_destroy(mem);
     kvb_pool_destroy(g4);
     script_stop(&sv);
+}
+
+/* A server out of step inside a batch: the first SET of a job gets no answer of its own, the second
+ * gets "+OK", a stray "+OK" and the refusal it meant ("-OOM"), in one write; a GET gets nil and a stray
+ * nil. */
+static const char *left_over_answer(script_server *sv, const char *name, const char *key, char *out, size_t size)
+{
+    (void)key;
+    (void)out;
+    (void)size;
+    if (!strcmp(name, "PING")) return "+PONG\r\n";
+    if (!strcmp(name, "CLUSTER")) return "-ERR This instance has cluster support disabled\r\n";
+    if (!strcmp(name, "SET")) /* sets counts the SETs received here */
+        return sv->sets++ % 2 ? "+OK\r\n+OK\r\n-OOM command not allowed when used memory > 'maxmemory'.\r\n" : "";
+    if (!strcmp(name, "GET")) return "$-1\r\n$-1\r\n";
+    return "-ERR unknown\r\n";
+}
+
+/* Reply data left on a connection when a batch has read its replies means the replies were not the
+ * batch's own: the connection is dropped and the copies it carried fail (KVO_EIO), none counted as
+ * stored, got or missed. Before, the SETs were both taken as stored (the second from the stray +OK;
+ * the server refused it) and the leftover dropped the connection only at the next batch; a GET's
+ * leftover dropped it, but the copy kept its answer (a miss). */
+static void test_reply_data_left_after_a_batch(void)
+{
+    script_server sv;
+    char addr[64];
+    memset(&sv, 0, sizeof sv);
+    if (!script_start(&sv, left_over_answer)) {
+        KVT_CHECK(!"the scripted server did not start");
+        return;
+    }
+    server_addr(sv.port, addr, sizeof addr);
+    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
+    kvo_backend *b = redis_open(addr, g4, 0);
+    if (b) {
+        kvb_hash h[2] = {{51, 5}, {52, 5}};
+        uint32_t idx[2] = {0, 1};
+        int results[2] = {1, 1};
+        kvb_block bl[2];
+        KVT_EQ(kvb_alloc(mem, 2, bl), KVB_OK);
+        kvo_redis_stats before = rstats(b);
+        KVT_EQ(run_job(b, mem, g4, idx, idx, h, 2, results), KVO_EIO);
+        KVT_EQ(results[0], KVO_EIO);
+        KVT_EQ(results[1], KVO_EIO);
+        kvo_redis_stats set = rstats(b);
+        KVT_EQ(set.puts, 0);
+        KVT_EQ(set.remote_errors, 0);
+        KVT_EQ(set.io_errors, 2);
+        KVT_EQ(set.disconnects - before.disconnects, 1); /* dropped at once, not at the next batch */
+        KVT_CHECK(log_has("reply data no command asked for"));
+        KVT_EQ(run_job(b, g4, mem, idx, idx, h, 1, results), KVO_EIO);
+        KVT_EQ(results[0], KVO_EIO);
+        kvo_redis_stats get = rstats(b);
+        KVT_EQ(get.misses, 0);
+        KVT_EQ(get.io_errors, 3);
+        KVT_EQ(get.connects - set.connects, 1);
+        KVT_EQ(get.disconnects - set.disconnects, 1);
+        kvo_backend_destroy(b);
+    }
+    kvb_pool_destroy(mem);
+    kvb_pool_destroy(g4);
+    script_stop(&sv);
+    KVT_EQ(sv.sets, 2);
 }
 
 /* A MOVED is not undone by a stale map. After a MOVED the map is asked again; it used to be asked of the
@@ -2174,6 +2244,7 @@ int main(int argc, char **argv)
     KVT_RUN(test_damaged_entry_delete_lost);
     KVT_RUN(test_pool_with_storage_refused);
     KVT_RUN(test_stray_reply);
+    KVT_RUN(test_reply_data_left_after_a_batch);
     KVT_RUN(test_reconnect_lost_in_handshake);
     KVT_RUN(test_log_reads_stats);
     KVT_RUN(test_auth);
