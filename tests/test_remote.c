@@ -1323,24 +1323,56 @@ static const char *cluster_node_answer(script_server *sv, const char *name, cons
     return "-ERR unknown\r\n";
 }
 
+/* A backend on a scripted server (answer), with a memory pool and a G4 pool of 4 blocks each:
+ * scripted_start starts the server and fills rc (tests may change it), scripted_connect makes the
+ * backend (s->b, NULL when create failed: checked), scripted_stop undoes both. */
+typedef struct scripted {
+    script_server sv;
+    char addr[64];
+    kvb_pool *mem, *g4;
+    kvo_redis_config rc;
+    kvo_backend *b;
+} scripted;
+
+static int scripted_start(scripted *s, script_fn answer)
+{
+    if (!script_start(&s->sv, answer)) {
+        KVT_CHECK(!"the scripted server did not start");
+        return 0;
+    }
+    server_addr(s->sv.port, s->addr, sizeof s->addr);
+    s->mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    s->g4 = of_meta_pool(4);
+    s->rc = rconfig(s->addr, s->g4, 0);
+    s->b = NULL;
+    return 1;
+}
+
+static kvo_backend *scripted_connect(scripted *s)
+{
+    KVT_EQ(kvo_redis_backend_create(&s->rc, &s->b), KVO_OK);
+    return s->b;
+}
+
+static void scripted_stop(scripted *s)
+{
+    if (s->b) kvo_backend_destroy(s->b);
+    kvb_pool_destroy(s->mem);
+    kvb_pool_destroy(s->g4);
+    script_stop(&s->sv);
+}
+
 /* A reply left over in the client's reader is not taken for the next command's: the lookup that
  * received it fails (KVO_EIO: its own answer may have been the stray one), the connection is dropped at
  * once and made again, and the SET that follows reports the server's refusal (it was taken as stored,
  * from the stray +OK). */
 static void test_stray_reply(void)
 {
-    script_server sv;
-    char addr[64];
-    memset(&sv, 0, sizeof sv);
-    if (!script_start(&sv, stray_answer)) {
-        KVT_CHECK(!"the scripted server did not start");
-        return;
-    }
-    server_addr(sv.port, addr, sizeof addr);
-    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
-    kvo_backend *b = NULL;
-    kvo_redis_config rc = rconfig(addr, g4, 0);
-    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    scripted s;
+    memset(&s, 0, sizeof s);
+    if (!scripted_start(&s, stray_answer)) return;
+    kvb_pool *mem = s.mem, *g4 = s.g4;
+    kvo_backend *b = scripted_connect(&s);
     if (b) {
         kvb_hash h[1] = {{11, 1}};
         uint32_t idx[1] = {0};
@@ -1359,11 +1391,8 @@ static void test_stray_reply(void)
         KVT_EQ(st.puts, 0);
         KVT_EQ(st.disconnects, 1);
         KVT_EQ(st.connects, 2);
-        kvo_backend_destroy(b);
     }
-    kvb_pool_destroy(mem);
-    kvb_pool_destroy(g4);
-    script_stop(&sv);
+    scripted_stop(&s);
 }
 
 /* A server out of step inside a batch: the first SET of a job gets no answer of its own, the second
@@ -1389,16 +1418,11 @@ static const char *left_over_answer(script_server *sv, const char *name, const c
  * leftover dropped it, but the copy kept its answer (a miss). */
 static void test_reply_data_left_after_a_batch(void)
 {
-    script_server sv;
-    char addr[64];
-    memset(&sv, 0, sizeof sv);
-    if (!script_start(&sv, left_over_answer)) {
-        KVT_CHECK(!"the scripted server did not start");
-        return;
-    }
-    server_addr(sv.port, addr, sizeof addr);
-    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
-    kvo_backend *b = redis_open(addr, g4, 0);
+    scripted s;
+    memset(&s, 0, sizeof s);
+    if (!scripted_start(&s, left_over_answer)) return;
+    kvb_pool *mem = s.mem, *g4 = s.g4;
+    kvo_backend *b = scripted_connect(&s);
     if (b) {
         kvb_hash h[2] = {{51, 5}, {52, 5}};
         uint32_t idx[2] = {0, 1};
@@ -1422,12 +1446,9 @@ static void test_reply_data_left_after_a_batch(void)
         KVT_EQ(get.io_errors, 3);
         KVT_EQ(get.connects - set.connects, 1);
         KVT_EQ(get.disconnects - set.disconnects, 1);
-        kvo_backend_destroy(b);
     }
-    kvb_pool_destroy(mem);
-    kvb_pool_destroy(g4);
-    script_stop(&sv);
-    KVT_EQ(sv.sets, 2);
+    scripted_stop(&s);
+    KVT_EQ(s.sv.sets, 2);
 }
 
 /* A MOVED is not undone by a stale map. After a MOVED the map is asked again; it used to be asked of the
@@ -2085,16 +2106,11 @@ static const char *damaged_answer(script_server *sv, const char *name, const cha
 
 static void test_damaged_entry_delete_lost(void)
 {
-    script_server sv;
-    char addr[64];
-    memset(&sv, 0, sizeof sv);
-    if (!script_start(&sv, damaged_answer)) {
-        KVT_CHECK(!"the scripted server did not start");
-        return;
-    }
-    server_addr(sv.port, addr, sizeof addr);
-    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
-    kvo_backend *b = redis_open(addr, g4, 0);
+    scripted s;
+    memset(&s, 0, sizeof s);
+    if (!scripted_start(&s, damaged_answer)) return;
+    kvb_pool *mem = s.mem, *g4 = s.g4;
+    kvo_backend *b = scripted_connect(&s);
     if (b) {
         kvb_hash h[1] = {{12, 2}};
         uint32_t idx[1] = {0};
@@ -2106,11 +2122,8 @@ static void test_damaged_entry_delete_lost(void)
         KVT_EQ(st.io_errors, 0);
         KVT_EQ(st.gets, 0);
         KVT_EQ(st.disconnects, 1); /* the DEL's connection went: counted there */
-        kvo_backend_destroy(b);
     }
-    kvb_pool_destroy(mem);
-    kvb_pool_destroy(g4);
-    script_stop(&sv);
+    scripted_stop(&s);
 }
 
 /* A server that lets the first connection in, closes it at its SET (lost mid-batch), then closes every
@@ -2131,21 +2144,14 @@ static const char *lost_hello_answer(script_server *sv, const char *name, const 
  * connection that had never been up). */
 static void reconnect_lost_in_handshake(int on_auth)
 {
-    script_server sv;
-    char addr[64];
-    memset(&sv, 0, sizeof sv);
-    sv.drop_auth = on_auth;
-    if (!script_start(&sv, lost_hello_answer)) {
-        KVT_CHECK(!"the scripted server did not start");
-        return;
-    }
-    server_addr(sv.port, addr, sizeof addr);
-    kvb_pool *mem = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g4 = of_meta_pool(4);
-    kvo_redis_config rc = rconfig(addr, g4, 0);
-    rc.password = on_auth ? "hello-test-pw" : NULL;
-    rc.reconnect_min_ms = rc.reconnect_max_ms = 60000; /* the third job finds the node backing off */
-    kvo_backend *b = NULL;
-    KVT_EQ(kvo_redis_backend_create(&rc, &b), KVO_OK);
+    scripted s;
+    memset(&s, 0, sizeof s);
+    s.sv.drop_auth = on_auth;
+    if (!scripted_start(&s, lost_hello_answer)) return;
+    kvb_pool *mem = s.mem, *g4 = s.g4;
+    s.rc.password = on_auth ? "hello-test-pw" : NULL;
+    s.rc.reconnect_min_ms = s.rc.reconnect_max_ms = 60000; /* the third job finds the node backing off */
+    kvo_backend *b = scripted_connect(&s);
     if (b) {
         kvb_hash h[1] = {{41, 4}};
         uint32_t idx[1] = {0};
@@ -2166,12 +2172,9 @@ static void reconnect_lost_in_handshake(int on_auth)
         KVT_EQ(waiting.connect_failures, 1);
         KVT_EQ(waiting.disconnects, 1);
         KVT_EQ(waiting.io_errors, 3);
-        kvo_backend_destroy(b);
     }
-    kvb_pool_destroy(mem);
-    kvb_pool_destroy(g4);
-    script_stop(&sv);
-    KVT_EQ(sv.pings, on_auth ? 1 : 2);
+    scripted_stop(&s);
+    KVT_EQ(s.sv.pings, on_auth ? 1 : 2);
 }
 
 static void test_reconnect_lost_in_handshake(void)
