@@ -39,17 +39,25 @@ typedef struct disk {
     log_count log;
 } disk;
 
-static kvo_disk_config disk_config(disk *d, int direct, uint32_t threads)
+/* A disk backend's config for the file at path: slots of pool, log lines counted in *lc (cleared). */
+static kvo_disk_config disk_config_for(const char *path, kvb_pool *pool, uint64_t block_bytes, log_count *lc)
 {
     kvo_disk_config dc;
     memset(&dc, 0, sizeof dc);
-    dc.path = d->path;
-    dc.disk_pool = d->pool;
-    dc.block_bytes = OF_BLOCK_BYTES;
+    memset(lc, 0, sizeof *lc);
+    dc.path = path;
+    dc.disk_pool = pool;
+    dc.block_bytes = block_bytes;
+    dc.log = count_log;
+    dc.log_user = lc;
+    return dc;
+}
+
+static kvo_disk_config disk_config(disk *d, int direct, uint32_t threads)
+{
+    kvo_disk_config dc = disk_config_for(d->path, d->pool, OF_BLOCK_BYTES, &d->log);
     dc.direct = direct;
     dc.threads = threads;
-    dc.log = count_log;
-    dc.log_user = &d->log;
     return dc;
 }
 
@@ -493,15 +501,8 @@ static void test_bad_paths_and_config(void)
     if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
     kvb_pool *pool = of_meta_pool(8);
     snprintf(path, sizeof path, "%s/no/such/dir/g3.kv", dir);
-    kvo_disk_config dc;
-    memset(&dc, 0, sizeof dc);
-    dc.path = path;
-    dc.disk_pool = pool;
-    dc.block_bytes = OF_BLOCK_BYTES;
-    dc.log = count_log;
     log_count lc;
-    memset(&lc, 0, sizeof lc);
-    dc.log_user = &lc;
+    kvo_disk_config dc = disk_config_for(path, pool, OF_BLOCK_BYTES, &lc);
     KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EIO);
     KVT_CHECK(b == NULL);
     KVT_CHECK(strcmp(kvo_result_string(KVO_EIO), "I/O error") == 0);
@@ -544,14 +545,7 @@ static void test_disk_pool_with_storage_refused(void)
     if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
     snprintf(path, sizeof path, "%s/g3.kv", dir);
     kvb_pool *mem = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    kvo_disk_config dc;
-    memset(&dc, 0, sizeof dc);
-    memset(&lc, 0, sizeof lc);
-    dc.path = path;
-    dc.disk_pool = mem;
-    dc.block_bytes = OF_BLOCK_BYTES;
-    dc.log = count_log;
-    dc.log_user = &lc;
+    kvo_disk_config dc = disk_config_for(path, mem, OF_BLOCK_BYTES, &lc);
     KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_EINVAL);
     KVT_CHECK(b == NULL);
     KVT_EQ(atomic_load(&lc.calls), 1);
@@ -653,15 +647,8 @@ static void test_preallocation_no_space(void)
     if (!mkdtemp(dir)) KVT_SKIP("cannot make a directory in /dev/shm");
     snprintf(path, sizeof path, "%s/g3.kv", dir);
     kvb_pool *pool = of_meta_pool((uint32_t)slots);
-    kvo_disk_config dc;
-    memset(&dc, 0, sizeof dc);
-    dc.path = path;
-    dc.disk_pool = pool;
-    dc.block_bytes = block_bytes;
     log_count lc;
-    memset(&lc, 0, sizeof lc);
-    dc.log = count_log;
-    dc.log_user = &lc;
+    kvo_disk_config dc = disk_config_for(path, pool, block_bytes, &lc);
     KVT_EQ(kvo_disk_backend_create(&dc, &b), KVO_ENOSPC);
     KVT_CHECK(b == NULL);
     KVT_CHECK(strcmp(kvo_result_string(KVO_ENOSPC), "no space left on the disk") == 0);
@@ -683,15 +670,8 @@ static void test_preallocation_refused(void)
     if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
     snprintf(path, sizeof path, "%s/g3.kv", dir);
     kvb_pool *pool = of_meta_pool(1024); /* 1024 slots of at least 6 KiB: several MiB */
-    kvo_disk_config dc;
-    memset(&dc, 0, sizeof dc);
-    dc.path = path;
-    dc.disk_pool = pool;
-    dc.block_bytes = OF_BLOCK_BYTES;
     log_count lc;
-    memset(&lc, 0, sizeof lc);
-    dc.log = count_log;
-    dc.log_user = &lc;
+    kvo_disk_config dc = disk_config_for(path, pool, OF_BLOCK_BYTES, &lc);
     if (!fsize_limit(&g, 64 * 1024)) {
         kvb_pool_destroy(pool);
         rmdir(dir);
@@ -719,16 +699,9 @@ static void test_create_out_of_memory_holds_no_space(void)
     if (!of_tmpdir(dir, sizeof dir)) KVT_SKIP("cannot make a temp directory");
     snprintf(path, sizeof path, "%s/g3.kv", dir);
     kvb_pool *pool = of_meta_pool(NB);
-    kvo_disk_config dc;
     log_count lc;
-    memset(&lc, 0, sizeof lc);
-    memset(&dc, 0, sizeof dc);
-    dc.path = path;
-    dc.disk_pool = pool;
-    dc.block_bytes = block_bytes;
+    kvo_disk_config dc = disk_config_for(path, pool, block_bytes, &lc);
     dc.threads = 2;
-    dc.log = count_log;
-    dc.log_user = &lc;
     for (long at = 0; at < 64; at++) {
         kvo_backend *b = NULL;
         struct stat sb;
