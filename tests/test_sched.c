@@ -1105,6 +1105,53 @@ static void mid_step_items_stay_valid(int release)
 static void test_abort_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(0); }
 static void test_release_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(1); }
 
+/* Requests arrive while the forward pass runs: adding them between kvs_sched_step and kvs_sched_complete
+ * must leave the step's arrays (its items and preempted list) where the engine reads them. 100 adds grow
+ * every per-request list of the scheduler past the room the first request made. Run in a child process
+ * so that a use after free (ASan) fails this test and not the whole program. */
+static void test_add_mid_step_items_stay_valid(void)
+{
+    pid_t pid;
+    int status = 0;
+    fflush(stdout);
+    fflush(stderr);
+    pid = fork();
+    KVT_CHECK(pid >= 0);
+    if (pid == 0) {
+        sf_env e;
+        uint32_t p[40];
+        kvs_step st;
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) dup2(fd, 2);
+        open_abort_env(&e, 0);
+        sf_tokens(71, p, 40);
+        uint64_t a = sf_add(&e, p, 40, 4, 0);
+        sf_plan(&e, &st);
+        if (st.num_prefill != 1) _exit(2);
+        for (int i = 0; i < 100; i++) {
+            uint64_t id = 0;
+            kvs_request rq;
+            memset(&rq, 0, sizeof rq);
+            rq.prompt = p;
+            rq.num_prompt = 8 + (size_t)i % 30;
+            rq.max_new_tokens = 1;
+            if (kvs_sched_add(e.s, &rq, &id) != KVS_OK) _exit(3);
+        }
+        volatile uint64_t sink = st.prefill[0].request + st.prefill[0].num_new; /* the engine reads its items */
+        if (sink != a + 32) _exit(4);
+        if (kvs_sched_complete(e.s, &st) != KVS_OK) _exit(5);
+        if (kvs_sched_step(e.s, &st) != KVS_OK || kvs_sched_complete(e.s, &st) != KVS_OK) _exit(6);
+        _exit(0);
+    }
+    if (pid > 0) {
+        KVT_EQ(waitpid(pid, &status, 0), pid);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            fprintf(stderr, "  child: %s %d (the step's items were freed by an add mid-step?)\n",
+                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
+        KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
+}
+
 /* kvs_sched_destroy with requests in every state aborts them all (the pools show nothing pinned). */
 static void test_destroy_aborts_everything(void)
 {
@@ -2038,6 +2085,7 @@ int main(void)
     KVT_RUN(test_abort_mid_step);
     KVT_RUN(test_abort_mid_step_items_stay_valid);
     KVT_RUN(test_release_mid_step_items_stay_valid);
+    KVT_RUN(test_add_mid_step_items_stay_valid);
     KVT_RUN(test_destroy_aborts_everything);
     KVT_RUN(test_pinned_loads_do_not_block_the_queue);
     KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
