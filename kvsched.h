@@ -2994,6 +2994,17 @@ static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
     return r;
 }
 
+/* The device blocks the loads of `request` landed in, held for it until its admission. */
+static size_t kvs__conn_loaded(kvs_connector *c, uint64_t request)
+{
+    kvs__plan *p;
+    size_t n;
+    pthread_mutex_lock(&c->lock);
+    n = (p = kvs__plan_of(c, request)) != NULL ? stbds_arrlenu(p->loaded) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
 /* Drop every plan whose loads all finished, with the device references it kept (the blocks stay cached,
  * now evictable). 1 when there was one. */
 static int kvs__conn_unpin_loads(kvs_connector *c)
@@ -4160,13 +4171,16 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
-/* Whether the device has room (free or evictable blocks, or its own pinned prefix) for all of r's blocks. */
+/* Whether the device has room (free or evictable blocks, or those held for r: its pinned prefix and the
+ * blocks its loads landed in) for all of r's blocks. Without its loaded blocks, a swapped request whose
+ * loads landed waited, and the waiting queue behind it, until nothing ran (kvs__unpin_loads). */
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
     size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
-    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins);
+    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins) +
+                       (s->conn ? kvs__conn_loaded(s->conn, r->id) : 0);
 }
 
 /* The device prefixes held by the requests of queue q (kvs__pin_prefix) go: 1 when one did. */

@@ -1237,6 +1237,49 @@ static void test_swapped_request_own_loads_do_not_block_it(void)
     sf_close(&e);
 }
 
+/* The same with something still running: the device has room for R beside X (its 6 loaded blocks and
+ * one free), so R is admitted as soon as its loads land. Before, the blocks its own loads held did not
+ * count as room, so R (and the waiting queue behind it) waited until X had grown to fill the device and
+ * preempted itself. R (priority -1, 7 of the device's 12 blocks) runs beside X (priority 1, 1 block);
+ * Y (priority 0, 11 blocks) swaps R out, evicting all of its blocks, and ends after its prefill. */
+static void test_swapped_request_own_loads_count_as_room(void)
+{
+    sf_env e;
+    sf_opts o;
+    uint32_t x[4], r[97], y[176];
+    kvs_step st;
+    int steps = 0;
+    memset(&o, 0, sizeof o);
+    o.device_blocks = 12;
+    o.device_memory = 1;
+    o.host_blocks = 32;
+    o.preempt = KVS_PREEMPT_SWAP;
+    sf_open(&e, &o);
+    sf_tokens(81, x, 4);
+    sf_tokens(82, r, 97);
+    sf_tokens(83, y, 176);
+    uint64_t rx = sf_add(&e, x, 4, 100, 1);
+    uint64_t rr = sf_add(&e, r, 97, 50, -1);
+    sf_turn(&e, &st);
+    uint64_t ry = sf_add(&e, y, 176, 1, 0);
+    sf_turn(&e, &st);
+    KVT_EQ(sf_state(&e, rr), KVS_SLOT_PREEMPTED);
+    KVT_EQ(sf_state(&e, ry), KVS_SLOT_FINISHED);
+    while (steps < 10 && sf_state(&e, rr) != KVS_SLOT_DECODING) {
+        sf_turn(&e, &st);
+        steps++;
+    }
+    KVT_CHECK(steps <= 3); /* staged, loaded, admitted */
+    KVT_EQ(sf_state(&e, rr), KVS_SLOT_DECODING);
+    KVT_EQ(sf_slot(&e, rr).num_lower_hit_tokens, 96);
+    KVT_EQ(sf_slot(&e, rx).preemptions, 0);
+    KVT_EQ(sf_state(&e, rx), KVS_SLOT_DECODING);
+    sf_run(&e, 400);
+    KVT_EQ(sf_state(&e, rr), KVS_SLOT_FINISHED);
+    KVT_EQ(sf_state(&e, rx), KVS_SLOT_FINISHED);
+    sf_close(&e);
+}
+
 /* A decode computes all of its new tokens in one step, so an append of more tokens than the step's token
  * budget could never be scheduled: it is refused (KVS_ETOOBIG, nothing changed), unless it ends the
  * request. Budget 8: 9 tokens refused, 8 taken and computed in one step; 10 that reach max_new_tokens
@@ -2089,6 +2132,7 @@ int main(void)
     KVT_RUN(test_destroy_aborts_everything);
     KVT_RUN(test_pinned_loads_do_not_block_the_queue);
     KVT_RUN(test_swapped_request_own_loads_do_not_block_it);
+    KVT_RUN(test_swapped_request_own_loads_count_as_room);
     KVT_RUN(test_append_beyond_step_budget);
     KVT_RUN(test_lower_hits_within_cached);
     KVT_RUN(test_onboard_skips_last_token_block);
