@@ -3361,7 +3361,8 @@ static int kvs__out_room(kvs_sched *s, size_t n)
  * (the queues, the step's items and their requests, the batches, the preempted) holds a request at most
  * once, so with this room made at kvs_sched_add a step never grows one, and out of memory an add fails
  * (KVS_ENOMEM) with nothing changed instead of a step failing half done. The spares of the new request's
- * class make room for it too: released, it goes there. An add between step and complete leaves the
+ * class make room for it too: released, it goes there; so do those released during the step, out of
+ * kvs_sched.all but not yet spares (counted among s->drops). An add between step and complete leaves the
  * arrays the engine is reading where they are: the next step makes their room first (kvs__sched_step). */
 static int kvs__room_for_requests(kvs_sched *s, size_t n, unsigned cls)
 {
@@ -3371,7 +3372,7 @@ static int kvs__room_for_requests(kvs_sched *s, size_t n, unsigned cls)
            kvo__fit(&s->commits[1], n) && (s->in_step || kvs__out_room(s, n)) &&
            kvo__fit(&s->batch, n) && kvo__fit(&s->batch_seqs, n) && kvo__fit(&s->batch_tokens, n) &&
            kvo__fit(&s->batch_counts, n) && kvo__fit(&s->prefills, n) &&
-           kvo__fit(&s->spare[cls], stbds_arrlenu(s->spare[cls]) + n);
+           kvo__fit(&s->spare[cls], stbds_arrlenu(s->spare[cls]) + n + s->drops);
 }
 
 static void kvs__queue_insert(kvs__req ***q, kvs__req *r)
