@@ -11612,8 +11612,9 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched);
 /* Queue a request (slot Initialized). KVS_ETOOBIG when prompt + max_new_tokens can never fit (a request
  * holds fewer than 2^32 tokens). */
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id);
-/* Plan the next step. The arrays in *out are valid until the next call. KVS_ESTEP when the previous
- * step was not completed. */
+/* Plan the next step. The arrays in *out are valid until the next step (requests added, aborted or
+ * released meanwhile leave them in place). KVS_ESTEP when the previous step was not completed;
+ * KVS_ENOMEM (nothing changed) when requests added during the previous step left no room for them. */
 KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
  * eager mode, offered to the lower tiers), slots advance. A device pool with an event callback that
@@ -14181,6 +14182,17 @@ static kvs_result kvs__conn_release_loads(kvs_connector *c, uint64_t request)
     return r;
 }
 
+/* The device blocks the loads of `request` landed in, held for it until its admission. */
+static size_t kvs__conn_loaded(kvs_connector *c, uint64_t request)
+{
+    kvs__plan *p;
+    size_t n;
+    pthread_mutex_lock(&c->lock);
+    n = (p = kvs__plan_of(c, request)) != NULL ? stbds_arrlenu(p->loaded) : 0;
+    pthread_mutex_unlock(&c->lock);
+    return n;
+}
+
 /* Drop every plan whose loads all finished, with the device references it kept (the blocks stay cached,
  * now evictable). 1 when there was one. */
 static int kvs__conn_unpin_loads(kvs_connector *c)
@@ -14527,20 +14539,28 @@ static int kvs__before(const kvs__req *a, const kvs__req *b)
     return a->priority != b->priority ? a->priority > b->priority : a->arrival < b->arrival;
 }
 
+/* Room for n requests in the arrays a step hands out (its items, its preempted). */
+static int kvs__out_room(kvs_sched *s, size_t n)
+{
+    return kvo__fit(&s->prefill, n) && kvo__fit(&s->decode, n) && kvo__fit(&s->preempted, n);
+}
+
 /* Room for every request the scheduler will hold once one more is added (n of them): each per-step list
  * (the queues, the step's items and their requests, the batches, the preempted) holds a request at most
  * once, so with this room made at kvs_sched_add a step never grows one, and out of memory an add fails
  * (KVS_ENOMEM) with nothing changed instead of a step failing half done. The spares of the new request's
- * class make room for it too: released, it goes there. */
+ * class make room for it too: released, it goes there; so do those released during the step, out of
+ * kvs_sched.all but not yet spares (counted among s->drops). An add between step and complete leaves the
+ * arrays the engine is reading where they are: the next step makes their room first (kvs__sched_step). */
 static int kvs__room_for_requests(kvs_sched *s, size_t n, unsigned cls)
 {
     return kvo__fit(&s->all, n) && kvo__fit(&s->waiting, n) && kvo__fit(&s->running, n) &&
            kvo__fit(&s->swapped, n) && kvo__fit(&s->onboarding, n) && kvo__fit(&s->order, n) &&
            kvo__fit(&s->planned[0], n) && kvo__fit(&s->planned[1], n) && kvo__fit(&s->commits[0], n) &&
-           kvo__fit(&s->commits[1], n) && kvo__fit(&s->prefill, n) && kvo__fit(&s->decode, n) &&
+           kvo__fit(&s->commits[1], n) && (s->in_step || kvs__out_room(s, n)) &&
            kvo__fit(&s->batch, n) && kvo__fit(&s->batch_seqs, n) && kvo__fit(&s->batch_tokens, n) &&
-           kvo__fit(&s->batch_counts, n) && kvo__fit(&s->prefills, n) && kvo__fit(&s->preempted, n) &&
-           kvo__fit(&s->spare[cls], stbds_arrlenu(s->spare[cls]) + n);
+           kvo__fit(&s->batch_counts, n) && kvo__fit(&s->prefills, n) &&
+           kvo__fit(&s->spare[cls], stbds_arrlenu(s->spare[cls]) + n + s->drops);
 }
 
 static void kvs__queue_insert(kvs__req ***q, kvs__req *r)
@@ -15340,13 +15360,16 @@ static int kvs__admit(kvs_sched *s, kvs__req *r)
     return 1;
 }
 
-/* Whether the device has room (free or evictable blocks, or its own pinned prefix) for all of r's blocks. */
+/* Whether the device has room (free or evictable blocks, or those held for r: its pinned prefix and the
+ * blocks its loads landed in) for all of r's blocks. Without its loaded blocks, a swapped request whose
+ * loads landed waited, and the waiting queue behind it, until nothing ran (kvs__unpin_loads). */
 static int kvs__fits(kvs_sched *s, const kvs__req *r)
 {
     kvb_pool_stats st;
     size_t need = (r->len + s->block_tokens - 1) / s->block_tokens;
     if (kvb_pool_get_stats(s->cfg.device, &st) != KVB_OK) return 0;
-    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins);
+    return need <= (size_t)st.free_blocks + st.inactive_blocks + stbds_arrlenu(r->pins) +
+                       (s->conn ? kvs__conn_loaded(s->conn, r->id) : 0);
 }
 
 /* The device prefixes held by the requests of queue q (kvs__pin_prefix) go: 1 when one did. */
@@ -15485,6 +15508,7 @@ static kvs_result kvs__sched_step(kvs_sched *sched, kvs_step *out)
 {
     if (!sched || !out) return KVS_EINVAL;
     if (sched->in_step) return KVS_ESTEP;
+    if (!kvs__out_room(sched, stbds_arrlenu(sched->all))) return KVS_ENOMEM; /* adds during the last step */
     if (kvs__wants(sched->cfg.bus, KVS_EV_RUN_STEP)) {
         kvs_event e;
         memset(&e, 0, sizeof e);
