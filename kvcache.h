@@ -14912,9 +14912,8 @@ static kvs_result kvs__sched_add(kvs_sched *sched, const kvs_request *request, u
     return KVS_OK;
 }
 
-/* The running request to preempt for `for_r`: lowest priority, latest arrival, not scheduled this step,
- * of priority below `below` (INT32_MAX + 1 = any). */
-/* The running request to preempt: lowest priority, latest arrival, priority below `below`, not `self`. */
+/* The running request to preempt: lowest priority, latest arrival, priority below `below` (INT32_MAX + 1:
+ * any), not `self`. (A victim already scheduled this step loses its item: kvs__preempt.) */
 static kvs__req *kvs__victim(kvs_sched *s, int64_t below, const kvs__req *self)
 {
     size_t i = stbds_arrlenu(s->running);
