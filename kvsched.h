@@ -37,7 +37,8 @@
  * 3. SCHEDULER (continuous batching) — queues: waiting (priority, higher first, then arrival), running,
  * swapped. Each step, within the budgets (default 8192 tokens, 256 sequences): running decodes (one
  * token each) first, then running prefills (chunked when the prompt exceeds what is left), then swapped
- * requests (swap in), then waiting ones. Admission matches the device prefix cache first, then asks the
+ * requests (swap in), then waiting ones, and only when no request is swapped out (as vLLM: whoever was
+ * preempted comes back first, whatever the priorities of those waiting). Admission matches the device prefix cache first, then asks the
  * connector for lower-tier hits among the full blocks before the last token's (that token is always
  * computed, for its logits, so its block is too): those blocks are onboarded (asynchronously) before the
  * request prefills, and its device prefix is held meanwhile (kvb_pin: not counted as a use), so that
