@@ -403,7 +403,9 @@ typedef struct kvs_slot_info {
     size_t num_lower_hit_tokens;                    /* of which from lower tiers */
     uint32_t generated;
     uint32_t preemptions;
-    size_t pending_transfers;
+    size_t pending_transfers;                       /* 1 while it waits on its onboarding (its loads
+                                                       planned, on their way, or landed and it not yet
+                                                       admitted), else 0 */
 } kvs_slot_info;
 
 typedef struct kvs_sched_stats {
