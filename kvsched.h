@@ -668,7 +668,8 @@ typedef struct kvs_replay_report {
 
 /* Feed the inputs of a recorded run into `fresh` (a new scheduler created on `bus` with the same
  * configuration, pools and tiers) and compare its decisions (kinds of compare_kinds, 0 =
- * KVS_EV_DECISIONS) with the recorded ones, event by event (time and seq aside; request ids mapped in
+ * KVS_EV_DECISIONS; input kinds, ADD .. RELEASE, are what is replayed and are not compared: naming only
+ * them is KVS_EINVAL) with the recorded ones, event by event (time and seq aside; request ids mapped in
  * order of addition). KVS_OK when identical, KVS_EREPLAY at the first difference (report says which),
  * KVS_ENOMEM when the replay, or an add or append of the fresh scheduler, ran out of memory (the report
  * counts what was replayed and compared until then); memory the fresh scheduler does without (a request
@@ -4817,6 +4818,8 @@ static size_t kvs__replay_input(kvs_sched *s, kvs__replay *rp, const kvs_event *
 
 static int kvs__is_input(uint16_t kind) { return kind >= KVS_EV_ADD && kind <= KVS_EV_RELEASE; }
 
+#define KVS__INPUTS (KVS_EV_MASK(KVS_EV_RELEASE + 1) - KVS_EV_MASK(KVS_EV_ADD)) /* ADD .. RELEASE */
+
 /* The fresh decision equals the recorded one: kind, request (mapped back) and payload. */
 static int kvs__same_decision(kvs__replay *rp, const kvs_event *want, const kvs_event *got)
 {
@@ -4834,6 +4837,8 @@ KVS_API kvs_result kvs_replay(kvs_sched *fresh, kvs_bus *bus, const kvs_event *e
     kvs_result r = KVS_OK;
     if (!fresh || !bus || (n && !events) || fresh->cfg.bus != bus) return KVS_EINVAL;
     if (!compare_kinds) compare_kinds = KVS_EV_DECISIONS;
+    compare_kinds &= ~KVS__INPUTS; /* replayed, not compared: the collector would take the fresh ones for decisions */
+    if (!compare_kinds) return KVS_EINVAL; /* a subscription to no kind would be one to every kind */
     memset(&rp, 0, sizeof rp);
     memset(&rep, 0, sizeof rep);
     if ((r = kvs_bus_subscribe(bus, compare_kinds, kvs__replay_collect, &rp, &sub)) != KVS_OK) return r;
