@@ -11785,7 +11785,7 @@ KVS_API void kvs_bus_transfer_stage(void *bus, const kvo_stage_note *note);
 /* ---- hooks and breakpoints ---- */
 
 typedef struct kvs_breakpoint {
-    kvs_call call;            /* 0 = any call */
+    kvs_call call;            /* 0 = any call; with a state: a transition within this scheduler call */
     kvs_slot_state state;     /* 0 = any; else stops when a slot enters this state */
     uint64_t request;         /* 0 = any request */
 } kvs_breakpoint;             /* all zero is KVS_EINVAL: use kvs_bus_pause */
@@ -12991,21 +12991,25 @@ KVS_API int kvs_bus_paused(kvs_bus *bus, kvs_pause_info *out)
     return stopped;
 }
 
-static int kvs__bp_match(const kvs_breakpoint *bp, const kvs_pause_info *at)
+/* At a transition (at->call 0), a breakpoint naming a call and a state matches while the scheduler is in
+ * that call (in_call); one naming a call and no state stops at the call only. */
+static int kvs__bp_match(const kvs_breakpoint *bp, const kvs_pause_info *at, kvs_call in_call)
 {
-    return (!bp->call || bp->call == at->call) && (!bp->state || bp->state == at->state) &&
+    kvs_call call = at->call ? at->call : bp->state ? in_call : (kvs_call)0;
+    return (!bp->call || bp->call == call) && (!bp->state || bp->state == at->state) &&
            (!bp->request || bp->request == at->request);
 }
 
-/* A checkpoint: a call about to run (call != 0) or a slot entering a state (state != 0). Stops the
- * calling thread when a pause is pending or a breakpoint matches, until kvs_bus_resume. */
-static void kvs__checkpoint(kvs_bus *b, const kvs_pause_info *at)
+/* A checkpoint: a call about to run (call != 0) or a slot entering a state (state != 0) during the
+ * scheduler's call in_call. Stops the calling thread when a pause is pending or a breakpoint matches,
+ * until kvs_bus_resume. */
+static void kvs__checkpoint(kvs_bus *b, const kvs_pause_info *at, kvs_call in_call)
 {
     size_t i;
     int stop;
     pthread_mutex_lock(&b->lock);
     stop = b->pause_pending;
-    for (i = 0; i < stbds_arrlenu(b->bps) && !stop; i++) stop = kvs__bp_match(&b->bps[i], at);
+    for (i = 0; i < stbds_arrlenu(b->bps) && !stop; i++) stop = kvs__bp_match(&b->bps[i], at, in_call);
     if (stop) {
         uint64_t gen = b->resumes;
         kvs_event e;
@@ -13050,16 +13054,20 @@ static void kvs__will_call(kvs_bus *b, kvs_call call, uint64_t request)
     at.call = call;
     at.state = (kvs_slot_state)0;
     at.request = request;
-    kvs__checkpoint(b, &at);
+    kvs__checkpoint(b, &at, (kvs_call)0);
 }
 
-/* The body of an entry point between its will-call and finished-call hooks when the bus is armed. */
-#define KVS__HOOKED(armed, bus, call, request, expr)                 \
+/* The body of an entry point between its will-call and finished-call hooks when the bus is armed;
+ * in_call (NULL for the connector's) names the call while it runs, for breakpoints on a call and a state. */
+#define KVS__HOOKED(armed, bus, call, request, expr, in_call)        \
     do {                                                             \
         kvs_result hooked_r_;                                        \
+        kvs_call *in_call_ = (in_call), outer_ = (kvs_call)0;       \
         if (!kvs__is_armed(armed)) return (expr);                    \
         kvs__will_call((bus), (call), (request));                    \
+        if (in_call_) outer_ = *in_call_, *in_call_ = (call);        \
         hooked_r_ = (expr);                                          \
+        if (in_call_) *in_call_ = outer_;                            \
         kvs__hook((bus), (call), 1, (request), (int)hooked_r_);      \
         return hooked_r_;                                            \
     } while (0)
@@ -14265,70 +14273,71 @@ KVS_API kvs_result kvs_connector_get_num_new_matched_tokens(kvs_connector *c, ui
 {
     if (!c) return KVS_EINVAL;
     KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_GET_NUM_NEW_MATCHED_TOKENS, request,
-                kvs__conn_get_num_new_matched_tokens(c, request, hashes, num_hashes, num_computed, out_tokens, out_async));
+                kvs__conn_get_num_new_matched_tokens(c, request, hashes, num_hashes, num_computed, out_tokens, out_async),
+                NULL);
 }
 
 KVS_API kvs_result kvs_connector_update_state_after_alloc(kvs_connector *c, uint64_t request, size_t num_external_tokens)
 {
     if (!c) return KVS_EINVAL;
     KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_UPDATE_STATE_AFTER_ALLOC, request,
-                kvs__conn_update_state_after_alloc(c, request, num_external_tokens));
+                kvs__conn_update_state_after_alloc(c, request, num_external_tokens), NULL);
 }
 
 KVS_API kvs_result kvs_connector_note_registered(kvs_connector *c, uint64_t request, const kvb_block *blocks, size_t n)
 {
     if (!c) return KVS_EINVAL;
     KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_NOTE_REGISTERED, request,
-                kvs__conn_note_registered(c, request, blocks, n));
+                kvs__conn_note_registered(c, request, blocks, n), NULL);
 }
 
 KVS_API kvs_result kvs_connector_build_meta(kvs_connector *c, kvs_connector_meta *out)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BUILD_META, 0, kvs__conn_build_meta(c, out));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BUILD_META, 0, kvs__conn_build_meta(c, out), NULL);
 }
 
 KVS_API kvs_result kvs_connector_bind_meta(kvs_connector *c, const kvs_connector_meta *meta)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BIND_META, 0, kvs__conn_bind_meta(c, meta));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_BIND_META, 0, kvs__conn_bind_meta(c, meta), NULL);
 }
 
 KVS_API kvs_result kvs_connector_start_loads(kvs_connector *c)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_LOADS, 0, kvs__conn_start_loads(c));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_LOADS, 0, kvs__conn_start_loads(c), NULL);
 }
 
 KVS_API kvs_result kvs_connector_start_stores(kvs_connector *c)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_STORES, 0, kvs__conn_start_stores(c));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_START_STORES, 0, kvs__conn_start_stores(c), NULL);
 }
 
 KVS_API kvs_result kvs_connector_get_finished(kvs_connector *c, kvs_worker_output *out)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_GET_FINISHED, 0, kvs__conn_get_finished(c, out));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_GET_FINISHED, 0, kvs__conn_get_finished(c, out), NULL);
 }
 
 KVS_API kvs_result kvs_connector_update_output(kvs_connector *c, const kvs_worker_output *output)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_UPDATE_OUTPUT, 0, kvs__conn_update_output(c, output));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_UPDATE_OUTPUT, 0, kvs__conn_update_output(c, output), NULL);
 }
 
 KVS_API kvs_result kvs_connector_release_loads(kvs_connector *c, uint64_t request)
 {
     if (!c) return KVS_EINVAL;
-    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_RELEASE_LOADS, request, kvs__conn_release_loads(c, request));
+    KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_RELEASE_LOADS, request, kvs__conn_release_loads(c, request), NULL);
 }
 
 KVS_API kvs_result kvs_connector_request_finished(kvs_connector *c, uint64_t request, int *out_keep_blocks)
 {
     if (!c) return KVS_EINVAL;
     KVS__HOOKED(c->armed, c->cfg.bus, KVS_CALL_REQUEST_FINISHED, request,
-                kvs__conn_request_finished(c, request, out_keep_blocks));
+                kvs__conn_request_finished(c, request, out_keep_blocks), NULL);
 }
 
 /* ---- scheduler ---------------------------------------------------------------------------------- */
@@ -14385,6 +14394,7 @@ typedef char kvs__req_fits_its_slot[sizeof(kvs__req) <= 5 * 64 ? 1 : -1];
 struct kvs_sched {
     kvs_sched_config cfg;
     const int *armed;          /* hooks or breakpoints on cfg.bus (kvs__unarmed without a bus) */
+    kvs_call in_call;          /* the public call running, when the bus was armed as it began (else 0) */
     kvs_connector *conn;
     uint32_t block_tokens, device_blocks;
     kvs__idmap reqs;           /* id -> request */
@@ -14497,7 +14507,7 @@ static kvs_result kvs__change_state(kvs_sched *s, kvs__req *r, kvs_slot_state to
         at.call = (kvs_call)0;
         at.state = to;
         at.request = r->id;
-        kvs__checkpoint(s->cfg.bus, &at);
+        kvs__checkpoint(s->cfg.bus, &at, s->in_call);
     }
     return KVS_OK;
 }
@@ -15807,44 +15817,47 @@ static kvs_result kvs__sched_release(kvs_sched *sched, uint64_t request)
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ADD, 0, kvs__sched_add(sched, request, out_id));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ADD, 0, kvs__sched_add(sched, request, out_id), &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_STEP, 0, kvs__sched_step(sched, out));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_STEP, 0, kvs__sched_step(sched, out), &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_complete(kvs_sched *sched, const kvs_step *step)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_COMPLETE, 0, kvs__sched_complete(sched, step));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_COMPLETE, 0, kvs__sched_complete(sched, step), &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const uint32_t *tokens, size_t n)
 {
     if (!sched) return KVS_EINVAL;
     KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_APPEND, request,
-                kvs__sched_append(sched, request, tokens, n));
+                kvs__sched_append(sched, request, tokens, n), &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_finish(kvs_sched *sched, uint64_t request)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_FINISH, request, kvs__sched_finish(sched, request));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_FINISH, request, kvs__sched_finish(sched, request),
+                &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ABORT, request, kvs__sched_abort(sched, request));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_ABORT, request, kvs__sched_abort(sched, request),
+                &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_release(kvs_sched *sched, uint64_t request)
 {
     if (!sched) return KVS_EINVAL;
-    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_RELEASE, request, kvs__sched_release(sched, request));
+    KVS__HOOKED(sched->armed, sched->cfg.bus, KVS_CALL_RELEASE, request, kvs__sched_release(sched, request),
+                &sched->in_call);
 }
 
 KVS_API kvs_result kvs_sched_get_slot(kvs_sched *sched, uint64_t request, kvs_slot_info *out)

@@ -1731,6 +1731,41 @@ static void call_breakpoint_stops_at_the_call(void)
     kvs_bus_destroy(bus);
 }
 
+/* A breakpoint on a call and a state stops when a slot enters the state during that call, and only then
+ * (the manual's "a combination"): before, a transition's checkpoint named no call, so such a breakpoint
+ * never fired. One on a call alone still stops at the call, not at the transitions within it. */
+static void call_and_state_breakpoint_stops_at_a_transition_in_that_call(void)
+{
+    obs_env e;
+    kvs_bus *bus = new_bus();
+    kvs_breakpoint bp;
+    kvs_pause_info info;
+    engine g;
+    uint32_t never = 0, id = 0;
+    obs_open(&e, 64, 0, bus);
+    memset(&bp, 0, sizeof bp);
+    bp.call = KVS_CALL_ABORT; /* the engine aborts only once told to stop */
+    bp.state = KVS_SLOT_PREFILLING;
+    KVT_EQ(kvs_bus_break_add(bus, &bp, &never), KVS_OK);
+    bp.call = KVS_CALL_STEP; /* admission: Initialized -> Prefilling within a step */
+    KVT_EQ(kvs_bus_break_add(bus, &bp, &id), KVS_OK);
+    engine_start(&g, e.s);
+    memset(&info, 0, sizeof info);
+    KVT_EQ(kvs_bus_wait_paused(bus, 5000000, &info), KVS_OK);
+    KVT_EQ(info.call, 0); /* a transition */
+    KVT_EQ(info.state, KVS_SLOT_PREFILLING);
+    KVT_CHECK(info.request != 0);
+    KVT_EQ(atomic_load(&g.steps), 0); /* within the first step */
+    KVT_EQ(kvs_bus_break_remove(bus, id), KVS_OK);
+    KVT_EQ(kvs_bus_resume(bus), KVS_OK);
+    KVT_CHECK(wait_steps(&g, 20, 10000000)); /* finishing and adding requests, none stops */
+    KVT_EQ(kvs_bus_paused(bus, NULL), 0);
+    KVT_EQ(kvs_bus_break_remove(bus, never), KVS_OK);
+    engine_finish(&g, bus);
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 static void pause_stops_a_running_engine_at_its_next_call(void)
 {
     obs_env e;
@@ -3188,6 +3223,7 @@ int main(void)
     KVT_RUN(state_breakpoint_holds_the_engine_until_resumed);
     KVT_RUN(request_breakpoint_stops_only_that_request);
     KVT_RUN(call_breakpoint_stops_at_the_call);
+    KVT_RUN(call_and_state_breakpoint_stops_at_a_transition_in_that_call);
     KVT_RUN(pause_stops_a_running_engine_at_its_next_call);
     KVT_RUN(pause_before_the_first_call_stops_at_it);
     KVT_RUN(wait_paused_with_nothing_running_times_out);
