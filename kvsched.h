@@ -695,8 +695,9 @@ KVS_API void kvs_console_stop(kvs_console *console);
 /* ---- metrics ---- */
 
 /* Prometheus text exposition (version 0.0.4) of the scheduler's counters and its pools' and pipelines'
- * (prefix kvcache_, labels tier / direction); disk (optional) adds its checksum and I/O errors. NUL-
- * terminated; *out_len = its length without the NUL. KVS_ENOSPACE when cap < *out_len + 1, buf left
+ * (prefix kvcache_, labels tier / direction; tier is a pool's place in the scheduler's chain: 0 the
+ * device, then each down pipeline's destination, whatever kvb_pool_config.tier says); disk (optional)
+ * adds its checksum and I/O errors. NUL-terminated; *out_len = its length without the NUL. KVS_ENOSPACE when cap < *out_len + 1, buf left
  * untouched (counters move: the next call may need a little more). The counters are read once per call,
  * so the text written is always whole, however other threads move them meanwhile. Thread safety: the
  * scheduler's thread (pools and pipelines may count from theirs). */
@@ -4912,8 +4913,9 @@ typedef struct kvs__metrics_snap {
     kvs_sched_stats sched;                 /* with the queue lengths */
     int has_bus;
     uint64_t events;                       /* the bus's sequence */
-    uint32_t num_pools, tier[KVO_MAX_TIERS];
-    kvb_pool_stats pool[KVO_MAX_TIERS];    /* G1, then each pipeline's destination down the chain */
+    uint32_t num_pools;
+    kvb_pool_stats pool[KVO_MAX_TIERS];    /* G1, then each pipeline's destination down the chain: the
+                                              place is the tier label, as on the pipelines' series */
     int has_pipelines;
     unsigned char pipeline[2][KVO_MAX_TIERS]; /* [up][tier]: the manager has that pipeline */
     kvo_manager_stats pipelines;
@@ -4940,13 +4942,7 @@ static void kvs__metrics_read(kvs__metrics_snap *m, kvs_sched *s, kvo_backend *d
         if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK) break;
         pools[m->num_pools++] = pc.dst;
     }
-    for (i = 0; i < m->num_pools; i++) {
-        kvb_pool_config pc;
-        memset(&pc, 0, sizeof pc);
-        kvb_pool_get_config(pools[i], &pc);
-        m->tier[i] = pc.tier;
-        kvb_pool_get_stats(pools[i], &m->pool[i]);
-    }
+    for (i = 0; i < m->num_pools; i++) kvb_pool_get_stats(pools[i], &m->pool[i]);
     if (s->cfg.tiers && kvo_manager_get_stats(s->cfg.tiers, &m->pipelines) == KVO_OK) {
         m->has_pipelines = 1;
         for (up = 0; up < 2; up++)
@@ -4957,12 +4953,8 @@ static void kvs__metrics_read(kvs__metrics_snap *m, kvs_sched *s, kvo_backend *d
         m->has_disk = 1;
         for (i = 0; s->cfg.tiers && i + 1 < KVO_MAX_TIERS; i++) {
             kvo_pipeline_config pc;
-            kvb_pool_config bc;
-            if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) != KVO_OK || pc.backend != disk)
-                continue;
-            memset(&bc, 0, sizeof bc);
-            kvb_pool_get_config(pc.dst, &bc);
-            m->disk_tier = bc.tier;
+            if (kvo_pipeline_get_config(kvo_manager_pipeline(s->cfg.tiers, i, 0), &pc) == KVO_OK && pc.backend == disk)
+                m->disk_tier = i + 1; /* the pipeline's destination */
         }
     }
 }
@@ -4984,7 +4976,6 @@ static void kvs__pool_metrics(kvs__text *t, const kvs__metrics_snap *m)
         {"invalidated_total", "counter", "Cached blocks dropped as bad (a lower tier's copy failed its check).",
          offsetof(kvb_pool_stats, invalidated)}};
     const kvb_pool_stats *st = m->pool;
-    const uint32_t *tier = m->tier;
     uint32_t i, n = m->num_pools;
     size_t r;
     for (r = 0; r < sizeof rows / sizeof rows[0]; r++) {
@@ -4992,18 +4983,18 @@ static void kvs__pool_metrics(kvs__text *t, const kvs__metrics_snap *m)
         for (i = 0; i < n; i++) {
             uint64_t v;
             memcpy(&v, (const unsigned char *)&st[i] + rows[r].off, sizeof v);
-            kvs__printf(t, "kvcache_%s{tier=\"%u\"} %llu\n", rows[r].name, tier[i], (unsigned long long)v);
+            kvs__printf(t, "kvcache_%s{tier=\"%u\"} %llu\n", rows[r].name, i, (unsigned long long)v);
         }
     }
     kvs__family(t, "blocks", "gauge", "Blocks by state: free, active (referenced), inactive (cached, evictable).");
     for (i = 0; i < n; i++)
         kvs__printf(t, "kvcache_blocks{tier=\"%u\",state=\"free\"} %u\nkvcache_blocks{tier=\"%u\",state=\"active\"} %u\n"
                        "kvcache_blocks{tier=\"%u\",state=\"inactive\"} %u\n",
-                    tier[i], st[i].free_blocks, tier[i], st[i].active_blocks, tier[i], st[i].inactive_blocks);
+                    i, st[i].free_blocks, i, st[i].active_blocks, i, st[i].inactive_blocks);
     kvs__family(t, "capacity_blocks", "gauge", "Blocks in the pool.");
-    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_capacity_blocks{tier=\"%u\"} %u\n", tier[i], st[i].num_blocks);
+    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_capacity_blocks{tier=\"%u\"} %u\n", i, st[i].num_blocks);
     kvs__family(t, "cached_hashes", "gauge", "Distinct block hashes that can be matched.");
-    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_cached_hashes{tier=\"%u\"} %u\n", tier[i], st[i].cached_hashes);
+    for (i = 0; i < n; i++) kvs__printf(t, "kvcache_cached_hashes{tier=\"%u\"} %u\n", i, st[i].cached_hashes);
 }
 
 /* Pipeline counters: offload into tier t + 1 (direction "offload", tier = destination) and onboarding

@@ -2543,6 +2543,63 @@ static void metrics_with_tiers_and_disk_are_valid_prometheus_text(void)
     sf_close(&e);
 }
 
+/* The tier label is the pool's place in the scheduler's chain (0 the device, then each down pipeline's
+ * destination), as on the pipelines' series: before, pools were labelled by kvb_pool_config.tier, so a
+ * host pool left at the default 0 gave every pool family the series tier="0" twice (not valid text),
+ * and a host pool configured as tier 3 was tier="3" on its pool series and tier="1" on its pipelines'. */
+static void metrics_label_pools_by_their_place_in_the_chain(void)
+{
+    for (uint32_t host_tier = 0; host_tier <= 3; host_tier += 3) {
+        kvb_pool *dev = sf__pool(16, 0, KVB_LAYOUT_BLOCK_CONTIGUOUS, 0);
+        kvb_pool *host = sf__pool(32, 1, KVB_LAYOUT_LAYER_SEPARATE, host_tier);
+        kvo_backend *mem = NULL;
+        kvo_manager *m = NULL;
+        kvo_manager_config mc;
+        kvs_sched_config sc;
+        kvs_sched *s = NULL;
+        size_t len = 0, host_series = 0, pipe_series = 0;
+        char *text;
+        prom_doc *d = (prom_doc *)calloc(1, sizeof *d);
+        KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+        memset(&mc, 0, sizeof mc);
+        mc.num_tiers = 2;
+        mc.pools[0] = dev;
+        mc.pools[1] = host;
+        mc.down[0] = mem;
+        mc.up[1] = mem;
+        mc.pipeline.mode = KVO_MODE_POLL;
+        KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+        memset(&sc, 0, sizeof sc);
+        sc.device = dev;
+        sc.tiers = m;
+        KVT_EQ(kvs_sched_create(&sc, &s), KVS_OK);
+        text = d && s ? metrics_text(s, &len) : NULL;
+        if (text) {
+            int ok = prom_parse(d, text, len);
+            if (!ok) fprintf(stderr, "  host pool of tier %u: %s\n", host_tier, d->error);
+            KVT_CHECK(ok);
+            for (size_t i = 0; ok && i < d->ns; i++) {
+                if (strcmp(d->s[i].name, "kvcache_capacity_blocks") == 0 && has_label(&d->s[i], "tier=\"1\"")) {
+                    KVT_EQ((uint64_t)d->s[i].value, 32);
+                    host_series++;
+                }
+                if (strcmp(d->s[i].name, "kvcache_transfer_blocks_total") == 0)
+                    pipe_series += has_label(&d->s[i], "tier=\"1\"");
+            }
+            KVT_EQ(host_series, 1);
+            KVT_EQ(pipe_series, 2); /* offload into G2, onboard from it */
+        }
+        free(text);
+        if (d) free(d->s);
+        free(d);
+        kvs_sched_destroy(s);
+        kvo_manager_destroy(m);
+        kvo_backend_destroy(mem);
+        kvb_pool_destroy(host);
+        kvb_pool_destroy(dev);
+    }
+}
+
 static void metrics_into_a_short_buffer_say_how_much_is_needed(void)
 {
     obs_env e;
@@ -3238,6 +3295,7 @@ int main(void)
     KVT_RUN(metrics_are_valid_prometheus_text);
     KVT_RUN(metrics_count_what_the_stats_count);
     KVT_RUN(metrics_with_tiers_and_disk_are_valid_prometheus_text);
+    KVT_RUN(metrics_label_pools_by_their_place_in_the_chain);
     KVT_RUN(metrics_into_a_short_buffer_say_how_much_is_needed);
     KVT_RUN(metrics_count_the_bus_events);
     KVT_RUN(metrics_text_is_whole_when_a_counter_gains_a_digit);
