@@ -12628,7 +12628,9 @@ struct kvs_bus {
     int armed;                   /* hook, breakpoints or a pause pending: read without the lock */
     kvs_hook_fn hook;
     void *hook_user;
-    uint32_t hook_calls;         /* hook calls in progress (cond is signalled when they reach 0) */
+    uint32_t hook_calls;         /* calls of the current hook in progress */
+    uint32_t old_hook_calls;     /* calls of hooks replaced since in progress (cond: signalled at 0) */
+    uint64_t hook_gen;           /* hooks set so far: tells a call of the current hook from an older one */
     kvs_breakpoint *bps;         /* stb_ds */
     uint32_t *bp_ids;            /* stb_ds, parallel to bps */
     int pause_pending;
@@ -12893,8 +12895,11 @@ KVS_API kvs_result kvs_bus_set_hook(kvs_bus *bus, kvs_hook_fn fn, void *user)
     pthread_mutex_lock(&bus->lock);
     bus->hook = fn;
     bus->hook_user = user;
+    bus->hook_gen++;
+    bus->old_hook_calls += bus->hook_calls; /* the new hook's calls are not waited for: they never end */
+    bus->hook_calls = 0;
     kvs__rearm(bus);
-    while (bus->hook_calls) pthread_cond_wait(&bus->cond, &bus->lock); /* the old hook's user may go */
+    while (bus->old_hook_calls) pthread_cond_wait(&bus->cond, &bus->lock); /* the old hook's user may go */
     pthread_mutex_unlock(&bus->lock);
     return KVS_OK;
 }
@@ -13036,15 +13041,18 @@ static void kvs__hook(kvs_bus *b, kvs_call call, int finished, uint64_t request,
 {
     kvs_hook_fn fn;
     void *user;
+    uint64_t gen;
     pthread_mutex_lock(&b->lock);
     fn = b->hook;
     user = b->hook_user;
+    gen = b->hook_gen;
     if (fn) b->hook_calls++;
     pthread_mutex_unlock(&b->lock);
     if (!fn) return;
     fn(user, call, finished, request, result); /* no lock held: the hook may call kvs_bus_ functions */
     pthread_mutex_lock(&b->lock);
-    if (--b->hook_calls == 0) pthread_cond_broadcast(&b->cond);
+    if (gen == b->hook_gen) b->hook_calls--;
+    else if (--b->old_hook_calls == 0) pthread_cond_broadcast(&b->cond); /* replaced meanwhile */
     pthread_mutex_unlock(&b->lock);
 }
 

@@ -2050,6 +2050,81 @@ static void removing_a_hook_waits_out_the_call_in_progress(void)
     kvs_bus_destroy(bus);
 }
 
+/* Replacing a hook waits for the calls of the old hook only: before, it waited until no call of any hook
+ * was in progress, so the new hook's calls from a busy engine kept it waiting (seconds), and a call of
+ * the new hook that waited for the replacement to be over held it until that call gave up. */
+typedef struct hook_swap { atomic_int old_in, old_go, new_in, swapped, new_gave_up; } hook_swap;
+
+static void swap_old_hook(void *user, kvs_call call, int finished, uint64_t request, int result)
+{
+    hook_swap *h = (hook_swap *)user;
+    (void)call, (void)finished, (void)request, (void)result;
+    if (!atomic_exchange(&h->old_in, 1)) wait_flag(&h->old_go, 5000000); /* the first call holds until told */
+}
+
+static void swap_new_hook(void *user, kvs_call call, int finished, uint64_t request, int result)
+{
+    hook_swap *h = (hook_swap *)user;
+    (void)call, (void)finished, (void)request, (void)result;
+    if (!atomic_exchange(&h->new_in, 1) && !wait_flag(&h->swapped, 3000000)) atomic_store(&h->new_gave_up, 1);
+}
+
+typedef struct swap_job { kvs_bus *bus; hook_swap *h; } swap_job;
+
+static void *swap_hooks(void *arg)
+{
+    swap_job *j = (swap_job *)arg;
+    KVT_EQ(kvs_bus_set_hook(j->bus, swap_new_hook, j->h), KVS_OK);
+    atomic_store(&j->h->swapped, 1);
+    return NULL;
+}
+
+typedef struct append_loop { kvs_sched *s; atomic_int stop; } append_loop;
+
+static void *append_until_stopped(void *arg)
+{
+    append_loop *l = (append_loop *)arg;
+    uint32_t tok = 5;
+    while (!atomic_load(&l->stop)) (void)kvs_sched_append(l->s, 999999, &tok, 1);
+    return NULL;
+}
+
+static void replacing_a_hook_waits_for_the_old_one_only(void)
+{
+    obs_env e, busy;
+    kvs_bus *bus = new_bus();
+    hook_swap h;
+    append_job one;
+    append_loop loop;
+    swap_job swap;
+    pthread_t th_one, th_swap, th_loop;
+    memset(&h, 0, sizeof h);
+    obs_open(&e, 8, 0, bus);
+    obs_open(&busy, 8, 0, bus); /* a second scheduler on the bus, calling all the time */
+    KVT_EQ(kvs_bus_set_hook(bus, swap_old_hook, &h), KVS_OK);
+    one.s = e.s;
+    KVT_EQ(pthread_create(&th_one, NULL, append_once, &one), 0);
+    KVT_CHECK(wait_flag(&h.old_in, 5000000)); /* a call of the old hook in progress */
+    swap.bus = bus;
+    swap.h = &h;
+    KVT_EQ(pthread_create(&th_swap, NULL, swap_hooks, &swap), 0);
+    loop.s = busy.s;
+    atomic_init(&loop.stop, 0);
+    KVT_EQ(pthread_create(&th_loop, NULL, append_until_stopped, &loop), 0);
+    KVT_CHECK(wait_flag(&h.new_in, 5000000)); /* and one of the new hook */
+    atomic_store(&h.old_go, 1);
+    pthread_join(th_swap, NULL);
+    pthread_join(th_one, NULL);
+    atomic_store(&loop.stop, 1);
+    pthread_join(th_loop, NULL);
+    KVT_EQ(atomic_load(&h.swapped), 1);
+    KVT_EQ(atomic_load(&h.new_gave_up), 0);
+    KVT_EQ(kvs_bus_set_hook(bus, NULL, NULL), KVS_OK);
+    obs_close(&busy);
+    obs_close(&e);
+    kvs_bus_destroy(bus);
+}
+
 static void hooks_see_connector_calls_with_tiers(void)
 {
     sf_env e;
@@ -3290,6 +3365,7 @@ int main(void)
     KVT_RUN(hooks_see_every_call_before_and_after);
     KVT_RUN(hooks_see_connector_calls_with_tiers);
     KVT_RUN(removing_a_hook_waits_out_the_call_in_progress);
+    KVT_RUN(replacing_a_hook_waits_for_the_old_one_only);
     /* 6 */
     KVT_RUN(metrics_validator_knows_good_from_bad);
     KVT_RUN(metrics_are_valid_prometheus_text);
