@@ -641,7 +641,8 @@ KVS_API void kvs_recorder_destroy(kvs_recorder *recorder);
  * to ask *out_n = how many are kept); *out_dropped (may be NULL) = events that no longer fit. */
 KVS_API kvs_result kvs_recorder_snapshot(kvs_recorder *recorder, kvs_event *out, size_t max, size_t *out_n,
                                          uint64_t *out_dropped);
-/* Writes buffered records to the log file. KVS_EIO on a write error (reported once more at destroy). */
+/* Writes buffered records to the log file. KVS_EIO once a write has failed (at this flush and every
+ * later one: the log stops there). kvs_recorder_destroy cannot report one: flush before it. */
 KVS_API kvs_result kvs_recorder_flush(kvs_recorder *recorder);
 
 typedef struct kvs_log_report {
@@ -1949,7 +1950,9 @@ KVS_API kvs_result kvs_recorder_create(kvs_bus *bus, const kvs_recorder_config *
     if (config && config->log_path) {
         unsigned char h[KVS_LOG_HEADER_BYTES];
         kvs__log_header(h);
-        if (!(r->log = fopen(config->log_path, "wb")) || fwrite(h, sizeof h, 1, r->log) != 1) {
+        /* flushed: a header that cannot be written (a full device) is a log that cannot be created */
+        if (!(r->log = fopen(config->log_path, "wb")) || fwrite(h, sizeof h, 1, r->log) != 1 ||
+            fflush(r->log) != 0) {
             if (r->log) fclose(r->log);
             KVB_FREE(r->ring.ev);
             KVB_FREE(r);

@@ -1212,6 +1212,25 @@ static void missing_or_foreign_file_is_an_io_error(void)
     }
 }
 
+/* A log whose header cannot be written (a full device) is one that cannot be created: before, the header
+ * waited in the stream's buffer and kvs_recorder_create said KVS_OK, the first flush KVS_EIO. */
+static void recorder_on_a_full_device_fails_at_create(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_recorder_config rc;
+    kvs_recorder *rec = NULL;
+    if (access("/dev/full", W_OK) != 0) {
+        kvs_bus_destroy(bus);
+        KVT_SKIP("no /dev/full");
+    }
+    memset(&rc, 0, sizeof rc);
+    rc.log_path = "/dev/full";
+    KVT_EQ(kvs_recorder_create(bus, &rc, &rec), KVS_EIO);
+    KVT_CHECK(rec == NULL);
+    if (rec) kvs_recorder_destroy(rec);
+    kvs_bus_destroy(bus);
+}
+
 static void recorder_keeps_only_its_kinds_and_counts_what_no_longer_fits(void)
 {
     kvs_bus *bus = new_bus();
@@ -3341,6 +3360,7 @@ int main(void)
     KVT_RUN(missing_or_foreign_file_is_an_io_error);
     KVT_RUN(read_error_in_the_middle_of_a_log_is_an_io_error);
     KVT_RUN(recorder_keeps_only_its_kinds_and_counts_what_no_longer_fits);
+    KVT_RUN(recorder_on_a_full_device_fails_at_create);
     /* 4 */
     KVT_RUN(recorded_run_preempts_and_hits_the_device_cache);
     KVT_RUN(replay_of_a_recorded_run_matches);
