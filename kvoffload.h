@@ -508,8 +508,10 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
  * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
  * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
- * on_offloaded. KVO_ENOMEM when out of memory: nothing sent, except at a branch tier, where the copy
- * down the first of its two pipelines may be on its way when the second refuses (*out is {0}).
+ * on_offloaded. KVO_EINVAL (*out untouched) for a NULL manager, a tier past the last, NULL blocks with
+ * n > 0 or n above UINT32_MAX (kvo_enqueue's bound). KVO_ENOMEM when out of memory: nothing sent, except
+ * at a branch tier, where the copy down the first of its two pipelines may be on its way when the second
+ * refuses (*out is {0}).
  * Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
@@ -3613,8 +3615,9 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
     kvo__edge *e;
     kvo_result r;
     size_t i;
+    /* n as kvo_enqueue bounds it, checked before the scratch is sized for n and n blocks are read */
+    if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     if (out) out->id = 0;
-    if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
     e = &manager->edges[tier];
     pthread_mutex_lock(&e->lock);

@@ -139,6 +139,30 @@ static void test_claim_offloaded(void)
     tiers_close(&t);
 }
 
+/* An offer of more than UINT32_MAX blocks (an underflowed length, say) is refused at once, as kvo_enqueue
+ * refuses it, and a refused offer leaves *out as it was. Before, the manager sized its scratch for n first
+ * (KVO_ENOMEM, or n blocks read past the caller's array when the memory was there) and cleared *out. */
+static void test_offer_of_too_many(void)
+{
+    tiers t;
+    kvb_hash h[2];
+    kvb_block b[2];
+    kvo_transfer tr = {77};
+    tiers_open(&t, 8, 16, 0, KVO_OFFLOAD_EAGER, 0, KVO_MODE_POLL);
+    of_chain(63, 2, h);
+    of_register(t.g1, h, 2, b, NULL);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, (size_t)-1, &tr), KVO_EINVAL);
+    KVT_EQ(tr.id, 77);
+    KVT_EQ(kvo_manager_offer(t.m, 9, b, 2, &tr), KVO_EINVAL);
+    KVT_EQ(tr.id, 77);
+    KVT_EQ(kvo_manager_offer(t.m, 0, b, 2, &tr), KVO_OK); /* the manager goes on */
+    KVT_CHECK(tr.id != 0);
+    KVT_EQ(kvo_manager_drain(t.m, 5000000), KVO_OK);
+    KVT_EQ(of_holds_all(t.g2, h, 2), 2);
+    KVT_EQ(kvb_release(t.g1, b, 2, NULL), KVB_OK);
+    tiers_close(&t);
+}
+
 /* Eager: four blocks registered in G1 reach G2 (same bytes) and then G3, each hop told once through
  * on_offloaded; lookups follow evictions. */
 static void test_eager_chain_and_lookup(void)
@@ -646,6 +670,7 @@ int main(void)
     of_watchdog(60);
     KVT_RUN(test_eager_chain_and_lookup);
     KVT_RUN(test_claim_offloaded);
+    KVT_RUN(test_offer_of_too_many);
     KVT_RUN(test_full_destination_then_retry);
     KVT_RUN(test_failed_second_hop_then_retry);
     KVT_RUN(test_failed_second_hop_then_retry_threaded);
