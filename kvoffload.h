@@ -87,7 +87,9 @@
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
- * eviction (the next `lazy_reserve` eviction candidates of each tier are kept backed below). A full
+ * eviction: each poll keeps `lazy_reserve` blocks of each tier ready to be taken without losing data,
+ * its free blocks first, and for what they do not cover the next eviction candidates, backed below (a
+ * tier with that many free blocks sends nothing). A full
  * destination or a backend error fails the offload quietly (counted); the next offer tries again. (An
  * offer of blocks a tier already holds stops there, so in eager mode the manager keeps weak handles to
  * the blocks whose hop out of a tier below G1 failed, and sends them again with the next offer that
@@ -487,7 +489,8 @@ typedef struct kvo_manager_config {
     kvo_offload_mode offload;
     uint32_t branch_from;                   /* 0 = a chain; else the tier (1 .. num_tiers - 3) the last tier
                                                copies from, with backend down[num_tiers - 2] (section 5) */
-    uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 (at
+    uint32_t lazy_reserve;                  /* lazy: blocks kept ready to be taken, free ones or eviction
+                                               candidates backed below (section 5), default 64 (at
                                                most a tier's blocks) */
     kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools and backend
                                                ignored); on_done is the manager's (KVO_EINVAL if set): a
@@ -497,7 +500,7 @@ typedef struct kvo_manager_config {
 } kvo_manager_config;
 
 typedef struct kvo_manager_stats {
-    kvo_pipeline_stats down[KVO_MAX_TIERS]; /* tier i -> i + 1 */
+    kvo_pipeline_stats down[KVO_MAX_TIERS]; /* tier i -> i + 1 (the last: from branch_from at a branch) */
     kvo_pipeline_stats up[KVO_MAX_TIERS];   /* tier i -> G1 */
 } kvo_manager_stats;
 
@@ -526,7 +529,9 @@ KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hash
 KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
                                        kvo_transfer *out);
 KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
-/* The configuration in use (defaults filled in). Thread safety: any thread. */
+/* The configuration in use: lazy_reserve's default filled in, the hook now installed, the pipeline
+ * template as given (each pipeline's own, defaults and clamps applied: kvo_pipeline_get_config of
+ * kvo_manager_pipeline). Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out);
 /* Replace the on_offloaded hook at any time (e.g. a connector installing itself, or taking itself back
  * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
