@@ -5263,7 +5263,9 @@ KVB_API kvb_result kvb_seq_hashes(const kvb_seq *seq, const kvb_hash **out_hashe
  *
  * 5. TIER MANAGER — a chain G1 -> G2 -> G3 (-> G4). Eager: every block offered in tier i (and every
  * block that lands in tier i) goes on to tier i + 1. Lazy: blocks go down only when they come near
- * eviction (the next `lazy_reserve` eviction candidates of each tier are kept backed below). A full
+ * eviction: each poll keeps `lazy_reserve` blocks of each tier ready to be taken without losing data,
+ * its free blocks first, and for what they do not cover the next eviction candidates, backed below (a
+ * tier with that many free blocks sends nothing). A full
  * destination or a backend error fails the offload quietly (counted); the next offer tries again. (An
  * offer of blocks a tier already holds stops there, so in eager mode the manager keeps weak handles to
  * the blocks whose hop out of a tier below G1 failed, and sends them again with the next offer that
@@ -5663,7 +5665,8 @@ typedef struct kvo_manager_config {
     kvo_offload_mode offload;
     uint32_t branch_from;                   /* 0 = a chain; else the tier (1 .. num_tiers - 3) the last tier
                                                copies from, with backend down[num_tiers - 2] (section 5) */
-    uint32_t lazy_reserve;                  /* lazy: eviction candidates kept backed, default 64 (at
+    uint32_t lazy_reserve;                  /* lazy: blocks kept ready to be taken, free ones or eviction
+                                               candidates backed below (section 5), default 64 (at
                                                most a tier's blocks) */
     kvo_pipeline_config pipeline;           /* template: mode, batching, policies (pools and backend
                                                ignored); on_done is the manager's (KVO_EINVAL if set): a
@@ -5673,7 +5676,7 @@ typedef struct kvo_manager_config {
 } kvo_manager_config;
 
 typedef struct kvo_manager_stats {
-    kvo_pipeline_stats down[KVO_MAX_TIERS]; /* tier i -> i + 1 */
+    kvo_pipeline_stats down[KVO_MAX_TIERS]; /* tier i -> i + 1 (the last: from branch_from at a branch) */
     kvo_pipeline_stats up[KVO_MAX_TIERS];   /* tier i -> G1 */
 } kvo_manager_stats;
 
@@ -5684,8 +5687,10 @@ KVO_API void kvo_manager_destroy(kvo_manager *manager);
 /* Blocks just registered in `tier`: eager mode sends them down (with those that failed to go down from
  * `tier` before, section 5); lazy mode ignores them (poll finds them when they near eviction). *out
  * (may be NULL) gets the transfer, {0} when none was started; the manager releases it after
- * on_offloaded. KVO_ENOMEM when out of memory: nothing sent, except at a branch tier, where the copy
- * down the first of its two pipelines may be on its way when the second refuses (*out is {0}).
+ * on_offloaded. KVO_EINVAL (*out untouched) for a NULL manager, a tier past the last, NULL blocks with
+ * n > 0 or n above UINT32_MAX (kvo_enqueue's bound). KVO_ENOMEM when out of memory: nothing sent, except
+ * at a branch tier, where the copy down the first of its two pipelines may be on its way when the second
+ * refuses (*out is {0}).
  * Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const kvb_block *blocks, size_t n,
                                      kvo_transfer *out);
@@ -5700,7 +5705,9 @@ KVO_API kvo_result kvo_manager_lookup(kvo_manager *manager, const kvb_hash *hash
 KVO_API kvo_result kvo_manager_onboard(kvo_manager *manager, uint32_t tier, const kvb_hash *hashes, size_t n,
                                        kvo_transfer *out);
 KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_tier, int up);
-/* The configuration in use (defaults filled in). Thread safety: any thread. */
+/* The configuration in use: lazy_reserve's default filled in, the hook now installed, the pipeline
+ * template as given (each pipeline's own, defaults and clamps applied: kvo_pipeline_get_config of
+ * kvo_manager_pipeline). Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out);
 /* Replace the on_offloaded hook at any time (e.g. a connector installing itself, or taking itself back
  * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
@@ -8789,8 +8796,9 @@ KVO_API kvo_result kvo_manager_offer(kvo_manager *manager, uint32_t tier, const 
     kvo__edge *e;
     kvo_result r;
     size_t i;
+    /* n as kvo_enqueue bounds it, checked before the scratch is sized for n and n blocks are read */
+    if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks) || (uint64_t)n > UINT32_MAX) return KVO_EINVAL;
     if (out) out->id = 0;
-    if (!manager || tier >= manager->cfg.num_tiers || (n && !blocks)) return KVO_EINVAL;
     if (!n || manager->cfg.offload != KVO_OFFLOAD_EAGER) return KVO_OK;
     e = &manager->edges[tier];
     pthread_mutex_lock(&e->lock);
@@ -11255,8 +11263,8 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
  * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block
  * (start_stores makes one offer of all the bound stores: each event finishes when that transfer does);
- * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
- * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
+ * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` device blocks ready to
+ * be taken, free ones first and eviction candidates backed by G2 for the rest (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
  * engine with its own scheduler and worker threads calls them directly.
  *

@@ -67,8 +67,8 @@
  * an entry Redis evicted) lands nothing for those blocks: the request's match stops before them and
  * it computes them, a miss like any other. Stores: eager mode offers every newly registered device block
  * (start_stores makes one offer of all the bound stores: each event finishes when that transfer does);
- * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` eviction candidates
- * backed by G2 (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
+ * lazy mode stores nothing until blocks near eviction, then keeps `lazy_reserve` device blocks ready to
+ * be taken, free ones first and eviction candidates backed by G2 for the rest (kvo_manager_poll). Offloads hold only weak handles, so a finished request never has to
  * keep its blocks alive for a store (request_finished says 0). kvs_sched drives both sides itself; an
  * engine with its own scheduler and worker threads calls them directly.
  *
