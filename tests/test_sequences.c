@@ -721,6 +721,35 @@ static void test_reserve_beyond_memory_is_refused(void)
     kvb_pool_destroy(pool);
 }
 
+/* An append whose count would take the sequence past what kvb_seq_reserve takes is refused, changing
+ * nothing: the length plus a count near SIZE_MAX wrapped below the tokens' room, and the append copied
+ * that count of tokens (an ASan negative-size memcpy). */
+static void test_append_past_any_memory_is_refused(void)
+{
+    kvb_pool *pool = fx_pool(8);
+    kvb_seq *seq = fx_seq(pool, NULL);
+    uint32_t tokens[40];
+    const uint32_t *ptr[1] = {tokens};
+    size_t cnt[1] = {SIZE_MAX - 2}, done = 7, cached = 7;
+    kvb_seq_info info;
+    fx_iota(tokens, 40, 1);
+    KVT_EQ(kvb_seq_append(seq, tokens, 5, NULL), KVB_OK);
+    KVT_EQ(kvb_seq_append(seq, tokens, SIZE_MAX - 2, &cached), KVB_ERANGE);
+    KVT_EQ(cached, 0);
+    KVT_EQ(kvb_seq_append(seq, tokens, SIZE_MAX, NULL), KVB_ERANGE);
+    KVT_EQ(kvb_seq_append_new(seq, tokens, SIZE_MAX - 4), KVB_ERANGE);
+    KVT_EQ(kvb_seq_append_many(&seq, ptr, cnt, 1, &done), KVB_ERANGE);
+    KVT_EQ(done, 0);
+    info = fx_seq_info(seq);
+    KVT_EQ(info.num_tokens, 5);
+    KVT_EQ(info.num_blocks, 1);
+    KVT_EQ(kvb_seq_append(seq, tokens + 5, 35, NULL), KVB_OK); /* and it works as before */
+    check_hashes(seq, tokens, 40, NULL, 0, 0);
+    kvb_seq_destroy(seq);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 /* A prefill's commit fetches the index slots of the blocks it registers ahead (16 at a time): the
  * outcome must be what committing a block at a time gives, after a cached prefix, with duplicates of
  * another sequence's blocks among them and a partial block at the end. */
@@ -800,6 +829,7 @@ int main(void)
     KVT_RUN(test_failed_copy_changes_nothing);
     KVT_RUN(test_append_counts_a_block_matched_twice_once);
     KVT_RUN(test_reserve_beyond_memory_is_refused);
+    KVT_RUN(test_append_past_any_memory_is_refused);
     KVT_RUN(test_long_commit_same_as_block_by_block);
     return kvt_summary();
 }
