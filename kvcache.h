@@ -758,7 +758,8 @@ KVB_API kvb_result kvb_seq_reserve(kvb_seq *seq, size_t num_tokens);
  * by hash and reused (their tokens count as computed; *out_cached_tokens, may be NULL, gets how many
  * this call reused); the rest go to new blocks. A shared partial last block is copied before it is
  * written (the pool's copy_block). All or nothing: KVB_ENOSPACE, KVB_ENOMEM and KVB_ECOPY change
- * nothing. Thread safety: one thread per sequence. */
+ * nothing; KVB_ERANGE (nothing changed) for more tokens in all than kvb_seq_reserve takes.
+ * Thread safety: one thread per sequence. */
 KVB_API kvb_result kvb_seq_append(kvb_seq *seq, const uint32_t *tokens, size_t n, size_t *out_cached_tokens);
 
 /* Append tokens the engine will compute, as kvb_seq_append does but never from the cache: their blocks
@@ -4743,7 +4744,8 @@ static void kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kv
 }
 
 /* Append, step 1 (pool not locked): room in the sequence's arrays for the tokens, the hashes of the
- * blocks they fill and the blocks (KVB_ENOMEM, nothing changed, when the memory is not there); then the
+ * blocks they fill and the blocks (KVB_ENOMEM, nothing changed, when the memory is not there; KVB_ERANGE
+ * for more tokens in all than kvb_seq_reserve takes); then the
  * tokens and hashes go on tentatively (the old lengths in len0 and nh0 for kvb__seq_rollback). The
  * hashes are computed here, outside the pool's lock. */
 static kvb_result kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
@@ -4753,6 +4755,8 @@ static kvb_result kvb__seq_prepare(kvb_seq *s, const uint32_t *tokens, size_t n)
     s->len0 = len;
     s->nh0 = stbds_arrlenu(s->hashes);
     if (!n) return KVB_OK;
+    if (KVB__UNLIKELY(n > SIZE_MAX / (2 * sizeof(kvb_hash)) - len)) /* kvb_seq_reserve's bound; len + n */
+        return KVB_ERANGE;                                          /* could wrap below the room */
     if (KVB__UNLIKELY(total > stbds_arrcap(s->tokens)) &&
         !kvb__seq_room(s, kvb__grown(stbds_arrcap(s->tokens), total)))
         return KVB_ENOMEM;
