@@ -446,7 +446,8 @@ typedef struct kvb_event {
  * batch ran out: then it comes in parts, none lost), with the pool's mutex held. */
 typedef void (*kvb_event_fn)(const kvb_event *events, size_t n, void *user);
 
-/* Replacement block hash: must be deterministic and write *out. */
+/* Replacement block hash: must be deterministic and write *out. Sequence appends call it outside the
+ * pool's lock, so it may run on several threads at once (one per sequence). */
 typedef void (*kvb_hash_fn)(const kvb_hash *parent, const uint32_t *tokens, size_t n_tokens,
                             const uint64_t *extra, size_t n_extra, uint64_t salt, kvb_hash *out, void *user);
 
@@ -613,8 +614,8 @@ KVB_API kvb_result kvb_retain(kvb_pool *pool, const kvb_block *blocks, size_t n)
 KVB_API kvb_result kvb_release(kvb_pool *pool, const kvb_block *blocks, size_t n,
                                const kvb_release_opts *opts);
 
-/* State, references, tokens, hashes of a block; accepts strong or weak handles. KVB_ESTALE for a
- * reused block. Thread safety: safe from any thread. */
+/* State, references, tokens, hashes of a block; accepts strong or weak handles. A reused block:
+ * KVB_ESTALE for a strong handle, KVB_EGONE for a weak one. Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_block_get_info(kvb_pool *pool, uint64_t handle_id, kvb_block_info *out);
 
 /* Empty -> Partial: set the parent hash (NULL = root), tenant salt and extra keys (at most
