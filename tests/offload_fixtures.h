@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <fcntl.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 enum { OF_LAYERS = 2, OF_HEADS = 2, OF_DIM = 8, OF_DTYPE = 2, OF_TOKENS = 16 };
@@ -54,6 +56,31 @@ static inline void of_watchdog(unsigned seconds)
 {
     signal(SIGALRM, of__watchdog_fired);
     alarm(seconds);
+}
+
+/* Runs body(arg) in a child process with stderr silenced, so that a crash (ASan, UBSan, a signal) fails
+ * the calling test and not the whole program: the child exits with body's result, 0 when it passed;
+ * `suspect` names the fault a failure points to. */
+static inline void of_in_child(int (*body)(void *), void *arg, const char *suspect)
+{
+    pid_t pid;
+    int status = 0;
+    fflush(stdout);
+    fflush(stderr);
+    pid = fork();
+    KVT_CHECK(pid >= 0);
+    if (pid == 0) {
+        int fd = open("/dev/null", O_WRONLY);
+        if (fd >= 0) dup2(fd, 2);
+        _exit(body(arg));
+    }
+    if (pid > 0) {
+        KVT_EQ(waitpid(pid, &status, 0), pid);
+        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+            fprintf(stderr, "  child: %s %d (%s)\n", WIFEXITED(status) ? "exit" : "signal",
+                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), suspect);
+        KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    }
 }
 
 /* A manual clock for kvo_pipeline_config.clock: time moves only when the test says so. */

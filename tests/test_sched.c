@@ -1054,53 +1054,42 @@ static void test_abort_mid_step(void)
  * (and, release = 1, released: its id is gone at once) while the forward pass runs: the engine still
  * reads the items of the step in flight; the request's memory is reused only after the step completes.
  * Run in a child process so that a use after free (ASan) fails this test and not the whole program. */
+static int mid_step_items_child(void *arg)
+{
+    int release = *(const int *)arg;
+    sf_env e;
+    uint32_t p[40], q[40];
+    kvs_step st;
+    kvs_slot_info si;
+    open_abort_env(&e, 0);
+    sf_tokens(68, p, 40);
+    sf_tokens(69, q, 40);
+    uint64_t a = sf_add(&e, p, 40, 4, 0);
+    sf_plan(&e, &st);
+    const kvs_sched_item *it = sf_item(&st, a, NULL);
+    if (!it) return 2;
+    const kvb_block *blocks = it->blocks;
+    const uint32_t *tokens = it->tokens;
+    size_t nb = it->num_blocks, n = it->num_computed + it->num_new;
+    if (kvs_sched_abort(e.s, a) != KVS_OK) return 3;
+    if (release && (kvs_sched_release(e.s, a) != KVS_OK || kvs_sched_get_slot(e.s, a, &si) != KVS_ENOTFOUND))
+        return 5;
+    volatile uint64_t sink = 0;
+    for (size_t k = 0; k < nb; k++) sink += blocks[k].id;
+    for (size_t k = 0; k < n; k++) sink += tokens[k];
+    (void)sink;
+    if (kvs_sched_complete(e.s, &st) != KVS_OK) return 4;
+    if (release) { /* the next request runs (reusing the released one's memory) */
+        uint64_t b = sf_add(&e, q, 40, 4, 0);
+        sf_plan(&e, &st);
+        if (!sf_item(&st, b, NULL) || kvs_sched_complete(e.s, &st) != KVS_OK) return 6;
+    }
+    return 0;
+}
+
 static void mid_step_items_stay_valid(int release)
 {
-    pid_t pid;
-    int status = 0;
-    fflush(stdout);
-    fflush(stderr);
-    pid = fork();
-    KVT_CHECK(pid >= 0);
-    if (pid == 0) {
-        sf_env e;
-        uint32_t p[40], q[40];
-        kvs_step st;
-        kvs_slot_info si;
-        int fd = open("/dev/null", O_WRONLY);
-        if (fd >= 0) dup2(fd, 2);
-        open_abort_env(&e, 0);
-        sf_tokens(68, p, 40);
-        sf_tokens(69, q, 40);
-        uint64_t a = sf_add(&e, p, 40, 4, 0);
-        sf_plan(&e, &st);
-        const kvs_sched_item *it = sf_item(&st, a, NULL);
-        if (!it) _exit(2);
-        const kvb_block *blocks = it->blocks;
-        const uint32_t *tokens = it->tokens;
-        size_t nb = it->num_blocks, n = it->num_computed + it->num_new;
-        if (kvs_sched_abort(e.s, a) != KVS_OK) _exit(3);
-        if (release && (kvs_sched_release(e.s, a) != KVS_OK || kvs_sched_get_slot(e.s, a, &si) != KVS_ENOTFOUND))
-            _exit(5);
-        volatile uint64_t sink = 0;
-        for (size_t k = 0; k < nb; k++) sink += blocks[k].id;
-        for (size_t k = 0; k < n; k++) sink += tokens[k];
-        (void)sink;
-        if (kvs_sched_complete(e.s, &st) != KVS_OK) _exit(4);
-        if (release) { /* the next request runs (reusing the released one's memory) */
-            uint64_t b = sf_add(&e, q, 40, 4, 0);
-            sf_plan(&e, &st);
-            if (!sf_item(&st, b, NULL) || kvs_sched_complete(e.s, &st) != KVS_OK) _exit(6);
-        }
-        _exit(0);
-    }
-    if (pid > 0) {
-        KVT_EQ(waitpid(pid, &status, 0), pid);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-            fprintf(stderr, "  child: %s %d (the aborted request's block table or tokens were freed mid-step?)\n",
-                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-        KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    }
+    of_in_child(mid_step_items_child, &release, "the aborted request's block table or tokens were freed mid-step?");
 }
 static void test_abort_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(0); }
 static void test_release_mid_step_items_stay_valid(void) { mid_step_items_stay_valid(1); }
@@ -1109,47 +1098,36 @@ static void test_release_mid_step_items_stay_valid(void) { mid_step_items_stay_v
  * must leave the step's arrays (its items and preempted list) where the engine reads them. 100 adds grow
  * every per-request list of the scheduler past the room the first request made. Run in a child process
  * so that a use after free (ASan) fails this test and not the whole program. */
+static int add_mid_step_child(void *arg)
+{
+    (void)arg;
+    sf_env e;
+    uint32_t p[40];
+    kvs_step st;
+    open_abort_env(&e, 0);
+    sf_tokens(71, p, 40);
+    uint64_t a = sf_add(&e, p, 40, 4, 0);
+    sf_plan(&e, &st);
+    if (st.num_prefill != 1) return 2;
+    for (int i = 0; i < 100; i++) {
+        uint64_t id = 0;
+        kvs_request rq;
+        memset(&rq, 0, sizeof rq);
+        rq.prompt = p;
+        rq.num_prompt = 8 + (size_t)i % 30;
+        rq.max_new_tokens = 1;
+        if (kvs_sched_add(e.s, &rq, &id) != KVS_OK) return 3;
+    }
+    volatile uint64_t sink = st.prefill[0].request + st.prefill[0].num_new; /* the engine reads its items */
+    if (sink != a + 32) return 4;
+    if (kvs_sched_complete(e.s, &st) != KVS_OK) return 5;
+    if (kvs_sched_step(e.s, &st) != KVS_OK || kvs_sched_complete(e.s, &st) != KVS_OK) return 6;
+    return 0;
+}
+
 static void test_add_mid_step_items_stay_valid(void)
 {
-    pid_t pid;
-    int status = 0;
-    fflush(stdout);
-    fflush(stderr);
-    pid = fork();
-    KVT_CHECK(pid >= 0);
-    if (pid == 0) {
-        sf_env e;
-        uint32_t p[40];
-        kvs_step st;
-        int fd = open("/dev/null", O_WRONLY);
-        if (fd >= 0) dup2(fd, 2);
-        open_abort_env(&e, 0);
-        sf_tokens(71, p, 40);
-        uint64_t a = sf_add(&e, p, 40, 4, 0);
-        sf_plan(&e, &st);
-        if (st.num_prefill != 1) _exit(2);
-        for (int i = 0; i < 100; i++) {
-            uint64_t id = 0;
-            kvs_request rq;
-            memset(&rq, 0, sizeof rq);
-            rq.prompt = p;
-            rq.num_prompt = 8 + (size_t)i % 30;
-            rq.max_new_tokens = 1;
-            if (kvs_sched_add(e.s, &rq, &id) != KVS_OK) _exit(3);
-        }
-        volatile uint64_t sink = st.prefill[0].request + st.prefill[0].num_new; /* the engine reads its items */
-        if (sink != a + 32) _exit(4);
-        if (kvs_sched_complete(e.s, &st) != KVS_OK) _exit(5);
-        if (kvs_sched_step(e.s, &st) != KVS_OK || kvs_sched_complete(e.s, &st) != KVS_OK) _exit(6);
-        _exit(0);
-    }
-    if (pid > 0) {
-        KVT_EQ(waitpid(pid, &status, 0), pid);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-            fprintf(stderr, "  child: %s %d (the step's items were freed by an add mid-step?)\n",
-                    WIFEXITED(status) ? "exit" : "signal", WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-        KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    }
+    of_in_child(add_mid_step_child, NULL, "the step's items were freed by an add mid-step?");
 }
 
 /* kvs_sched_destroy with requests in every state aborts them all (the pools show nothing pinned). */

@@ -14,8 +14,6 @@
 #include "kvsched.h"
 #include "kvtest.h"
 #include "offload_fixtures.h"
-#include <sys/wait.h>
-#include <unistd.h>
 
 enum { REQS = 6, MAX_N = 400, PROMPT = 40 };
 
@@ -283,47 +281,38 @@ static void test_steps_without_memory_host_tier(void) { steps_without_memory(24,
  * counted only the requests not released (the four pending ones not among them), so the releases grew
  * the spare list, and without memory stb_ds's growth crashed. In a child process: a crash fails this
  * test, not the whole program. */
+static int release_after_mid_step_child(void *arg)
+{
+    (void)arg;
+    world w;
+    kvs_step st;
+    uint32_t prompt[PROMPT];
+    uint64_t a[4], b[4];
+    kvs_request rq;
+    world_open(&w, 64, 0, NULL);
+    for (uint32_t i = 0; i < PROMPT; i++) prompt[i] = 7 * i + 1;
+    memset(&rq, 0, sizeof rq);
+    rq.prompt = prompt;
+    rq.num_prompt = PROMPT;
+    rq.max_new_tokens = 1;
+    for (int i = 0; i < 4; i++)
+        if (kvs_sched_add(w.s, &rq, &a[i]) != KVS_OK) return 2;
+    if (kvs_sched_step(w.s, &st) != KVS_OK || st.num_prefill != 4) return 3;
+    for (int i = 0; i < 4; i++)
+        if (kvs_sched_abort(w.s, a[i]) != KVS_OK || kvs_sched_release(w.s, a[i]) != KVS_OK) return 4;
+    for (int i = 0; i < 4; i++)
+        if (kvs_sched_add(w.s, &rq, &b[i]) != KVS_OK) return 5;
+    if (kvs_sched_complete(w.s, &st) != KVS_OK) return 6;
+    oom_arm(0, 1);
+    for (int i = 0; i < 4; i++)
+        if (kvs_sched_finish(w.s, b[i]) != KVS_OK || kvs_sched_release(w.s, b[i]) != KVS_OK) return 7;
+    oom_disarm();
+    return oom_fired ? 8 : 0;
+}
+
 static void test_release_after_mid_step_releases_without_memory(void)
 {
-    pid_t pid;
-    int status = 0;
-    fflush(stdout);
-    fflush(stderr);
-    pid = fork();
-    KVT_CHECK(pid >= 0);
-    if (pid == 0) {
-        world w;
-        kvs_step st;
-        uint32_t prompt[PROMPT];
-        uint64_t a[4], b[4];
-        kvs_request rq;
-        world_open(&w, 64, 0, NULL);
-        for (uint32_t i = 0; i < PROMPT; i++) prompt[i] = 7 * i + 1;
-        memset(&rq, 0, sizeof rq);
-        rq.prompt = prompt;
-        rq.num_prompt = PROMPT;
-        rq.max_new_tokens = 1;
-        for (int i = 0; i < 4; i++)
-            if (kvs_sched_add(w.s, &rq, &a[i]) != KVS_OK) _exit(2);
-        if (kvs_sched_step(w.s, &st) != KVS_OK || st.num_prefill != 4) _exit(3);
-        for (int i = 0; i < 4; i++)
-            if (kvs_sched_abort(w.s, a[i]) != KVS_OK || kvs_sched_release(w.s, a[i]) != KVS_OK) _exit(4);
-        for (int i = 0; i < 4; i++)
-            if (kvs_sched_add(w.s, &rq, &b[i]) != KVS_OK) _exit(5);
-        if (kvs_sched_complete(w.s, &st) != KVS_OK) _exit(6);
-        oom_arm(0, 1);
-        for (int i = 0; i < 4; i++)
-            if (kvs_sched_finish(w.s, b[i]) != KVS_OK || kvs_sched_release(w.s, b[i]) != KVS_OK) _exit(7);
-        oom_disarm();
-        _exit(oom_fired ? 8 : 0);
-    }
-    if (pid > 0) {
-        KVT_EQ(waitpid(pid, &status, 0), pid);
-        if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
-            fprintf(stderr, "  child: %s %d (a release allocated?)\n", WIFEXITED(status) ? "exit" : "signal",
-                    WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status));
-        KVT_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
-    }
+    of_in_child(release_after_mid_step_child, NULL, "a release allocated?");
 }
 
 int main(void)
