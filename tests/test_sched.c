@@ -861,15 +861,22 @@ static void after_abort(sf_env *e, uint64_t id, uint64_t aborted_before)
     KVT_EQ(sf_release(e, id), KVS_OK);
 }
 
-static void open_abort_env(sf_env *e, int frozen)
+/* A device of device_blocks with memory over a host tier of 32, preempting by swap. */
+static sf_opts swap_opts(uint32_t device_blocks)
 {
     sf_opts o;
     memset(&o, 0, sizeof o);
-    o.device_blocks = 16;
+    o.device_blocks = device_blocks;
     o.device_memory = 1;
     o.host_blocks = 32;
-    o.max_tokens = 32;
     o.preempt = KVS_PREEMPT_SWAP;
+    return o;
+}
+
+static void open_abort_env(sf_env *e, int frozen)
+{
+    sf_opts o = swap_opts(16);
+    o.max_tokens = 32;
     o.frozen_clock = frozen;
     o.min_batch = frozen ? 8 : 0;
     sf_open(e, &o);
@@ -1197,11 +1204,7 @@ static void test_swapped_request_own_loads_do_not_block_it(void)
     sf_env e;
     sf_opts o;
     uint32_t x[15], r[97];
-    memset(&o, 0, sizeof o);
-    o.device_blocks = 8;
-    o.device_memory = 1;
-    o.host_blocks = 32;
-    o.preempt = KVS_PREEMPT_SWAP;
+    o = swap_opts(8);
     sf_open(&e, &o);
     sf_tokens(51, x, 15);
     sf_tokens(52, r, 97);
@@ -1227,11 +1230,7 @@ static void test_swapped_request_own_loads_count_as_room(void)
     uint32_t x[4], r[97], y[176];
     kvs_step st;
     int steps = 0;
-    memset(&o, 0, sizeof o);
-    o.device_blocks = 12;
-    o.device_memory = 1;
-    o.host_blocks = 32;
-    o.preempt = KVS_PREEMPT_SWAP;
+    o = swap_opts(12);
     sf_open(&e, &o);
     sf_tokens(81, x, 4);
     sf_tokens(82, r, 97);
