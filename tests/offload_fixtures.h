@@ -83,6 +83,23 @@ static inline void of_in_child(int (*body)(void *), void *arg, const char *suspe
     }
 }
 
+/* Two tiers, g1 over g2, copied both ways by a new inline memcpy backend (*mem), pipelines in poll mode:
+ * the manager in *m (NULL when create failed: checked). */
+static inline void of_memcpy_tiers(kvb_pool *g1, kvb_pool *g2, kvo_backend **mem, kvo_manager **m)
+{
+    kvo_manager_config mc;
+    *m = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, mem), KVO_OK);
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = g1;
+    mc.pools[1] = g2;
+    mc.down[0] = *mem;
+    mc.up[1] = *mem;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    KVT_EQ(kvo_manager_create(&mc, m), KVO_OK);
+}
+
 /* A manual clock for kvo_pipeline_config.clock: time moves only when the test says so. */
 typedef struct of_clock {
     uint64_t now;
