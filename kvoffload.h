@@ -2701,20 +2701,28 @@ static int kvo__upgrade(kvo_pipeline *pl, kvo__batch *b)
     return (int)n;
 }
 
-/* Finish every container of a batch that will not reach the backend. */
-static void kvo__batch_abort(kvo_pipeline *pl, kvo__batch *b, kvo_status st, int err)
+/* Finish every container of a batch that will not reach the backend; returns how many had copies in it.
+ * Failed (err): those with copies fail; one whose blocks were all dropped at the upgrade had nothing to
+ * copy, and ends as it would alone. */
+static size_t kvo__batch_abort(kvo_pipeline *pl, kvo__batch *b, kvo_status st, int err)
 {
-    size_t i, j;
+    size_t i, j, copying = 0;
     for (i = 0; i < stbds_arrlenu(b->cs); i++) {
         kvo__container *c = b->cs[i];
+        uint32_t offered = kvo__offered(c);
         for (j = 0; j < c->n && st == KVO_STATUS_FAILED; j++)
             if (c->state[j] == KVO__B_OFFER) {
                 c->state[j] = KVO__B_FAILED;
                 c->info.failed++;
             }
-        kvo__finalize(pl, c, st, err);
+        copying += offered > 0;
+        if (st == KVO_STATUS_FAILED && !offered)
+            kvo__finalize(pl, c, c->info.failed ? KVO_STATUS_FAILED : KVO_STATUS_COMPLETE, KVO_OK);
+        else
+            kvo__finalize(pl, c, st, err);
     }
     kvo__batch_free(b);
+    return copying;
 }
 
 static void kvo__fill_on_deck(kvo_pipeline *pl)
@@ -2735,8 +2743,8 @@ static void kvo__fill_on_deck(kvo_pipeline *pl)
         } else if (n == 0) {
             kvo__batch_abort(pl, b, KVO_STATUS_COMPLETE, KVO_OK);
         } else {
-            if (n == KVO_EFULL) pl->stats.dest_full += stbds_arrlenu(b->cs); /* transfers, not batches */
-            kvo__batch_abort(pl, b, KVO_STATUS_FAILED, n);
+            size_t failing = kvo__batch_abort(pl, b, KVO_STATUS_FAILED, n);
+            if (n == KVO_EFULL) pl->stats.dest_full += failing; /* transfers, not batches */
         }
     }
 }

@@ -665,6 +665,83 @@ static void test_block_lost_below_is_stored_again_when_it_lands_above(void)
     kvb_pool_destroy(g3);
 }
 
+/* Two offers wait in one batch for G2, which the test holds full; meanwhile G1 evicts the only block of
+ * the first. The batch's upgrade drops that block (counted) and finds no room for the second's: the
+ * second fails with KVO_EFULL, and the first, which had nothing left to copy, completes with its block
+ * counted dropped, as it would alone; dest_full counts the one transfer that found G2 full. Before, the
+ * whole batch failed: the first was reported Failed with KVO_EFULL (failed 0) and counted in dest_full. */
+static void test_dropped_offer_beside_a_full_destination(void)
+{
+    kvb_pool *g1 = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(8, KVB_LAYOUT_LAYER_SEPARATE);
+    kvo_backend *mem;
+    of_clock clock = {1000};
+    offloaded_log log;
+    memset(&log, 0, sizeof log);
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 2;
+    mc.pools[0] = g1;
+    mc.pools[1] = g2;
+    mc.down[0] = mem;
+    mc.up[1] = mem;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.pipeline.clock = of_clock_read; /* standing still: the batcher waits for min batch (4) or a drain */
+    mc.pipeline.clock_user = &clock;
+    mc.on_offloaded = record_offloaded;
+    mc.offloaded_user = &log;
+    kvo_manager *m;
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    kvb_hash ha[1], hb[1];
+    kvb_block a[1], b[1], hog[8], fill[3];
+    kvo_transfer ta, tb;
+    of_chain(141, 1, ha);
+    of_chain(142, 1, hb);
+    of_register(g1, ha, 1, a, NULL);
+    of_register(g1, hb, 1, b, NULL);
+    KVT_EQ(kvb_alloc(g2, 8, hog), KVB_OK);
+    KVT_EQ(kvo_manager_offer(m, 0, a, 1, &ta), KVO_OK);
+    KVT_EQ(kvo_manager_offer(m, 0, b, 1, &tb), KVO_OK);
+    KVT_EQ(kvo_manager_poll(m), KVO_OK); /* both evaluated: they wait in the batcher */
+    KVT_EQ(log.calls, 0);
+    KVT_EQ(kvb_release(g1, a, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_alloc(g1, 3, fill), KVB_OK); /* the two free blocks and a's: evicted */
+    KVT_CHECK(!of_has(g1, ha[0]));
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(log.calls, 2);
+    for (int i = 0; i < 2 && i < log.calls; i++) {
+        if (log.t[i].id == ta.id) {
+            KVT_EQ(log.info[i].status, KVO_STATUS_COMPLETE);
+            KVT_EQ(log.info[i].error, KVO_OK);
+            KVT_EQ(log.info[i].dropped, 1);
+            KVT_EQ(log.info[i].failed, 0);
+        } else {
+            KVT_EQ(log.t[i].id, tb.id);
+            KVT_EQ(log.info[i].status, KVO_STATUS_FAILED);
+            KVT_EQ(log.info[i].error, KVO_EFULL);
+            KVT_EQ(log.info[i].failed, 1);
+        }
+    }
+    kvo_manager_stats s;
+    KVT_EQ(kvo_manager_get_stats(m, &s), KVO_OK);
+    KVT_EQ(s.down[0].dest_full, 1);
+    KVT_EQ(s.down[0].dropped, 1);
+    KVT_EQ(s.down[0].failed, 1);
+    KVT_EQ(of_active(g1), 4); /* only the test's */
+    KVT_EQ(of_active(g2), 8);
+    KVT_EQ(kvb_release(g1, b, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_release(g1, fill, 3, NULL), KVB_OK);
+    KVT_EQ(kvb_release(g2, hog, 8, NULL), KVB_OK);
+    kvo_manager_destroy(m);
+    KVT_EQ(of_active(g1), 0);
+    KVT_EQ(of_active(g2), 0);
+    OF_CHECK_POOL(g1);
+    OF_CHECK_POOL(g2);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -681,5 +758,6 @@ int main(void)
     KVT_RUN(test_branch_four_tiers);
     KVT_RUN(test_branch_lazy);
     KVT_RUN(test_block_lost_below_is_stored_again_when_it_lands_above);
+    KVT_RUN(test_dropped_offer_beside_a_full_destination);
     return kvt_summary();
 }
