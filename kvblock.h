@@ -2969,13 +2969,19 @@ static uint32_t kvb__s3_victim(kvb_pool *p, uint32_t lvl)
                 continue;
             }
             if (cls == KVB__T2 && m->cnt) { /* hit in the main queue: round again */
+                uint32_t base = r->base;
                 m->cnt--;
                 if (stbds_arrlenu(r->e) >= stbds_arrcap(r->e) && !kvb__ring_grow(r)) continue; /* out of memory: */
                 kvb__ring_lose(p, m);                                   /* it keeps its place */
                 kvb__ring_push(p, v);
-                r = &p->rings[rid]; /* the push may have compacted this very ring: scan again from its head */
-                i = r->head;
-                i--;
+                r = &p->rings[rid];
+                /* The push compacted this very ring (entries renumbered): scan again from its head. Else
+                 * go on: passing the parents before it again for each block that goes round spent the
+                 * scan's budget, and the fallback then took a block of the small queue. */
+                if (r->base != base) {
+                    i = r->head;
+                    i--;
+                }
                 continue;
             }
             if (kvb__is_leaf(p, v)) return v;

@@ -363,6 +363,57 @@ static void test_s3fifo_leaf_in_the_main_queue_before_a_parent(void)
     kvb_pool_destroy(pool);
 }
 
+/* S3-FIFO: the small queue below its target (2 of 40 blocks), the main queue 30 parents (a chain whose
+ * leaf is in use), then 150 blocks hit once, then 5 never hit. The rule: the hit ones go round (one
+ * count less) and the main queue's oldest leaf with no count left, Z1, leaves; the small queue's block
+ * S stays. Before, each block that went round restarted the scan at the main queue's head, passing the
+ * 30 parents again each time: the scan's budget (KVB__S3_SCAN_LIMIT) ran out after about 130 of them,
+ * and the fallback took the small queue's oldest leaf, S. */
+static void test_s3fifo_requeue_does_not_rescan_parents(void)
+{
+    enum { C = 400, NP = 30, NQ = 150, NZ = 5, NF = C - NP - 1 - NQ - NZ };
+    kvb_pool *pool = policy_pool(KVB_EVICT_S3FIFO, C, NULL);
+    kvb_block chain[NP + 1], b, *hold = (kvb_block *)calloc(C, sizeof *hold);
+    kvb_hash h[NP + 1], par[NP + 1], *f = (kvb_hash *)calloc(NF, sizeof *f);
+    size_t m = 0, nhold = 0, i;
+    for (i = 0; i <= NP; i++) {
+        h[i] = key_hash(1000 + i);
+        par[i] = i ? h[i - 1] : fx_hash(0, 0);
+    }
+    KVT_EQ(kvb_alloc(pool, NP + 1, chain), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, chain, NP + 1, h, par, chain), KVB_OK);
+    KVT_EQ(kvb_release(pool, chain, NP, NULL), KVB_OK); /* the leaf, chain[NP], stays in use */
+    for (i = 0; i < NQ + NZ; i++) serve_key(pool, 2000 + i); /* Q1..Q150, Z1..Z5 */
+    for (i = 0; i < NF; i++) {
+        f[i] = key_hash(3000 + i);
+        serve(pool, &f[i], 1);
+    }
+    KVT_EQ(fx_stats(pool).free_blocks, 0);
+    for (i = 0; i < NP; i++) { /* one hit each on P, Q and Z: promoted when the small queue's turn comes */
+        KVT_EQ(kvb_match(pool, &h[i], 1, &b, &m), KVB_OK);
+        KVT_EQ(kvb_release(pool, &b, 1, NULL), KVB_OK);
+    }
+    for (i = 0; i < NQ + NZ; i++) KVT_EQ(serve_key(pool, 2000 + i), 1);
+    KVT_EQ(kvb_alloc(pool, 1, &hold[nhold++]), KVB_OK); /* P, Q, Z move to the main queue; F1 goes */
+    KVT_EQ(fx_stats(pool).list_blocks[1], NP + NQ + NZ);
+    KVT_EQ(kvb_invalidate(pool, f + 1, NF - 2, &m), KVB_OK); /* the small queue: the leaf and S = F214 */
+    KVT_EQ(m, NF - 2);
+    KVT_EQ(fx_stats(pool).list_blocks[0], 2);
+    while (fx_stats(pool).free_blocks) KVT_EQ(kvb_alloc(pool, 1, &hold[nhold++]), KVB_OK);
+    for (i = 0; i < NQ; i++) KVT_EQ(serve_key(pool, 2000 + i), 1); /* hits in the main queue */
+    KVT_EQ(kvb_alloc(pool, 1, &hold[nhold++]), KVB_OK); /* one eviction */
+    KVT_EQ(fx_lookup(pool, &f[NF - 1], 1), 1); /* S stays: the small queue is below its target */
+    KVT_CHECK(!cached(pool, 2000 + NQ)); /* Z1 went */
+    for (i = 0; i < NQ; i++) KVT_CHECK(cached(pool, 2000 + i));
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_release(pool, hold, nhold, NULL), KVB_OK);
+    KVT_EQ(kvb_release(pool, &chain[NP], 1, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+    free(hold);
+    free(f);
+}
+
 /* Eviction candidates name inactive blocks only, T1 / the small queue first. */
 static void test_candidates(void)
 {
@@ -431,6 +482,7 @@ int main(void)
     KVT_RUN(test_leaf_of_a_higher_level_before_a_parent);
     KVT_RUN(test_s3fifo_leaf_in_the_main_queue_before_a_parent);
     KVT_RUN(test_s3fifo_long_chain_stays_at_its_level);
+    KVT_RUN(test_s3fifo_requeue_does_not_rescan_parents);
     KVT_RUN(test_candidates);
     KVT_RUN(test_arc_candidates_in_eviction_order);
     return kvt_summary();
