@@ -664,7 +664,10 @@ KVB_API kvb_result kvb_presence(kvb_pool *pool, const kvb_hash *hashes, size_t n
 KVB_API kvb_result kvb_invalidate(kvb_pool *pool, const kvb_hash *hashes, size_t n, size_t *out_dropped);
 
 /* Weak handles to the next (up to) max inactive blocks in eviction order, soonest first: what a lazy
- * offloader should copy down before they go. For KVB_EVICT_CUSTOM: KVB_EINVAL.
+ * offloader should copy down before they go. The order is the policy's, as the next evictions would
+ * take them with no request in between (S3-FIFO's promotions and rounds included), but a parent is
+ * listed where its own place puts it: an eviction passes over it while a child of it is cached.
+ * For KVB_EVICT_CUSTOM: KVB_EINVAL.
  * Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n);
 
@@ -4256,10 +4259,44 @@ static size_t kvb__arc_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size
     return k;
 }
 
+/* S3-FIFO's eviction order of one level without evicting (kvb__s3_victim's rule, parents not passed
+ * over): the small queue while it holds its target (a block hit there moves to the main queue's end
+ * instead), then the main queue, whose blocks go round once per count: the blocks of count c leave in
+ * round c, in queue order, and the promoted ones (count 0) after the main queue's own in round 0; then
+ * what the small queue still holds. *t1 = the small queue's size, carried from level to level. */
+static size_t kvb__s3_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_t max, uint32_t *t1)
+{
+    const kvb__ring *r1 = &p->rings[lvl * KVB__CLASSES + KVB__T1], *r2 = &p->rings[lvl * KVB__CLASSES + KVB__T2];
+    uint32_t target = p->cfg.num_blocks / 10 ? p->cfg.num_blocks / 10 : 1, round;
+    size_t i, i1 = r1->head, promoted_to, k = 0;
+    for (; k < max && *t1 >= target && i1 < stbds_arrlenu(r1->e); i1++) {
+        if (!kvb__ring_valid(p, r1, &r1->e[i1])) continue;
+        if (!p->meta[r1->e[i1].idx].cnt) out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i1].idx));
+        (*t1)--;
+    }
+    promoted_to = i1;
+    for (round = 0; round <= 3 && k < max; round++) {
+        for (i = r2->head; i < stbds_arrlenu(r2->e) && k < max; i++) {
+            uint32_t cnt = p->meta[r2->e[i].idx].cnt;
+            if (kvb__ring_valid(p, r2, &r2->e[i]) && (cnt < 3 ? cnt : 3) == round)
+                out[k++] = kvb_weak_of(kvb__block_of(p, r2->e[i].idx));
+        }
+        for (i = r1->head; round == 0 && i < promoted_to && k < max; i++)
+            if (kvb__ring_valid(p, r1, &r1->e[i]) && p->meta[r1->e[i].idx].cnt)
+                out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i].idx));
+    }
+    for (; k < max && i1 < stbds_arrlenu(r1->e); i1++) /* the main queue is empty: the rest in order */
+        if (kvb__ring_valid(p, r1, &r1->e[i1])) {
+            out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i1].idx));
+            (*t1)--;
+        }
+    return k;
+}
+
 KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
 {
     size_t k = 0, i;
-    uint32_t lvl, c, t1;
+    uint32_t lvl, t1;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
     t1 = pool->n_cls[KVB__T1];
@@ -4272,8 +4309,12 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
             k += kvb__arc_candidates(pool, lvl, out + k, max - k, &t1);
             continue;
         }
-        for (c = 0; c < (kvb__two_lists(pool) ? 2u : 1u); c++) { /* S3-FIFO: the small queue first */
-            const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES + c];
+        if (pool->cfg.eviction == KVB_EVICT_S3FIFO) {
+            k += kvb__s3_candidates(pool, lvl, out + k, max - k, &t1);
+            continue;
+        }
+        {
+            const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES];
             for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
                 if (kvb__ring_valid(pool, r, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
         }

@@ -466,6 +466,34 @@ static void test_arc_candidates_in_eviction_order(void)
     kvb_pool_destroy(pool);
 }
 
+/* S3-FIFO's candidates follow its victim rule: hit blocks of the small queue are promoted (not listed
+ * where they stand), main-queue blocks with a count go round once per count, and the small queue is
+ * listed only while it holds its target. Each eviction takes the first candidate listed before it, to
+ * the last. Before, the candidates were the small queue then the main queue in ring order. */
+static void test_s3fifo_candidates_in_eviction_order(void)
+{
+    kvb_pool *pool = policy_pool(KVB_EVICT_S3FIFO, 20, NULL); /* the small queue's target: 2 */
+    kvb_block held[20];
+    kvb_weak w[20];
+    size_t n = 0;
+    for (uint64_t k = 1; k <= 20; k++) serve_key(pool, k);
+    serve_key(pool, 3), serve_key(pool, 7), serve_key(pool, 12); /* hit while small */
+    KVT_EQ(kvb_alloc(pool, 4, held), KVB_OK); /* 1, 2, 4, 5 go; 3 moves to the main queue */
+    serve_key(pool, 3), serve_key(pool, 3);   /* its count: 2 */
+    KVT_EQ(kvb_eviction_candidates(pool, 20, w, &n), KVB_OK);
+    KVT_EQ(n, 16);
+    KVT_EQ(fx_info(pool, w[0].id).hash.lo, key_hash(6).lo);
+    for (size_t j = 0; j < n; j++) {
+        kvb_block_info info;
+        KVT_EQ(kvb_alloc(pool, 1, &held[4 + j]), KVB_OK); /* one eviction */
+        KVT_CHECK(kvb_block_get_info(pool, w[j].id, &info) != KVB_OK); /* the next candidate went */
+        for (size_t i = j + 1; i < n; i++) KVT_EQ(kvb_block_get_info(pool, w[i].id, &info), KVB_OK);
+    }
+    KVT_EQ(kvb_release(pool, held, 20, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 int main(void)
 {
     KVT_RUN(test_arc_hit_moves_to_t2);
@@ -485,5 +513,6 @@ int main(void)
     KVT_RUN(test_s3fifo_requeue_does_not_rescan_parents);
     KVT_RUN(test_candidates);
     KVT_RUN(test_arc_candidates_in_eviction_order);
+    KVT_RUN(test_s3fifo_candidates_in_eviction_order);
     return kvt_summary();
 }
