@@ -541,7 +541,8 @@ KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded
  * (from its config or a set or claim), which stays; KVO_EINVAL for a NULL manager or fn. The check and
  * the set are one step: of two claims at once, one wins. Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
-/* Finish everything in flight (drains each pipeline, eager chains included). */
+/* Finish everything in flight (drains each pipeline, eager chains included), within timeout_us for the
+ * whole call (negative = no limit): KVO_OK, or KVO_ETIMEDOUT with work still in flight. */
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us);
 KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats *out);
 
@@ -3755,14 +3756,22 @@ KVO_API kvo_result kvo_manager_claim_offloaded(kvo_manager *manager, kvo_offload
     return r;
 }
 
+/* What is left of a drain's timeout started at `start` (negative: none, it waits for ever). */
+static int64_t kvo__time_left(int64_t timeout_us, uint64_t start)
+{
+    int64_t left = timeout_us - (int64_t)(kvo__mono_us() - start);
+    return timeout_us < 0 ? timeout_us : left > 0 ? left : 0;
+}
+
 KVO_API kvo_result kvo_manager_drain(kvo_manager *manager, int64_t timeout_us)
 {
     uint32_t i;
+    uint64_t start = kvo__mono_us();
     kvo_result r = KVO_OK;
     if (!manager) return KVO_EINVAL;
     for (i = 0; i < manager->cfg.num_tiers && r == KVO_OK; i++) { /* in chain order: eager work flows down */
-        if (manager->down[i]) r = kvo_pipeline_drain(manager->down[i], timeout_us);
-        if (r == KVO_OK && manager->up[i]) r = kvo_pipeline_drain(manager->up[i], timeout_us);
+        if (manager->down[i]) r = kvo_pipeline_drain(manager->down[i], kvo__time_left(timeout_us, start));
+        if (r == KVO_OK && manager->up[i]) r = kvo_pipeline_drain(manager->up[i], kvo__time_left(timeout_us, start));
     }
     return r;
 }

@@ -742,6 +742,77 @@ static void test_dropped_offer_beside_a_full_destination(void)
     kvb_pool_destroy(g2);
 }
 
+typedef struct release_later { of_backend *w; uint64_t after_us; } release_later;
+
+static void *release_after(void *arg)
+{
+    release_later *r = arg;
+    of_sleep_us(r->after_us);
+    of_backend_set_hold(r->w, 0);
+    of_backend_release(r->w);
+    return NULL;
+}
+
+/* kvo_manager_drain's timeout is for the whole call: G1 -> G2 drains after 0.6 of it (a thread lets its
+ * held job go), and a load from G2 stays held: the drain gives up when the timeout is over, not 0.6 of
+ * it later. Before, each pipeline had the whole timeout (1.6 of it here; up to one per pipeline). */
+static void test_drain_timeout_is_for_the_whole_call(void)
+{
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
+             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    const uint64_t timeout_us = 400000;
+    kvo_backend *mem;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    of_backend *down = of_backend_wrap(mem), *up = of_backend_wrap(mem);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    mc.pools[0] = g1, mc.pools[1] = g2, mc.pools[2] = g3;
+    mc.down[0] = of_backend_iface(down), mc.down[1] = mem;
+    mc.up[1] = of_backend_iface(up), mc.up[2] = mem;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    kvo_manager *m;
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    kvb_hash a[2], b[2];
+    kvb_block blocks[2];
+    of_chain(31, 2, a);
+    of_chain(32, 2, b);
+    of_register(g1, a, 2, blocks, NULL); /* a goes down to G2 and G3 */
+    KVT_EQ(kvo_manager_offer(m, 0, blocks, 2, NULL), KVO_OK);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(kvb_release(g1, blocks, 2, NULL), KVB_OK);
+    KVT_EQ(kvb_pool_reset(g1), KVB_OK);
+    of_backend_set_hold(down, 1);
+    of_backend_set_hold(up, 1);
+    of_register(g1, b, 2, blocks, NULL);
+    KVT_EQ(kvo_manager_offer(m, 0, blocks, 2, NULL), KVO_OK);
+    kvo_transfer t;
+    KVT_EQ(kvo_manager_onboard(m, 1, a, 2, &t), KVO_OK);
+    release_later later = { down, timeout_us * 6 / 10 };
+    pthread_t th;
+    KVT_EQ(pthread_create(&th, NULL, release_after, &later), 0);
+    uint64_t t0 = of_now_us();
+    KVT_EQ(kvo_manager_drain(m, (int64_t)timeout_us), KVO_ETIMEDOUT);
+    uint64_t took = of_now_us() - t0;
+    pthread_join(th, NULL);
+    KVT_CHECK(took < timeout_us * 14 / 10);
+    of_backend_set_hold(up, 0);
+    of_backend_release(up);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    kvo_pipeline *upl = kvo_manager_pipeline(m, 1, 1);
+    KVT_EQ(of_status(upl, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(upl, t), KVO_OK);
+    KVT_EQ(of_present(g3, b, 2), 2);
+    KVT_EQ(kvb_release(g1, blocks, 2, NULL), KVB_OK);
+    kvo_manager_destroy(m);
+    kvo_backend_destroy(of_backend_iface(down));
+    kvo_backend_destroy(of_backend_iface(up));
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    kvb_pool_destroy(g3);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -759,5 +830,6 @@ int main(void)
     KVT_RUN(test_branch_lazy);
     KVT_RUN(test_block_lost_below_is_stored_again_when_it_lands_above);
     KVT_RUN(test_dropped_offer_beside_a_full_destination);
+    KVT_RUN(test_drain_timeout_is_for_the_whole_call);
     return kvt_summary();
 }
