@@ -1,5 +1,5 @@
 /* quickstart.c — kvblock.h in one page: a block's lifecycle, prefix reuse between two requests, and
- * eviction when an unrelated prompt needs the space. Build: make demo, or
+ * eviction when an unrelated prompt needs the space. Build: make build/quickstart, or
  *   cc -std=c11 -O2 -D_GNU_SOURCE -I. -I/usr/include/stb examples/quickstart.c -o quickstart -pthread
  */
 #define KVBLOCK_IMPLEMENTATION
