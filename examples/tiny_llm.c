@@ -16,7 +16,7 @@
  *        build/tiny_llm_cuda --check --gpu   the same, with the fork check's pool in GPU memory
  *                                 (kvc_pool_create): the copy-on-write runs on the device through the
  *                                 pool's copy_block hook; the CPU model reads and writes the pages
- *                                 through a host copy of the blocks it uses (make tiny_llm_cuda)
+ *                                 through a host copy of the blocks it uses (make build/tiny_llm_cuda)
  * Build: make build/tiny_llm, or
  *   cc -std=c11 -O2 -D_GNU_SOURCE -I. -I/usr/include/stb examples/tiny_llm.c -o tiny_llm -pthread -lm
  */
@@ -986,7 +986,7 @@ int main(int argc, char **argv)
 #ifdef TINY_LLM_CUDA
                 " | --check --gpu"
 #else
-                " (--gpu: build/tiny_llm_cuda, make tiny_llm_cuda)"
+                " (--gpu: build/tiny_llm_cuda, make build/tiny_llm_cuda)"
 #endif
         );
         return 2;
