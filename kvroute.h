@@ -4,7 +4,7 @@
  *                                           #include "kvroute.h"
  * It includes kvsched.h (define the implementation macros of kvblock.h, kvoffload.h and kvsched.h there
  * too, or KVCACHE_IMPLEMENTATION for all). Needs C11 (or C++11), POSIX threads, -pthread. It is its own
- * header on top of the scheduler layer (DESIGN.md section 5): an engine needs none of it, a fleet's
+ * header on top of the scheduler layer: an engine needs none of it, a fleet's
  * front end needs little else. kvcache.h inlines it after kvsched.h (part 4).
  *
  * Manual: 1. Quick start  2. Concepts  3. Policies  4. Feeding events  5. Configuration
