@@ -12,6 +12,7 @@
  *       fixed step's gain over LRU that the default keeps, and the default's rule for tails at the end
  *       (first, or one step before class 1)
  *   build/workloads --list    the shapes with their request and block counts
+ *   build/workloads --help    these forms in short
  *   --partial-tail: a prompt's partial last block is a block too (WL_PARTIAL_TAIL), as in a trace that
  *   names every block of a prompt: most of these tails are never used again
  * Shapes: chat api docs agent burst mixed longchat templates apisessions (examples/workloads.h says what each is).
@@ -330,6 +331,16 @@ static void parse_shapes(const char *s, sweep_opts *o)
     if (!any) die("--shapes: chat api docs agent burst mixed longchat templates apisessions");
 }
 
+static void usage(void)
+{
+    printf("usage: workloads --write SHAPE FILE [--block-tokens N] [--requests N] [--scale X] [--seed N] [--partial-tail]\n"
+           "       workloads --sweep [--shapes a,b,..] [--capacities N,N,..] [--block-tokens N] [--requests N]\n"
+           "                 [--scale X] [--seed N] [--partial-tail] [--markdown]\n"
+           "       workloads --list\n"
+           "Shapes: chat api docs agent burst mixed longchat templates apisessions (the top of examples/workloads.c\n"
+           "says what each option does).\n");
+}
+
 int main(int argc, char **argv)
 {
     sweep_opts o;
@@ -344,6 +355,10 @@ int main(int argc, char **argv)
     parse_caps("1000,3000,10000,30000", &o);
     for (i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help")) {
+            usage();
+            return 0;
+        }
         if (!strcmp(a, "--sweep") || !strcmp(a, "--list") || !strcmp(a, "--markdown") || !strcmp(a, "--partial-tail")) {
             do_sweep |= !strcmp(a, "--sweep");
             do_list |= !strcmp(a, "--list");
@@ -357,14 +372,17 @@ int main(int argc, char **argv)
             write_path = argv[i + 2];
             i += 2;
             continue;
-        } else if (!v) die("missing value (see the comment at the top of examples/workloads.c)");
-        else if (!strcmp(a, "--block-tokens")) o.block_tokens = (uint32_t)number_arg(a, v, 1, 32768);
+        }
+        if (strcmp(a, "--block-tokens") && strcmp(a, "--requests") && strcmp(a, "--seed") && strcmp(a, "--scale") &&
+            strcmp(a, "--capacities") && strcmp(a, "--shapes"))
+            die("unknown option (workloads --help)");
+        if (!v) die("missing value (see the comment at the top of examples/workloads.c)");
+        if (!strcmp(a, "--block-tokens")) o.block_tokens = (uint32_t)number_arg(a, v, 1, 32768);
         else if (!strcmp(a, "--requests")) o.requests = (uint32_t)number_arg(a, v, 1, 10000000);
         else if (!strcmp(a, "--seed")) o.seed = number_arg(a, v, 0, UINT64_MAX);
         else if (!strcmp(a, "--scale")) o.scale = scale_arg(v);
         else if (!strcmp(a, "--capacities")) parse_caps(v, &o);
         else if (!strcmp(a, "--shapes")) parse_shapes(v, &o);
-        else die("unknown option (see the comment at the top of examples/workloads.c)");
         i++;
     }
 
