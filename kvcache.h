@@ -11282,7 +11282,9 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  *     uint64_t id;   kvs_sched_add(s, &rq, &id);
  *     for (;;) {
  *         kvs_step step;  kvs_sched_step(s, &step);          // prefill + decode groups, block tables
- *         if (!step.num_prefill && !step.num_decode && kvs_sched_idle(s)) break;
+ *         if (!step.num_prefill && !step.num_decode && kvs_sched_idle(s)) {
+ *             kvs_sched_complete(s, &step); break;            // an empty step too: else the next
+ *         }                                                   // kvs_sched_step is KVS_ESTEP
  *         ... run the model on step.prefill[] and step.decode[] ...
  *         kvs_sched_complete(s, &step);                       // the forward pass is done
  *         for each item that produced a token: kvs_sched_append(s, item.request, &token, 1);
@@ -11693,8 +11695,8 @@ KVS_API void kvs_sched_destroy(kvs_sched *sched);
  * holds fewer than 2^32 tokens). */
 KVS_API kvs_result kvs_sched_add(kvs_sched *sched, const kvs_request *request, uint64_t *out_id);
 /* Plan the next step. The arrays in *out are valid until the next step (requests added, aborted or
- * released meanwhile leave them in place). KVS_ESTEP when the previous step was not completed;
- * KVS_ENOMEM (nothing changed) when requests added during the previous step left no room for them. */
+ * released meanwhile leave them in place). KVS_ESTEP when the previous step was not completed (an empty
+ * one too); KVS_ENOMEM (nothing changed) when requests added during the previous step left no room. */
 KVS_API kvs_result kvs_sched_step(kvs_sched *sched, kvs_step *out);
 /* The forward pass of `step` is done: computed tokens are committed (full blocks registered and, in
  * eager mode, offered to the lower tiers), slots advance. A device pool with an event callback that
