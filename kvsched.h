@@ -76,8 +76,9 @@
  *
  * 5. SIZING — kvs_blocks_for_bytes turns a byte budget (like cpu_bytes_to_use_per_rank of vLLM's
  * SimpleCPUOffloadConnector) into a block count for a layout; kvs_model_preset gives model layouts.
- * KVS_MODEL_LLAMA3_8B: 16-token blocks, 32 layers, 32 KV heads x head dim 128, fp16: pages of 128 KiB
- * (one layer, K or V), 8 MiB per block.
+ * KVS_MODEL_LLAMA3_8B: 16-token blocks, 32 layers, 8 KV heads (grouped-query attention: 32 query heads
+ * share them) x head dim 128, fp16: pages of 32 KiB (one layer, K or V), 2 MiB per block, 128 KiB per
+ * token (serve_sim's cost model).
  *
  * 6. THREAD SAFETY — a kvs_sched is used by one thread at a time (the engine's scheduler thread);
  * a kvs_connector's scheduler side and worker side may run on two threads (each side's calls from one
@@ -779,7 +780,7 @@ KVS_API kvs_result kvs_model_preset(kvs_model model, kvb_layout_kind kind, uint3
 {
     kvb_result r;
     if (!out_block_tokens || !out_layout) return KVS_EINVAL;
-    if (model == KVS_MODEL_LLAMA3_8B) r = kvb_layout_for_model(kind, 16, 32, 32, 128, 2, out_layout);
+    if (model == KVS_MODEL_LLAMA3_8B) r = kvb_layout_for_model(kind, 16, 32, 8, 128, 2, out_layout);
     else if (model == KVS_MODEL_TINY) r = kvb_layout_for_model(kind, 16, 2, 4, 16, 4, out_layout);
     else return KVS_EINVAL;
     if (r == KVB_OK) *out_block_tokens = 16; /* a refused preset writes nothing */

@@ -1864,14 +1864,14 @@ static void test_sizing(void)
         KVT_EQ(l.kind, kinds[k]);
         KVT_EQ(l.num_layers, 32);
         KVT_CHECK(l.num_parts == 2 || l.num_parts == 0);
-        KVT_EQ(l.page_bytes, 128 * 1024); /* 16 tokens x 32 heads x 128 dims x 2 bytes */
-        KVT_EQ(kvs_blocks_for_bytes(&l, GiB), 128);
-        KVT_EQ(kvs_blocks_for_bytes(&l, 8 * MiB), 1);
-        KVT_EQ(kvs_blocks_for_bytes(&l, 8 * MiB - 1), 0);
-        KVT_EQ(kvs_blocks_for_bytes(&l, 16 * MiB - 1), 1);
+        KVT_EQ(l.page_bytes, 32 * 1024); /* 16 tokens x 8 KV heads x 128 dims x 2 bytes */
+        KVT_EQ(kvs_blocks_for_bytes(&l, GiB), 512);
+        KVT_EQ(kvs_blocks_for_bytes(&l, 2 * MiB), 1);
+        KVT_EQ(kvs_blocks_for_bytes(&l, 2 * MiB - 1), 0);
+        KVT_EQ(kvs_blocks_for_bytes(&l, 4 * MiB - 1), 1);
         KVT_EQ(kvs_blocks_for_bytes(&l, 0), 0);
-        KVT_EQ(kvs_blocks_for_bytes(&l, 80 * GiB), 10240);
-        KVT_EQ(kvs_blocks_for_bytes(&l, 40 * GiB + 5), 5120);
+        KVT_EQ(kvs_blocks_for_bytes(&l, 80 * GiB), 40960);
+        KVT_EQ(kvs_blocks_for_bytes(&l, 40 * GiB + 5), 20480);
     }
     memset(&l, 0, sizeof l);
     KVT_EQ(kvs_model_preset(KVS_MODEL_TINY, KVB_LAYOUT_BLOCK_CONTIGUOUS, &bt, &l), KVS_OK);
