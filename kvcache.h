@@ -9051,9 +9051,11 @@ KVO_API kvo_result kvo_manager_get_stats(kvo_manager *manager, kvo_manager_stats
  *     kvo_manager_config mc = { .num_tiers = 3, .pools = {g1, g2, g4},
  *                               .down = {mem, redis}, .up = {NULL, mem, redis} };
  *     ... offer blocks to the manager as usual: eager mode copies G2 -> G4 ...
- *     // any process: longest prefix over G1, G2 and what Redis holds, then load it
+ *     // any process: longest prefix over G1, G2 and what Redis holds (tier_of[i]: the fastest tier
+ *     // holding block i), then load what G4 holds; a process that just started finds it all there
  *     kvo_redis_manager_lookup(manager, redis, hashes, n, tier_of, &found);
- *     if (found && tier_of[0] == 2) kvo_manager_onboard(manager, 2, hashes, found, &t);
+ *     for (k = 0; k < found && tier_of[k] == 2; k++) {}
+ *     if (k) kvo_manager_onboard(manager, 2, hashes, k, &t);   // blocks from k on: their own tiers
  *
  * 2. CONCEPTS
  * The G4 tier is a metadata-only kvb pool plus the Redis servers. A block of that pool stands for one
