@@ -1951,6 +1951,14 @@ static void kvo__slot_free(kvo_pipeline *pl, const kvo__container *c)
     stbds_arrput(pl->free_slots, c->slot);
 }
 
+/* c's slot, whose handle was never given out (a call that fails after kvo__slot_alloc), back on top of
+ * the free list with its generation: the next handle is the one it would have been. */
+static void kvo__slot_unalloc(kvo_pipeline *pl, const kvo__container *c)
+{
+    pl->slots[c->slot].c = NULL;
+    stbds_arrput(pl->free_slots, c->slot);
+}
+
 /* Release levels: each block keeps the level it had (the pipeline's reference to a source block is not
  * the release that set it): an onboard's source block was used (matched in its tier: kvb_release's
  * use, kvb_unpin's level); an offload's was not (copied down: kvb_unpin, no use, as its upgrade took it). */
@@ -3186,7 +3194,7 @@ KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, s
             kvo_event_release(c->pre);
             c->pre = NULL;
             pipeline->stats.enqueued--;
-            kvo__slot_free(pipeline, c);
+            kvo__slot_unalloc(pipeline, c);
             kvo__container_recycle(pipeline, c);
             kvo__unlock(pipeline);
             return KVO_ENOMEM;

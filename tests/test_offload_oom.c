@@ -105,8 +105,9 @@ static void test_create_out_of_memory(void)
         }
 }
 
-/* kvo_enqueue out of memory: KVO_ENOMEM and nothing enqueued (no note of any stage, no count), or OK;
- * either way the pipeline goes on and what was enqueued lands. */
+/* kvo_enqueue out of memory: KVO_ENOMEM and nothing enqueued (no note of any stage, no count, and the
+ * next transfer gets the handle it would have got: handles are in events, and a recording replays them),
+ * or OK; either way the pipeline goes on and what was enqueued lands. */
 static int stage_notes;
 static void count_stage(void *user, const kvo_stage_note *note)
 {
@@ -117,6 +118,14 @@ static void count_stage(void *user, const kvo_stage_note *note)
 
 static void test_enqueue_out_of_memory(void)
 {
+    kvo_transfer first = {0}; /* the first handle of a pipeline between these pools */
+    {
+        rig r;
+        rig_open(&r, KVO_MODE_POLL);
+        r.p = of_pipeline(&r.pc);
+        first = of_enqueue(r.p, r.weak, 8, NULL);
+        rig_finish(&r, &first, 1, 0);
+    }
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0; at < MAX_N; at++) {
             rig r;
@@ -139,6 +148,7 @@ static void test_enqueue_out_of_memory(void)
                 t[0].id = 0;
             }
             KVT_EQ(kvo_enqueue(r.p, &r.weak[8], 4, NULL, &t[1]), KVO_OK); /* the memory is back */
+            KVT_EQ(er == KVO_OK ? t[0].id : t[1].id, first.id);
             of_polls(r.p, &r.clock, 20000, 20);
             KVT_EQ(of_holds_all(r.dst, &r.h[8], 4), 4);
             if (er == KVO_OK) KVT_EQ(of_holds_all(r.dst, r.h, 8), 8);
