@@ -110,7 +110,10 @@
  * call back into the pipeline, waits and drains included (on the coordinator thread these run the stages
  * themselves; a drain does not wait for the callbacks its own thread is delivering, nor, from on_done of
  * any pipeline, for those of another thread that drains or destroys a pipeline from on_done too; a
- * destroy waits for every other callback of its pipeline). A backend worker that runs a
+ * destroy waits for every other callback of its pipeline, so it is never called from one of that
+ * pipeline's own: the call delivering it goes on using the pipeline). The policy, clock and precondition
+ * query callbacks run with the pipeline's lock held, as on_stage does: they must not call into the
+ * pipeline (its lock is not recursive: the thread waits for itself). A backend worker that runs a
  * callback is busy meanwhile: a wait there for a copy only that worker could make (a backend with one
  * worker) times out.
  *
@@ -197,7 +200,8 @@ KVO_API void kvo_token_release(kvo_token *token);
 
 typedef struct kvo_event kvo_event;
 
-/* query: 1 signalled, 0 not yet, negative = failed (the waiting transfers fail with KVO_EPRECOND). */
+/* query: 1 signalled, 0 not yet, negative = failed (the waiting transfers fail with KVO_EPRECOND). A
+ * pipeline polls a precondition with its lock held: the query must not call into that pipeline. */
 typedef int (*kvo_event_query_fn)(void *user);
 
 /* A CPU event (signal / query / wait), or one answered by `query` (e.g. a CUDA event, see kvcuda.cu).
@@ -327,10 +331,12 @@ typedef enum kvo_status {
 
 typedef enum kvo_verdict { KVO_SKIP = 0, KVO_OFFER = 1, KVO_LATER = 2 } kvo_verdict;
 
-/* User policy for one block: offer it, skip it, or ask again later (until the policy timeout). */
+/* User policy for one block: offer it, skip it, or ask again later (until the policy timeout). Called
+ * with the pipeline's lock held: it must not call into the pipeline (kvo_pipeline_note_use included). */
 typedef kvo_verdict (*kvo_policy_fn)(void *user, const kvb_hash *hash, uint32_t src_index);
 
-/* Microseconds of a monotonic clock; the default reads CLOCK_MONOTONIC. */
+/* Microseconds of a monotonic clock; the default reads CLOCK_MONOTONIC. Called with the pipeline's lock
+ * held (as the policy is). */
 typedef uint64_t (*kvo_clock_fn)(void *user);
 
 typedef struct kvo_transfer { uint64_t id; } kvo_transfer;
@@ -416,7 +422,8 @@ typedef struct kvo_pipeline kvo_pipeline;
  * dst_priority the destination has no level for, KVO_ELAYOUT when both pools have storage of different
  * block sizes. Thread safety: any thread. */
 KVO_API kvo_result kvo_pipeline_create(const kvo_pipeline_config *config, kvo_pipeline **out);
-/* Cancel what has not started, wait for what is in flight, release every handle, free. */
+/* Cancel what has not started, wait for what is in flight, release every handle, free. Not from a
+ * callback of this pipeline (the call delivering it uses the pipeline after the callback returns). */
 KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
 
 /* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
