@@ -72,8 +72,8 @@
  * pipeline drops the source block (kvb_invalidate): lookups stop finding it there, and the next copy of
  * it down into that tier stores it again (the tier manager copies a block down when it lands in the tier
  * above, section 5: while that tier still holds it, offers stop there and do not). Built in:
- *   memcpy: host <-> host between pools with storage, gathering and scattering across both layouts of
- *           kvblock.h; `threads` workers (0 = inline, for poll mode).
+ *   memcpy: host <-> host between pools with storage and the same pages (layers, parts, page bytes),
+ *           across both layouts of kvblock.h; `threads` workers (0 = inline, for poll mode).
  *   disk:   the tier is one preallocated file with one 4 KiB-aligned slot per block of a metadata-only
  *           pool; O_DIRECT where the file system accepts it, buffered otherwise (said once through the
  *           log callback; a request O_DIRECT cannot take after it worked, e.g. one the kernel cut at the
@@ -280,8 +280,10 @@ KVO_API void kvo_backend_destroy(kvo_backend *backend);
  * hash.) Thread safety: any thread. */
 KVO_API kvo_result kvo_copy_job_check(const kvo_copy_job *job);
 
-/* memcpy between pools with storage (any layouts; same block bytes). threads = 0: inline in submit.
- * Thread safety: submit from any thread. */
+/* memcpy between pools with storage whose blocks have the same pages (layers, parts, page bytes), in
+ * either layout; a job between other pools is refused at submit with KVO_ELAYOUT (same block bytes cut
+ * into other pages included: kvo_pipeline_create, which checks block bytes only, makes that pipeline,
+ * and its transfers fail). threads = 0: inline in submit. Thread safety: submit from any thread. */
 KVO_API kvo_result kvo_memcpy_backend_create(uint32_t threads, kvo_backend **out);
 
 typedef void (*kvo_log_fn)(void *user, const char *message);

@@ -337,6 +337,63 @@ static void test_backend_refuses_blocks_past_the_pool(void)
     kvb_pool_destroy(b);
 }
 
+/* The memcpy backend copies between pools whose blocks have the same pages (layers, parts, page bytes)
+ * in either layout; pools of the same block bytes cut into other pages (here 1 layer of 1 KiB pages
+ * against 2 layers of 512 bytes) are refused at submit with KVO_ELAYOUT (done not called), though a
+ * pipeline between them is made (it checks block bytes only): each of its transfers fails with that
+ * reason. Its manual said "same block bytes". */
+static void test_memcpy_needs_the_same_pages(void)
+{
+    kvb_pool *a = of_mem_pool(4, KVB_LAYOUT_BLOCK_CONTIGUOUS), *b;
+    kvb_pool_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.num_blocks = 4;
+    cfg.block_tokens = OF_TOKENS;
+    cfg.storage = KVB_STORAGE_HOST;
+    KVT_EQ(kvb_layout_for_model(KVB_LAYOUT_BLOCK_CONTIGUOUS, OF_TOKENS, 1, OF_HEADS * 2, OF_DIM, OF_DTYPE, &cfg.layout),
+           KVB_OK);
+    b = of_pool_from(&cfg);
+    uint64_t ab = 0, bb = 0;
+    KVT_EQ(kvb_pool_storage(a, NULL, NULL, &ab, NULL), KVB_OK);
+    KVT_EQ(kvb_pool_storage(b, NULL, NULL, &bb, NULL), KVB_OK);
+    KVT_EQ(ab, bb);
+    kvo_backend *mem = NULL;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    uint32_t src_idx[1] = {0}, dst_idx[1] = {1};
+    int results[1] = {0}, done = 0;
+    kvo_copy_job job;
+    memset(&job, 0, sizeof job);
+    job.src = a;
+    job.dst = b;
+    job.src_idx = src_idx;
+    job.dst_idx = dst_idx;
+    job.n = 1;
+    job.results = results;
+    job.done = count_done;
+    job.user = &done;
+    KVT_EQ(mem->submit(mem, &job), KVO_ELAYOUT);
+    KVT_EQ(done, 0);
+
+    kvb_hash h[1];
+    kvb_weak w[1];
+    of_chain(5, 1, h);
+    of_register(a, h, 1, NULL, w);
+    kvo_pipeline_config pc = of_config(a, b, mem, KVO_MODE_POLL, NULL);
+    pc.min_batch = 1;
+    kvo_pipeline *p = of_pipeline(&pc);
+    kvo_transfer t = of_enqueue(p, w, 1, NULL);
+    KVT_EQ(kvo_pipeline_drain(p, 1000000), KVO_OK);
+    KVT_EQ(of_status(p, t), KVO_STATUS_FAILED);
+    KVT_EQ(of_info(p, t).error, KVO_ELAYOUT);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    KVT_EQ(of_active(a), 0);
+    KVT_EQ(of_active(b), 0);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(a);
+    kvb_pool_destroy(b);
+}
+
 /* A handle names a transfer of its own pipeline only: the down and up pipelines between two pools hand
  * out their first handles in the same slot, and each refuses the other's (KVO_ESTALE), its own
  * transfer untouched. */
@@ -2070,6 +2127,7 @@ int main(void)
     KVT_RUN(test_batches_fit_the_destination);
     KVT_RUN(test_handles_of_another_pipeline_refused);
     KVT_RUN(test_backend_refuses_blocks_past_the_pool);
+    KVT_RUN(test_memcpy_needs_the_same_pages);
     KVT_RUN(test_offload_lands_registered);
     KVT_RUN(test_presence_skips_blocks_in_destination);
     KVT_RUN(test_presence_counts_offers_of_a_pending_container);
