@@ -470,8 +470,8 @@ KVO_API kvo_result kvo_transfer_get_info(kvo_pipeline *pipeline, kvo_transfer tr
 KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transfer, int64_t timeout_us,
                                      kvo_status *out_status);
 /* Cancel: sweeps the queues at once; returns when nothing of the container is in flight. The final
- * status goes to *out_status (may be NULL): Cancelled, or Complete / Failed when it was already past the
- * upgrade or finished. Cancelling twice is fine. KVO_ESTALE for a released handle (also one released
+ * status goes to *out_status (may be NULL): Cancelled (on-deck batches included, though upgraded and
+ * reported Transferring), or Complete / Failed when the backend already had its job or it had finished. Cancelling twice is fine. KVO_ESTALE for a released handle (also one released
  * while this waits). */
 KVO_API kvo_result kvo_transfer_cancel(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_status *out_status);
 /* Onboarding result: the destination blocks (strong references, now the caller's), in hash order; at
