@@ -62,7 +62,9 @@
  * behind it), kvb_unpin lets it go. Duplicate registration (a second block with a
  * hash already present): policy KVB_DUP_ALLOW keeps both (the first stays the one matched; typical for
  * the device tier),
- * KVB_DUP_REJECT hands back the existing block (with a reference) and resets the duplicate.
+ * KVB_DUP_REJECT hands back the existing block (with a reference) and resets the duplicate; a duplicate
+ * someone else also holds (kvb_retain: more references than the caller's) cannot be reset, and is kept
+ * behind the first as under KVB_DUP_ALLOW.
  *
  * Eviction: KVB_EVICT_LINEAGE (default) evicts leaves first (blocks no other cached block names as
  * parent), least recently released first; KVB_EVICT_LRU is plain LRU. Every policy keeps one list per
@@ -601,7 +603,8 @@ KVB_API kvb_result kvb_block_cancel_schedule(kvb_pool *pool, kvb_block block);
 KVB_API kvb_result kvb_block_compute_done(kvb_pool *pool, kvb_block block);
 
 /* Complete -> Registered, computing each hash. With KVB_DUP_REJECT a block whose hash is already
- * present is reset and out[i] is the existing block (the reference moves to it); otherwise out[i] =
+ * present is reset and out[i] is the existing block (the reference moves to it), unless the block has
+ * other references than the caller's (then it is kept, as under KVB_DUP_ALLOW); otherwise out[i] =
  * blocks[i]. out may equal blocks. All or nothing: KVB_ENOMEM (nothing changed) when there is no memory
  * to count children whose parent is not cached (a leaves-first policy keeps such counts).
  * Thread safety: safe from any thread. */

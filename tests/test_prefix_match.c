@@ -383,6 +383,35 @@ static void test_duplicate_commits_allowed(void)
     kvb_pool_destroy(pool);
 }
 
+/* KVB_DUP_REJECT cannot reset a duplicate someone else also holds (kvb_retain): it is kept behind the
+ * first, as under KVB_DUP_ALLOW, and out[i] is the block given. */
+static void test_held_duplicate_kept_under_reject(void)
+{
+    kvb_pool_config cfg = fx_config(8);
+    cfg.duplicates = KVB_DUP_REJECT;
+    kvb_pool *pool = fx_pool_from(&cfg);
+    kvb_hash h = fx_hash(5, 50);
+    kvb_block a, b, a_out, b_out;
+    KVT_EQ(kvb_alloc(pool, 1, &a), KVB_OK);
+    KVT_EQ(kvb_register_hashed(pool, &a, 1, &h, NULL, &a_out), KVB_OK);
+    KVT_EQ(kvb_alloc(pool, 1, &b), KVB_OK);
+    KVT_EQ(kvb_retain(pool, &b, 1), KVB_OK); /* a second holder */
+    KVT_EQ(kvb_register_hashed(pool, &b, 1, &h, NULL, &b_out), KVB_OK);
+    KVT_EQ(b_out.id, b.id);
+    KVT_EQ(fx_info(pool, b.id).state, KVB_STATE_REGISTERED);
+    KVT_EQ(fx_info(pool, a_out.id).refs, 1);
+    kvb_pool_stats st = fx_stats(pool);
+    KVT_EQ(st.dedups, 1); /* the hash was found present */
+    KVT_EQ(st.cached_hashes, 1);
+    KVT_EQ(st.active_blocks, 2);
+    KVT_EQ(st.free_blocks, 6); /* nothing reset */
+    FX_CHECK_POOL(pool);
+    kvb_block all[3] = {a_out, b_out, b_out};
+    KVT_EQ(kvb_release(pool, all, 3, NULL), KVB_OK);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 static void test_duplicate_commits_rejected(void)
 {
     kvb_pool_config cfg = fx_config(8);
@@ -804,6 +833,7 @@ int main(void)
     KVT_RUN(test_duplicates_rejected);
     KVT_RUN(test_duplicate_commits_allowed);
     KVT_RUN(test_duplicate_commits_rejected);
+    KVT_RUN(test_held_duplicate_kept_under_reject);
     KVT_RUN(test_lookup_takes_no_reference);
     KVT_RUN(test_near_collisions_told_apart);
     KVT_RUN(test_structured_hashes_spread);
