@@ -11334,11 +11334,11 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * no eviction cuts the prefix off from the loaded blocks (vLLM holds them too; without, 5% of the loaded
  * blocks in a serve_sim run were recomputed). When blocks run out, the victim is the running request of
  * lowest priority, latest arrival: KVS_PREEMPT_RECOMPUTE frees its blocks and requeues it;
- * KVS_PREEMPT_SWAP offloads its blocks
- * to G2 first and onboards them back when it resumes. A waiting request may preempt running ones of
- * strictly lower priority, in that order and only as many as it needs, and only when preempting all of
- * them could make room for it (its cached prefix counted in its favour): else it waits and preempts
- * none. The engine reports sampled tokens with kvs_sched_append; a request ends at max_new_tokens or
+ * KVS_PREEMPT_SWAP offloads its blocks to G2 first and onboards them back when it resumes (the
+ * swap-out waits in kvs_sched_step for the G1 -> G2 pipeline to drain, at most 5 s of real time; what
+ * G2 lacks when it resumes is recomputed). A waiting request may preempt running ones of strictly lower
+ * priority, in that order and only as many as it needs, and only when preempting all of them could make
+ * room for it (its cached prefix counted in its favour): else it waits and preempts none. The engine reports sampled tokens with kvs_sched_append; a request ends at max_new_tokens or
  * with kvs_sched_finish.
  *
  * 4. CONNECTOR (the shape of vLLM's KV connectors) — between the device pool and the tiers of a
@@ -11736,7 +11736,9 @@ KVS_API kvs_result kvs_sched_append(kvs_sched *sched, uint64_t request, const ui
 /* End a request normally (e.g. end of sequence): Finishing -> Finished, blocks released (they stay
  * cached). */
 KVS_API kvs_result kvs_sched_finish(kvs_sched *sched, uint64_t request);
-/* End a request in any state: cancels its transfers, releases its blocks. */
+/* End a request in any state: cancels its transfers, releases its blocks. A load the backend already
+ * copies cannot be called back (it writes device blocks): finish and abort wait for it (as long as the
+ * backend takes), then release. */
 KVS_API kvs_result kvs_sched_abort(kvs_sched *sched, uint64_t request);
 /* Forget a Finished request (its slot info stays readable until then). */
 KVS_API kvs_result kvs_sched_release(kvs_sched *sched, uint64_t request);
