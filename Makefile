@@ -15,7 +15,7 @@ MAKEFLAGS += -j$(NPROC)
 
 TESTS        := $(patsubst tests/%.c,%,$(wildcard tests/test_*.c))
 # tests that start threads; `make tsan` runs these under ThreadSanitizer
-TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_disk test_manager test_onboard test_offload_modes test_offload_stress test_remote test_router
+TSAN_TESTS   := test_observe test_pool_threads test_queue test_pipeline test_disk test_manager test_connector test_onboard test_offload_modes test_offload_stress test_remote test_router
 DEB_PACKAGES := libstb-dev libxxhash-dev libcjson-dev libhiredis-dev redis-server tmux
 
 .PHONY: all deps test tsan demo bench clean

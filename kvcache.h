@@ -14345,21 +14345,25 @@ static kvs_result kvs__conn_request_finished(kvs_connector *c, uint64_t request,
 {
     size_t i, w;
     kvs__plan *p;
+    kvs__active_load a;
     if (!c) return KVS_EINVAL;
     pthread_mutex_lock(&c->lock);
-    for (i = w = 0; i < stbds_arrlenu(c->loads); i++) { /* cancel its loads */
-        kvs__active_load *a = &c->loads[i];
-        if (a->load.request != request) {
-            c->loads[w++] = *a;
-            continue;
-        }
-        if (a->t.id) kvo_transfer_release(kvo_manager_pipeline(c->cfg.tiers, a->load.tier, 1), a->t);
-    }
-    KVB__ARR_SHRINK(c->loads, w);
     for (i = w = 0; i < stbds_arrlenu(c->bound_loads); i++)
         if (c->bound_loads[i].request != request) c->bound_loads[w++] = c->bound_loads[i];
     KVB__ARR_SHRINK(c->bound_loads, w);
-    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p);
+    if ((p = kvs__plan_of(c, request)) != NULL) kvs__plan_drop(c, p); /* start_loads starts no more of it */
+    /* Its loads are cancelled one at a time without the lock: a cancel waits for a copy the backend has,
+     * and the worker that makes it may first finish a store, whose hook (kvs__on_offloaded) takes the lock. */
+    for (;;) {
+        for (i = 0; i < stbds_arrlenu(c->loads) && c->loads[i].load.request != request; i++) {
+        }
+        if (i == stbds_arrlenu(c->loads)) break;
+        a = c->loads[i];
+        stbds_arrdel(c->loads, i);
+        pthread_mutex_unlock(&c->lock);
+        if (a.t.id) kvo_transfer_release(kvo_manager_pipeline(c->cfg.tiers, a.load.tier, 1), a.t);
+        pthread_mutex_lock(&c->lock);
+    }
     pthread_mutex_unlock(&c->lock);
     if (out_keep_blocks) *out_keep_blocks = 0;
     return KVS_OK;

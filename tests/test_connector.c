@@ -28,6 +28,7 @@ typedef struct rig_opts {
     int spy_down;
     kvb_evict_policy device_eviction;
     uint32_t device_blocks, host_blocks;
+    uint32_t copy_threads;    /* the memcpy backend's workers (0: copies inline) */
 } rig_opts;
 
 /* The pools, a manager over them and the connector. */
@@ -53,7 +54,7 @@ static void rig_open_ex(rig *r, kvs_offload_mode mode, const rig_opts *o)
         KVT_EQ(kvb_pool_create(&dc, &e->dev), KVB_OK);
     }
     e->host = sf__pool(o->host_blocks ? o->host_blocks : 32, 1, KVB_LAYOUT_LAYER_SEPARATE, 1);
-    KVT_EQ(kvo_memcpy_backend_create(0, &e->mem), KVO_OK);
+    KVT_EQ(kvo_memcpy_backend_create(o->copy_threads, &e->mem), KVO_OK);
     memset(&mc, 0, sizeof mc);
     mc.num_tiers = 2;
     mc.pools[0] = e->dev;
@@ -727,6 +728,95 @@ static void test_destroy_with_stores_in_flight(void)
     rig_close(&r);
 }
 
+/* request_finished on the scheduler's thread while the worker's loads and stores share one backend
+ * worker (one memcpy backend with a thread, both directions, as sf_open and tiny_llm share one): the
+ * worker finishes a store (held in on_stage until the call has begun) while the request's load waits
+ * in the backend's queue behind it. request_finished cancels the load, which waits for the backend's
+ * copy; the worker, done with the store, tells the manager's hook (kvs__on_offloaded), which takes the
+ * connector's lock. Before, request_finished waited with that lock held: the worker waited for the
+ * lock, the load for the worker, and both threads for ever (the call never returned here). */
+typedef struct finish_call { kvs_connector *c; int calling, returned; } finish_call;
+
+static void *finish_on_thread(void *arg)
+{
+    finish_call *f = (finish_call *)arg;
+    __atomic_store_n(&f->calling, 1, __ATOMIC_RELAXED);
+    KVT_EQ(kvs_connector_request_finished(f->c, 7, NULL), KVS_OK);
+    __atomic_store_n(&f->returned, 1, __ATOMIC_RELAXED);
+    return NULL;
+}
+
+typedef struct store_gate { int armed, entered; finish_call *f; } store_gate;
+
+/* Holds the thread finishing a store (the backend's worker) until request_finished has been called and
+ * has had 0.1 s to reach its wait. */
+static void gate_finished_store(void *user, const kvo_stage_note *note)
+{
+    store_gate *g = (store_gate *)user;
+    if (note->onboard || note->src_tier != 0 || note->info->status < KVO_STATUS_COMPLETE) return;
+    if (!__atomic_load_n(&g->armed, __ATOMIC_RELAXED)) return;
+    __atomic_store_n(&g->entered, 1, __ATOMIC_RELAXED);
+    for (int i = 0; i < 5000 && !__atomic_load_n(&g->f->calling, __ATOMIC_RELAXED); i++) of_sleep_us(1000);
+    of_sleep_us(100000);
+}
+
+static void test_request_finished_while_the_backend_finishes_a_store(void)
+{
+    rig r;
+    finish_call f = {NULL, 0, 0};
+    store_gate g = {1, 0, &f};
+    uint32_t t[64], u[32];
+    kvb_hash h[4], hu[2], parents[2];
+    kvb_block b[2], held[2];
+    size_t n = 0, tokens = 0;
+    int async = 0;
+    pthread_t th;
+    kvs_connector_meta meta;
+    kvo_pipeline_stats ps;
+    rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_THREADS, .copy_threads = 1,
+                                                   .on_stage = gate_finished_store, .stage_user = &g});
+    f.c = r.c;
+    sf_tokens(3, t, 64);
+    KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
+    seed_host(&r.e, t, h, 4);
+    sf_tokens(4, u, 32);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
+    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+
+    KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 4, 0, &tokens, &async), KVS_OK);
+    KVT_EQ(tokens, 64);
+    KVT_EQ(kvs_connector_update_state_after_alloc(r.c, 7, 64), KVS_OK);
+    KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
+    memset(&meta, 0, sizeof meta);
+    KVT_EQ(kvs_connector_build_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(meta.num_loads, 1);
+    KVT_EQ(kvs_connector_bind_meta(r.c, &meta), KVS_OK);
+    KVT_EQ(kvs_connector_start_stores(r.c), KVS_OK); /* the worker copies it, then waits in on_stage */
+    for (int i = 0; i < 5000 && !__atomic_load_n(&g.entered, __ATOMIC_RELAXED); i++) of_sleep_us(1000);
+    KVT_EQ(__atomic_load_n(&g.entered, __ATOMIC_RELAXED), 1);
+    KVT_EQ(kvs_connector_start_loads(r.c), KVS_OK); /* its job waits behind the store's */
+    memset(&ps, 0, sizeof ps);
+    for (int i = 0; i < 5000 && ps.in_flight_blocks < 4; i++) {
+        KVT_EQ(kvo_pipeline_get_stats(kvo_manager_pipeline(r.e.m, 1, 1), &ps), KVO_OK);
+        if (ps.in_flight_blocks < 4) of_sleep_us(1000);
+    }
+    KVT_EQ(ps.in_flight_blocks, 4);
+    of_sleep_us(20000); /* from on deck to the backend's queue */
+    KVT_EQ(pthread_create(&th, NULL, finish_on_thread, &f), 0);
+    for (int i = 0; i < 5000 && !__atomic_load_n(&f.returned, __ATOMIC_RELAXED); i++) of_sleep_us(1000);
+    KVT_EQ(__atomic_load_n(&f.returned, __ATOMIC_RELAXED), 1);
+    if (!__atomic_load_n(&f.returned, __ATOMIC_RELAXED)) return; /* both threads wait for ever: no cleanup */
+    pthread_join(th, NULL);
+    __atomic_store_n(&g.armed, 0, __ATOMIC_RELAXED);
+    KVT_CHECK(pump(&r, 0, NULL, 0));
+    KVT_EQ(kvb_release(r.e.dev, held, 2, NULL), KVB_OK);
+    rig_close(&r);
+}
+
 /* The manager tells the connector of every G1 -> G2 offload, stores or not (a swap-out, a lazy backing,
  * another caller's offer); the connector keeps the ids to match them with its stores. Ids that match
  * no store were dropped only when no store was pending at get_finished, so with a store always pending
@@ -1090,6 +1180,7 @@ int main(void)
     KVT_RUN(test_destroy_with_stores_in_flight);
     KVT_RUN(test_other_offloads_do_not_pile_up);
     KVT_RUN(test_two_connectors_created_at_once);
+    KVT_RUN(test_request_finished_while_the_backend_finishes_a_store);
     KVT_RUN(test_store_reported_when_its_hook_call_is_lost);
     KVT_RUN(test_second_larger_take_is_refused);
     KVT_RUN(test_pending_counts_a_taken_offer_with_nothing_to_load);
