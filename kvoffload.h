@@ -543,8 +543,8 @@ KVO_API kvo_pipeline *kvo_manager_pipeline(kvo_manager *manager, uint32_t from_t
  * kvo_manager_pipeline). Thread safety: any thread. */
 KVO_API kvo_result kvo_manager_get_config(const kvo_manager *manager, kvo_manager_config *out);
 /* Replace the on_offloaded hook at any time (e.g. a connector installing itself, or taking itself back
- * before it is freed): returns once no call of a hook is in progress on another thread, so the old hook's
- * user data may go then. Not from within a hook. */
+ * before it is freed): returns once no call of the hooks it replaced is in progress on another thread, so
+ * their user data may go then (calls of the new one are not waited for). Not from within a hook. */
 KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded_fn fn, void *user);
 /* Install the on_offloaded hook only while the manager has none: KVO_OK, or KVO_ESTATE when it has one
  * (from its config or a set or claim), which stays; KVO_EINVAL for a NULL manager or fn. The check and
@@ -3468,8 +3468,10 @@ struct kvo_manager {
     uint32_t from[KVO_MAX_TIERS];   /* down[i] copies from[i] -> i + 1: i, or branch_from for the last */
     kvo__edge edges[KVO_MAX_TIERS];
     pthread_mutex_t hook_lock; /* cfg.on_offloaded / offloaded_user, and hook_calls */
-    pthread_cond_t hook_idle;  /* hook_calls went to 0 */
-    uint32_t hook_calls;       /* on_offloaded calls in progress (pipeline threads) */
+    pthread_cond_t hook_idle;  /* old_hook_calls went to 0 */
+    uint32_t hook_calls;       /* calls of the current on_offloaded in progress (pipeline threads) */
+    uint32_t old_hook_calls;   /* calls of replaced ones in progress: what set_offloaded waits for */
+    uint64_t hook_gen;         /* hooks set so far: tells a call of the current hook from an older one */
 };
 
 /* The sources of pl's failed copies kept so far, moved into *out (an stb_ds array, emptied first);
@@ -3529,15 +3531,18 @@ static void kvo__manager_down_done(void *user, kvo_transfer t, const kvo_transfe
     uint32_t next = e->tier + 1;
     kvo_offloaded_fn hook;
     void *hook_user;
+    uint64_t gen;
     pthread_mutex_lock(&m->hook_lock); /* a hook being replaced is not called once set_offloaded returns */
     hook = m->cfg.on_offloaded;
     hook_user = m->cfg.offloaded_user;
+    gen = m->hook_gen;
     if (hook) m->hook_calls++;
     pthread_mutex_unlock(&m->hook_lock);
     if (hook) {
         hook(hook_user, e->tier, t, info);
         pthread_mutex_lock(&m->hook_lock);
-        if (--m->hook_calls == 0) pthread_cond_broadcast(&m->hook_idle);
+        if (gen == m->hook_gen) m->hook_calls--;
+        else if (--m->old_hook_calls == 0) pthread_cond_broadcast(&m->hook_idle); /* replaced meanwhile */
         pthread_mutex_unlock(&m->hook_lock);
     }
     if (m->cfg.offload == KVO_OFFLOAD_EAGER && next < m->cfg.num_tiers) {
@@ -3754,7 +3759,10 @@ KVO_API kvo_result kvo_manager_set_offloaded(kvo_manager *manager, kvo_offloaded
     pthread_mutex_lock(&manager->hook_lock);
     manager->cfg.on_offloaded = fn;
     manager->cfg.offloaded_user = user;
-    while (manager->hook_calls) pthread_cond_wait(&manager->hook_idle, &manager->hook_lock);
+    manager->hook_gen++;
+    manager->old_hook_calls += manager->hook_calls; /* the new hook's calls are not waited for */
+    manager->hook_calls = 0;
+    while (manager->old_hook_calls) pthread_cond_wait(&manager->hook_idle, &manager->hook_lock);
     pthread_mutex_unlock(&manager->hook_lock);
     return KVO_OK;
 }

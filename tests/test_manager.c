@@ -813,6 +813,97 @@ static void test_drain_timeout_is_for_the_whole_call(void)
     kvb_pool_destroy(g3);
 }
 
+/* Hooks that hold their caller until the test lets it go. */
+typedef struct gated_hook { atomic_int entered, go; } gated_hook;
+
+static void gated_offloaded(void *user, uint32_t tier, kvo_transfer t, const kvo_transfer_info *info)
+{
+    gated_hook *g = user;
+    (void)tier, (void)t, (void)info;
+    atomic_fetch_add(&g->entered, 1);
+    while (!atomic_load(&g->go)) of_sleep_us(1000);
+}
+
+typedef struct drain_job { kvo_manager *m; uint32_t tier; } drain_job;
+
+static void *drain_tier(void *arg)
+{
+    drain_job *j = arg;
+    kvo_pipeline_drain(kvo_manager_pipeline(j->m, j->tier, 0), 30000000);
+    return NULL;
+}
+
+typedef struct set_job { kvo_manager *m; gated_hook *hook; atomic_int done; } set_job;
+
+static void *set_hook(void *arg)
+{
+    set_job *j = arg;
+    kvo_manager_set_offloaded(j->m, gated_offloaded, j->hook);
+    atomic_store(&j->done, 1);
+    return NULL;
+}
+
+/* kvo_manager_set_offloaded waits for the calls of the hook it replaces, not for calls of the one it
+ * installs: one of those may wait for the caller, and under steady traffic their count need never fall
+ * to 0. Old hook a holds a G1 -> G2 offload's thread; set_offloaded(b) starts and waits for it; b is
+ * then called for a G2 -> G3 offload on another thread and holds it; a is let go: set_offloaded returns
+ * while b's call is still in progress. Before, it waited for b too (here until the test gave up). */
+static void test_set_offloaded_waits_for_the_old_hook_only(void)
+{
+    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
+             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    kvo_backend *mem;
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvo_manager_config mc;
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    mc.pools[0] = g1, mc.pools[1] = g2, mc.pools[2] = g3;
+    mc.down[0] = mem, mc.down[1] = mem;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    kvo_manager *m;
+    KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+    gated_hook a, b;
+    atomic_init(&a.entered, 0), atomic_init(&a.go, 0), atomic_init(&b.entered, 0), atomic_init(&b.go, 0);
+    KVT_EQ(kvo_manager_set_offloaded(m, gated_offloaded, &a), KVO_OK);
+    kvb_hash h1[1], h2[1];
+    kvb_block b1[1], b2[1];
+    of_chain(41, 1, h1);
+    of_chain(42, 1, h2);
+    of_register(g1, h1, 1, b1, NULL);
+    of_register(g2, h2, 1, b2, NULL);
+    KVT_EQ(kvo_manager_offer(m, 0, b1, 1, NULL), KVO_OK);
+    drain_job d1 = {m, 0}, d2 = {m, 1};
+    pthread_t t1, t2, ts;
+    KVT_EQ(pthread_create(&t1, NULL, drain_tier, &d1), 0); /* a is called there and holds it */
+    while (!atomic_load(&a.entered)) of_sleep_us(1000);
+    set_job sj = {m, &b, 0};
+    atomic_init(&sj.done, 0);
+    KVT_EQ(pthread_create(&ts, NULL, set_hook, &sj), 0);
+    of_sleep_us(20000);
+    KVT_EQ(atomic_load(&sj.done), 0); /* it waits for a's call */
+    KVT_EQ(kvo_manager_offer(m, 1, b2, 1, NULL), KVO_OK);
+    KVT_EQ(pthread_create(&t2, NULL, drain_tier, &d2), 0); /* b is called there and holds it */
+    uint64_t end = of_now_us() + 10000000;
+    while (!atomic_load(&b.entered) && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(atomic_load(&b.entered), 1);
+    atomic_store(&a.go, 1);
+    end = of_now_us() + 3000000;
+    while (!atomic_load(&sj.done) && of_now_us() < end) of_sleep_us(1000);
+    KVT_EQ(atomic_load(&sj.done), 1); /* returned with b's call in progress */
+    atomic_store(&b.go, 1);
+    pthread_join(ts, NULL);
+    pthread_join(t1, NULL);
+    pthread_join(t2, NULL);
+    KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
+    KVT_EQ(kvb_release(g1, b1, 1, NULL), KVB_OK);
+    KVT_EQ(kvb_release(g2, b2, 1, NULL), KVB_OK);
+    kvo_manager_destroy(m);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(g1);
+    kvb_pool_destroy(g2);
+    kvb_pool_destroy(g3);
+}
+
 int main(void)
 {
     of_watchdog(60);
@@ -831,5 +922,6 @@ int main(void)
     KVT_RUN(test_block_lost_below_is_stored_again_when_it_lands_above);
     KVT_RUN(test_dropped_offer_beside_a_full_destination);
     KVT_RUN(test_drain_timeout_is_for_the_whole_call);
+    KVT_RUN(test_set_offloaded_waits_for_the_old_hook_only);
     return kvt_summary();
 }
