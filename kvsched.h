@@ -621,7 +621,8 @@ KVS_API kvs_result kvs_bus_break_add(kvs_bus *bus, const kvs_breakpoint *bp, uin
 KVS_API kvs_result kvs_bus_break_remove(kvs_bus *bus, uint32_t id);
 /* The next thread to reach a call or a slot transition stops there. */
 KVS_API kvs_result kvs_bus_pause(kvs_bus *bus);
-/* Lets a stopped thread go on (and cancels a pause not reached yet). */
+/* Lets every stopped thread go on (two may be stopped: a connector's two sides), and cancels a pause
+ * not reached yet. */
 KVS_API kvs_result kvs_bus_resume(kvs_bus *bus);
 /* Wait until a thread is stopped; KVS_ETIMEDOUT after timeout_us (negative: no limit). out may be NULL. */
 KVS_API kvs_result kvs_bus_wait_paused(kvs_bus *bus, int64_t timeout_us, kvs_pause_info *out);
