@@ -4266,29 +4266,33 @@ static size_t kvb__arc_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size
  * over): the small queue while it holds its target (a block hit there moves to the main queue's end
  * instead), then the main queue, whose blocks go round once per count: the blocks of count c leave in
  * round c, in queue order, and the promoted ones (count 0) after the main queue's own in round 0; then
- * what the small queue still holds. *t1 = the small queue's size, carried from level to level. */
-static size_t kvb__s3_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_t max, uint32_t *t1)
+ * what the small queue still holds. *t1 = the small queue's size, carried from level to level. The
+ * rounds may pass over much of the main queue: *budget bounds the entries read (a lazy offloader asks
+ * every step); when it runs out, so would the victim search's (KVB__S3_SCAN_LIMIT), whose fallback
+ * takes the queues' plain order (kvb__rings_in_order). */
+static size_t kvb__s3_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_t max, uint32_t *t1,
+                                 size_t *budget)
 {
     const kvb__ring *r1 = &p->rings[lvl * KVB__CLASSES + KVB__T1], *r2 = &p->rings[lvl * KVB__CLASSES + KVB__T2];
     uint32_t target = p->cfg.num_blocks / 10 ? p->cfg.num_blocks / 10 : 1, round;
     size_t i, i1 = r1->head, promoted_to, k = 0;
-    for (; k < max && *t1 >= target && i1 < stbds_arrlenu(r1->e); i1++) {
+    for (; k < max && *t1 >= target && i1 < stbds_arrlenu(r1->e) && *budget; i1++, --*budget) {
         if (!kvb__ring_valid(p, r1, &r1->e[i1])) continue;
         if (!p->meta[r1->e[i1].idx].cnt) out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i1].idx));
         (*t1)--;
     }
     promoted_to = i1;
     for (round = 0; round <= 3 && k < max; round++) {
-        for (i = r2->head; i < stbds_arrlenu(r2->e) && k < max; i++) {
+        for (i = r2->head; i < stbds_arrlenu(r2->e) && k < max && *budget; i++, --*budget) {
             uint32_t cnt = p->meta[r2->e[i].idx].cnt;
             if (kvb__ring_valid(p, r2, &r2->e[i]) && (cnt < 3 ? cnt : 3) == round)
                 out[k++] = kvb_weak_of(kvb__block_of(p, r2->e[i].idx));
         }
-        for (i = r1->head; round == 0 && i < promoted_to && k < max; i++)
+        for (i = r1->head; round == 0 && i < promoted_to && k < max && *budget; i++, --*budget)
             if (kvb__ring_valid(p, r1, &r1->e[i]) && p->meta[r1->e[i].idx].cnt)
                 out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i].idx));
     }
-    for (; k < max && i1 < stbds_arrlenu(r1->e); i1++) /* the main queue is empty: the rest in order */
+    for (; k < max && i1 < stbds_arrlenu(r1->e) && *budget; i1++, --*budget) /* main is empty: the rest */
         if (kvb__ring_valid(p, r1, &r1->e[i1])) {
             out[k++] = kvb_weak_of(kvb__block_of(p, r1->e[i1].idx));
             (*t1)--;
@@ -4296,9 +4300,23 @@ static size_t kvb__s3_candidates(kvb_pool *p, uint32_t lvl, kvb_weak *out, size_
     return k;
 }
 
-KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
+/* The valid entries of a level's first `rings` rings, each from its head: the eviction order of LRU and
+ * lineage (one ring), and S3-FIFO's fallback (small queue, then main). */
+static size_t kvb__rings_in_order(kvb_pool *p, uint32_t lvl, uint32_t rings, kvb_weak *out, size_t max)
 {
     size_t k = 0, i;
+    uint32_t c;
+    for (c = 0; c < rings; c++) {
+        const kvb__ring *r = &p->rings[lvl * KVB__CLASSES + c];
+        for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
+            if (kvb__ring_valid(p, r, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(p, r->e[i].idx));
+    }
+    return k;
+}
+
+KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak *out, size_t *out_n)
+{
+    size_t k = 0, budget = (size_t)4 * KVB__S3_SCAN_LIMIT + (max < SIZE_MAX / 8 ? 4 * max : SIZE_MAX / 2);
     uint32_t lvl, t1;
     if (!pool || !out_n || (max && !out) || pool->cfg.eviction == KVB_EVICT_CUSTOM) return KVB_EINVAL;
     pthread_mutex_lock(&pool->lock);
@@ -4313,14 +4331,12 @@ KVB_API kvb_result kvb_eviction_candidates(kvb_pool *pool, size_t max, kvb_weak 
             continue;
         }
         if (pool->cfg.eviction == KVB_EVICT_S3FIFO) {
-            k += kvb__s3_candidates(pool, lvl, out + k, max - k, &t1);
+            size_t from = k;
+            k += kvb__s3_candidates(pool, lvl, out + k, max - k, &t1, &budget);
+            if (!budget && k < max) k = from + kvb__rings_in_order(pool, lvl, 2, out + from, max - from);
             continue;
         }
-        {
-            const kvb__ring *r = &pool->rings[lvl * KVB__CLASSES];
-            for (i = r->head; i < stbds_arrlenu(r->e) && k < max; i++)
-                if (kvb__ring_valid(pool, r, &r->e[i])) out[k++] = kvb_weak_of(kvb__block_of(pool, r->e[i].idx));
-        }
+        k += kvb__rings_in_order(pool, lvl, 1, out + k, max - k);
     }
     pthread_mutex_unlock(&pool->lock);
     *out_n = k;
