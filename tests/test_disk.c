@@ -850,7 +850,7 @@ static void test_cut_write_is_not_a_direct_io_refusal(void)
  * stands (kvo_disk_backend_stats: direct_io now 0). Here the backend's first O_DIRECT transfer is a
  * write the kernel cuts at the file size limit (EINVAL): taken, as documented, for a refusal by the file
  * system, so the fallback is said. Before, the backend called the log with its own lock held, so a stats
- * call from the callback waited for ever (here: a helper thread's call, waited for 2 s). */
+ * call from the callback waited for ever (here: a helper thread's call, waited for up to 10 s). */
 typedef struct stats_from_log {
     kvo_backend *backend;
     atomic_int calls, answered, direct_io;
@@ -874,7 +874,8 @@ static void stats_from_log_cb(void *user, const char *message)
     (void)message;
     if (atomic_fetch_add(&s->calls, 1) != 0 || !s->backend) return;
     s->started = pthread_create(&s->helper, NULL, stats_from_log_helper, s) == 0;
-    for (int i = 0; s->started && i < 2000 && !atomic_load(&s->answered); i++) of_sleep_us(1000);
+    uint64_t end = of_now_us() + 10000000; /* a stats call that waits for the log's lock waits for ever */
+    while (s->started && !atomic_load(&s->answered) && of_now_us() < end) of_sleep_us(1000);
 }
 
 static void test_log_callback_may_read_stats(void)
