@@ -7,15 +7,18 @@
 #include <sys/socket.h>
 #include <sys/un.h>
 
-/* n bytes from a socket within timeout_ms; 1 when they all came. */
+/* n bytes from a socket within timeout_ms; 1 when they all came. The socket is read once more after the
+ * deadline: a reader that was not scheduled until then still gets what came in time. */
 static int recv_within(int fd, unsigned char *buf, size_t n, int timeout_ms)
 {
     size_t got = 0;
     uint64_t end = of_now_us() + (uint64_t)timeout_ms * 1000u;
-    while (got < n && of_now_us() < end) {
+    int last = 0;
+    while (got < n && !last) {
         struct pollfd p = {fd, POLLIN, 0};
         ssize_t r;
-        if (poll(&p, 1, 10) <= 0) continue;
+        last = of_now_us() >= end;
+        if (poll(&p, 1, last ? 0 : 10) <= 0) continue;
         r = recv(fd, buf + got, n - got, MSG_DONTWAIT);
         if (r == 0) return 0;
         if (r > 0) got += (size_t)r;
