@@ -2085,7 +2085,7 @@ static void swap_new_hook(void *user, kvs_call call, int finished, uint64_t requ
 {
     hook_swap *h = (hook_swap *)user;
     (void)call, (void)finished, (void)request, (void)result;
-    if (!atomic_exchange(&h->new_in, 1) && !wait_flag(&h->swapped, 3000000)) atomic_store(&h->new_gave_up, 1);
+    if (!atomic_exchange(&h->new_in, 1) && !wait_flag(&h->swapped, 10000000)) atomic_store(&h->new_gave_up, 1);
 }
 
 typedef struct swap_job { kvs_bus *bus; hook_swap *h; } swap_job;
