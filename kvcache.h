@@ -211,7 +211,9 @@
  *   KVB_LAYOUT_LAYER_SEPARATE:   offset = ((layer * parts + part) * num_blocks + block) * page_bytes
  *
  * Sequences (kvb_seq): a request's tokens and block table. Append computes block hashes as blocks
- * fill and reuses cached blocks for the prefix; commit runs the lifecycle and registers full blocks;
+ * fill and reuses cached blocks for the prefix; commit runs the lifecycle and registers full blocks
+ * (an engine may move a sequence's blocks through Inflight and Complete itself; their tokens stay in
+ * the sequence, so kvb_block_add_tokens and kvb_register refuse them with KVB_ESTATE);
  * fork shares every block (beam search); writing to a shared partial block copies it first
  * (copy-on-write, bytes included); truncate drops tokens and the blocks past the new end.
  * Block copies: those two copies (append into a shared partial block, truncate into a shared or
@@ -627,7 +629,8 @@ KVB_API kvb_result kvb_block_init(kvb_pool *pool, kvb_block block, const kvb_has
                                   const uint64_t *extra, size_t n_extra);
 
 /* Partial -> Partial / ReadyForScheduling (see the lifecycle table). KVB_ERANGE when the block would
- * exceed block_tokens. Thread safety: safe from any thread (one writer per block). */
+ * exceed block_tokens; KVB_ESTATE for a sequence's block (kvb_seq_append fills it). Thread safety: safe
+ * from any thread (one writer per block). */
 KVB_API kvb_result kvb_block_add_tokens(kvb_pool *pool, kvb_block block, const uint32_t *tokens, size_t n,
                                         int ready);
 
@@ -642,8 +645,8 @@ KVB_API kvb_result kvb_block_compute_done(kvb_pool *pool, kvb_block block);
  * present is reset and out[i] is the existing block (the reference moves to it), unless the block has
  * other references than the caller's (then it is kept, as under KVB_DUP_ALLOW); otherwise out[i] =
  * blocks[i]. out may equal blocks. All or nothing: KVB_ENOMEM (nothing changed) when there is no memory
- * to count children whose parent is not cached (a leaves-first policy keeps such counts).
- * Thread safety: safe from any thread. */
+ * to count children whose parent is not cached (a leaves-first policy keeps such counts). KVB_ESTATE
+ * for a sequence's block (kvb_seq_commit registers it). Thread safety: safe from any thread. */
 KVB_API kvb_result kvb_register(kvb_pool *pool, const kvb_block *blocks, size_t n, kvb_block *out);
 
 /* Empty -> Registered with given hashes (content computed elsewhere: onboarding, replay); parents may be
@@ -997,6 +1000,8 @@ static void kvb__stbds_strreset(struct stbds_string_arena *a);
 #define KVB__F_MARK 8u     /* scratch for argument validation */
 #define KVB__F_QUEUED 16u  /* S3-FIFO: in use, and its ring entry keeps its place for when it is released */
 #define KVB__F_SAMPLED 32u /* FOL self-tuning: registered, and its hash is in the shadows' sample */
+#define KVB__F_SEQ 64u     /* a sequence's block, not yet registered: its tokens are the sequence's (no
+                              mutable state), and only its sequence changes it */
 #define KVB__S_FREE 0      /* state of a block in the free set */
 
 typedef struct kvb__meta { /* one cache line per block */
@@ -3212,7 +3217,7 @@ static void kvb__push_free(kvb_pool *p, uint32_t idx)
 static void kvb__make_free(kvb_pool *p, uint32_t idx)
 {
     if (p->meta[idx].state == KVB_STATE_REGISTERED) kvb__forget(p, idx);
-    else kvb__mut_drop(p, idx);
+    else if (!(p->meta[idx].flags & KVB__F_SEQ)) kvb__mut_drop(p, idx);
     kvb__push_free(p, idx);
 }
 
@@ -3372,7 +3377,8 @@ static KVB__ALWAYS_INLINE void kvb__register_meta(kvb_pool *p, uint32_t idx, con
                                                  const kvb_hash *parent, uint32_t ntok)
 {
     kvb__meta *m = &p->meta[idx];
-    kvb__mut_drop(p, idx);
+    if (m->flags & KVB__F_SEQ) m->flags &= (uint8_t)~KVB__F_SEQ; /* a sequence's: no mutable state */
+    else kvb__mut_drop(p, idx);
     m->hash = *hash;
     m->parent = parent ? *parent : m->parent;
     m->ntok = (uint16_t)ntok;
@@ -3892,6 +3898,19 @@ static void kvb__init_reserved(kvb_pool *p, uint32_t idx, const kvb_hash *parent
     m->state = KVB_STATE_PARTIAL;
 }
 
+/* Empty -> Partial for a sequence: no mutable state (the tokens stay in the sequence, whose hashes are
+ * computed as blocks fill; a commit registers with them). Fewer lines touched per new block: a decode
+ * crossing a block boundary is the scheduler step's main cost in a large batch. */
+static void kvb__init_seq(kvb_pool *p, uint32_t idx, const kvb_hash *parent)
+{
+    kvb__meta *m = &p->meta[idx];
+    if (parent) m->parent = *parent;
+    else memset(&m->parent, 0, sizeof m->parent);
+    m->ntok = 0;
+    m->state = KVB_STATE_PARTIAL;
+    m->flags |= KVB__F_SEQ;
+}
+
 KVB_API kvb_result kvb_block_init(kvb_pool *pool, kvb_block block, const kvb_hash *parent, uint64_t salt,
                                   const uint64_t *extra, size_t n_extra)
 {
@@ -3915,6 +3934,14 @@ static void kvb__add_tokens(kvb_pool *p, uint32_t idx, const uint32_t *tokens, s
     m->state = (m->ntok == p->cfg.block_tokens || ready) ? KVB_STATE_READY : KVB_STATE_PARTIAL;
 }
 
+/* A sequence's block holds n more of its tokens (kept in the sequence). */
+static void kvb__seq_add_tokens(kvb_pool *p, uint32_t idx, size_t n)
+{
+    kvb__meta *m = &p->meta[idx];
+    m->ntok = (uint16_t)(m->ntok + n);
+    m->state = m->ntok == p->cfg.block_tokens ? KVB_STATE_READY : KVB_STATE_PARTIAL;
+}
+
 KVB_API kvb_result kvb_block_add_tokens(kvb_pool *pool, kvb_block block, const uint32_t *tokens, size_t n,
                                         int ready)
 {
@@ -3922,7 +3949,8 @@ KVB_API kvb_result kvb_block_add_tokens(kvb_pool *pool, kvb_block block, const u
     kvb_result r;
     if (!pool || (!tokens && n)) return KVB_EINVAL;
     if ((r = kvb__lock_block(pool, block, KVB_STATE_PARTIAL, &idx)) != KVB_OK) return r;
-    if (n > (size_t)pool->cfg.block_tokens - pool->meta[idx].ntok) r = KVB_ERANGE;
+    if (pool->meta[idx].flags & KVB__F_SEQ) r = KVB_ESTATE; /* its sequence's tokens: kvb_seq_append */
+    else if (n > (size_t)pool->cfg.block_tokens - pool->meta[idx].ntok) r = KVB_ERANGE;
     else kvb__add_tokens(pool, idx, tokens, n, ready);
     kvb__unlock(pool);
     return r;
@@ -3973,7 +4001,8 @@ static kvb_result kvb__check_for_register(kvb_pool *p, const kvb_block *blocks, 
         uint32_t x = (uint32_t)id - 1; /* handle 0 wraps out of range */
         kvb__meta *m = &p->meta[x < p->cfg.num_blocks ? x : 0];
         if ((id & KVB_WEAK_BIT) || x >= p->cfg.num_blocks || m->state != state ||
-            m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs || (m->flags & KVB__F_MARK))
+            m->gen != ((uint32_t)(id >> 32) & KVB__GEN_MASK) || !m->refs ||
+            (m->flags & (KVB__F_MARK | KVB__F_SEQ)))
             break;
         m->flags |= KVB__F_MARK;
         idx[i] = x;
@@ -3983,7 +4012,8 @@ static kvb_result kvb__check_for_register(kvb_pool *p, const kvb_block *blocks, 
     if (r == KVB_OK) return r;
     r = kvb__strong_all(p, blocks, n, idx);
     for (i = 0; r == KVB_OK && i < n; i++) {
-        if (p->meta[idx[i]].state != state) r = KVB_ESTATE;
+        if (p->meta[idx[i]].state != state || (p->meta[idx[i]].flags & KVB__F_SEQ))
+            r = KVB_ESTATE; /* a sequence's block: kvb_seq_commit registers it */
         else if (p->meta[idx[i]].flags & KVB__F_MARK) r = KVB_EINVAL; /* same block twice */
         else p->meta[idx[i]].flags |= KVB__F_MARK;
     }
@@ -4560,7 +4590,10 @@ KVB_API kvb_result kvb_pool_check(kvb_pool *pool, char *why, size_t why_size)
             if (m->state != KVB_STATE_REGISTERED || !(m->flags & KVB__F_INACTIVE))
                 KVB__FAIL("unreferenced block %u neither free nor inactive (state %u)", i, m->state);
         }
-        if (mutable_state != (kvb__mut_of(pool, i) != NULL)) KVB__FAIL("block %u: mutable state mismatch", i);
+        if ((mutable_state && !(m->flags & KVB__F_SEQ)) != (kvb__mut_of(pool, i) != NULL))
+            KVB__FAIL("block %u: mutable state mismatch", i);
+        if ((m->flags & KVB__F_SEQ) && (m->state < KVB_STATE_PARTIAL || m->state > KVB_STATE_COMPLETE))
+            KVB__FAIL("block %u: a sequence's block in state %u", i, m->state);
         if (m->ntok > pool->cfg.block_tokens) KVB__FAIL("block %u holds %u tokens", i, m->ntok);
         if ((m->state == KVB_STATE_REGISTERED) != !!(m->flags & (KVB__F_INDEXED | KVB__F_DUP)))
             KVB__FAIL("block %u: registered but neither indexed nor duplicate", i);
@@ -4774,16 +4807,15 @@ static const kvb_hash *kvb__seq_parent(const kvb_seq *s, size_t block, const kvb
 }
 
 /* A private copy of block b holding its first ntok tokens (copy-on-write); the old reference is
- * dropped. Pool locked, everything ready: a block available, its mutable state reserved, room for the
- * event of an eviction, the copy's spans (kvb__copy_spans). Fails only when the copy does (KVB_ECOPY):
- * the new block goes back as it was (an eviction made for it stays) and the sequence keeps the shared
- * one. */
+ * dropped. Pool locked, everything ready: a block available, room for the event of an eviction, the
+ * copy's spans (kvb__copy_spans). Fails only when the copy does (KVB_ECOPY): the new block goes back as
+ * it was (an eviction made for it stays) and the sequence keeps the shared one. */
 static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok, void **span)
 {
     kvb_pool *p = s->pool;
     uint32_t old = kvb_block_index(s->table[b].id), idx = kvb__alloc_one(p);
-    kvb__init_reserved(p, idx, &p->meta[old].parent, s->salt, s->extra, s->n_extra);
-    kvb__add_tokens(p, idx, s->tokens + b * p->cfg.block_tokens, ntok, 0);
+    kvb__init_seq(p, idx, &p->meta[old].parent);
+    kvb__seq_add_tokens(p, idx, ntok);
     p->meta[idx].state = KVB_STATE_PARTIAL;
     if (kvb__copy_bytes(p, idx, old, span) != KVB_OK) {
         kvb__unalloc(p, idx);
@@ -4795,7 +4827,7 @@ static kvb_result kvb__seq_cow(kvb_seq *s, size_t b, uint32_t ntok, void **span)
 }
 
 /* Fill new blocks nb_from..nb_to with the tokens from the table's end on. Pool locked, everything
- * ready: the blocks available, their mutable states reserved, room in the table. */
+ * ready: the blocks available, room in the table. */
 static void kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kvb_hash *fresh, size_t n_old,
                               size_t total)
 {
@@ -4804,8 +4836,8 @@ static void kvb__seq_fill_new(kvb_seq *s, size_t nb_from, size_t nb_to, const kv
     for (b = nb_from; b < nb_to; b++) {
         uint32_t idx = kvb__alloc_one(p);
         size_t end = (b + 1) * bt < total ? (b + 1) * bt : total;
-        kvb__init_reserved(p, idx, kvb__seq_parent(s, b, fresh, n_old), s->salt, s->extra, s->n_extra);
-        kvb__add_tokens(p, idx, s->tokens + b * bt, end - b * bt, 0);
+        kvb__init_seq(p, idx, kvb__seq_parent(s, b, fresh, n_old));
+        kvb__seq_add_tokens(p, idx, end - b * bt);
         stbds_arrput(s->table, kvb__block_of(p, idx));
     }
 }
@@ -4881,9 +4913,8 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens, 
     need = nb_new - nb_old - k + (size_t)cow;
     room = (size_t)p->n_free + p->n_inactive - inactive_hit;
     if (need > room) return KVB_ENOSPACE;
-    /* the mutable state of every block this call fills, and the events of the evictions it makes */
-    if (need && (!kvb__mut_reserve(p, need) || !kvb__events_room(p, need > p->n_free ? need - p->n_free : 0)))
-        return KVB_ENOMEM;
+    /* the events of the evictions it makes */
+    if (need && !kvb__events_room(p, need > p->n_free ? need - p->n_free : 0)) return KVB_ENOMEM;
     /* the copy first (never with matched blocks: those start on a block boundary) */
     if (cow && (r = kvb__seq_cow_alone(s, nb_old - 1, (uint32_t)(len % bt))) != KVB_OK) return r;
     if (k) {
@@ -4894,7 +4925,7 @@ static kvb_result kvb__seq_append_locked(kvb_seq *s, size_t *out_cached_tokens, 
     }
     if (last != KVB__NIL) {
         size_t fill = bt - len % bt < n ? bt - len % bt : n;
-        kvb__add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), s->tokens + len, fill, 0);
+        kvb__seq_add_tokens(p, kvb_block_index(s->table[nb_old - 1].id), fill);
     }
     kvb__seq_fill_new(s, nb_old + k, nb_new, fresh, n_old, total);
     s->cached += k * bt;
@@ -5141,8 +5172,7 @@ static kvb_result kvb__seq_truncate_cow(kvb_seq *s, size_t keep, uint32_t rem, s
     kvb_pool *p = s->pool;
     void *stack[2 * KVB__COPY_STACK] = {0}, **span = NULL; /* zeroed: -O2 cannot see n >= 1 */
     kvb_result r;
-    if (!kvb__mut_reserve(p, 1) || !kvb__events_room(p, !p->n_free) || !(span = kvb__copy_spans(p, stack)))
-        return KVB_ENOMEM;
+    if (!kvb__events_room(p, !p->n_free) || !(span = kvb__copy_spans(p, stack))) return KVB_ENOMEM;
     if (kvb__available(p, 1)) {
         if ((r = kvb__seq_cow(s, keep - 1, rem, span)) == KVB_OK) kvb__seq_drop_tail(s, keep, 0);
     } else {

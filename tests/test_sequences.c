@@ -263,6 +263,45 @@ static void test_truncate_releases_tail_and_copies_kept_partial(void)
 /* Truncating inside blocks only this sequence holds (not registered): no copy, the block keeps its id
  * and bytes and becomes partial at the new length; a block the engine has scheduled (Inflight) or
  * computed (Complete) cannot be cut: KVB_ESTATE, nothing changed. */
+/* A sequence's unregistered blocks hold no copy of its tokens (they stay in the sequence): only the
+ * sequence fills and registers them. The engine may still take them through the lifecycle (Inflight,
+ * Complete); kvb_block_add_tokens and kvb_register refuse them with KVB_ESTATE, changing nothing, and
+ * kvb_seq_commit registers them. Before, both went through: the block counted a token the sequence did
+ * not have, and kvb_register hashed a copy of the tokens kept for it. */
+static void test_sequence_blocks_change_through_the_sequence(void)
+{
+    kvb_pool *pool = host_pool(8);
+    uint32_t tokens[20], one = 7;
+    fx_iota(tokens, 20, 500);
+    kvb_seq *s = fx_seq(pool, NULL);
+    KVT_EQ(kvb_seq_append(s, tokens, 20, NULL), KVB_OK);
+    kvb_block b[2], out;
+    KVT_EQ(fx_seq_table(s, b, 2), 2);
+    KVT_EQ(kvb_block_add_tokens(pool, b[1], &one, 1, 0), KVB_ESTATE);
+    KVT_EQ(fx_info(pool, b[1].id).num_tokens, 4);
+    KVT_EQ(kvb_block_schedule(pool, b[0]), KVB_OK);
+    KVT_EQ(kvb_block_compute_done(pool, b[0]), KVB_OK);
+    KVT_EQ(fx_info(pool, b[0].id).state, KVB_STATE_COMPLETE);
+    kvb_pool_stats st0 = fx_stats(pool);
+    out.id = 99;
+    KVT_EQ(kvb_register(pool, b, 1, &out), KVB_ESTATE);
+    KVT_EQ(out.id, 99);
+    KVT_EQ(fx_info(pool, b[0].id).state, KVB_STATE_COMPLETE);
+    kvb_pool_stats st1 = fx_stats(pool);
+    KVT_CHECK(fx_stats_equal(&st0, &st1));
+    FX_CHECK_POOL(pool);
+    KVT_EQ(kvb_seq_commit(s, 16), KVB_OK);
+    kvb_block_info info = fx_info(pool, b[0].id);
+    KVT_EQ(info.state, KVB_STATE_REGISTERED);
+    kvb_hash root = {0, 0}, h = kvb_hash_block(&root, tokens, 16, NULL, 0, 0);
+    KVT_EQ(info.hash.lo, h.lo);
+    KVT_EQ(info.hash.hi, h.hi);
+    FX_CHECK_POOL(pool);
+    kvb_seq_destroy(s);
+    FX_CHECK_POOL(pool);
+    kvb_pool_destroy(pool);
+}
+
 static void test_truncate_inside_private_blocks(void)
 {
     kvb_pool *pool = host_pool(8);
@@ -819,6 +858,7 @@ int main(void)
     KVT_RUN(test_shared_blocks_freed_by_last_owner);
     KVT_RUN(test_truncate_releases_tail_and_copies_kept_partial);
     KVT_RUN(test_truncate_inside_private_blocks);
+    KVT_RUN(test_sequence_blocks_change_through_the_sequence);
     KVT_RUN(test_chunked_commit_registers_full_blocks_only);
     KVT_RUN(test_append_new_never_matches_one_token_blocks);
     KVT_RUN(test_append_new_never_matches_four_token_blocks);
