@@ -11482,9 +11482,10 @@ KVO_API size_t kvo_redis_key(kvo_backend *redis, const kvb_hash *hash, char *buf
  * log header, the live slots, the last step and tier events, the recent history, then every event as
  * it happens (records as in the log); it sends command lines: pause, resume, break state NAME,
  * break request ID, break call NAME, clear. A client more than 4 MiB behind skips events until it
- * catches up (the engine never waits for it): the gap in seq says how many it lost. A client the console
- * cannot accept (the process out of file descriptors) waits in the socket's queue: it is tried again
- * about every 100 ms, the clients attached served meanwhile.
+ * catches up (the engine never waits for it): the gap in seq says how many it lost. Events published
+ * faster than the console reads are lost at its own reader the same way; commands and new clients are
+ * still served. A client the console cannot accept (the process out of file descriptors) waits in the
+ * socket's queue: it is tried again about every 100 ms, the clients attached served meanwhile.
  *
  * Metrics: kvs_metrics_write renders the scheduler's, pools' and pipelines' counters and gauges in
  * Prometheus text format: kvcache_hit_blocks_total{tier="0"}, kvcache_transfer_blocks_total{tier="1",
@@ -13435,6 +13436,7 @@ typedef struct kvs__live_slots {
 
 #define KVS__CLIENT_BACKLOG (4u << 20) /* a client further behind than this skips events (seq shows the gap) */
 #define KVS__ACCEPT_RETRY_US 100000    /* after a failed accept (out of descriptors): the next try */
+#define KVS__PUMP_BATCHES 16           /* batches read per turn: then commands and clients get theirs */
 
 struct kvs_console {
     kvs_bus *bus;
@@ -13591,12 +13593,15 @@ static void kvs__client_drop(kvs_console *k, size_t i)
     stbds_arrdelswap(k->clients, i);
 }
 
-/* New events, a batch at a time: to the model, to every client, and out as far as the sockets take. */
-static void kvs__console_pump(kvs_console *k)
+/* New events, a batch at a time: to the model, to every client, and out as far as the sockets take.
+ * At most KVS__PUMP_BATCHES: a bus published faster than that would keep the thread here for ever (its
+ * reader loses what it cannot keep). Returns 1 when the last batch was full: more may be waiting. */
+static int kvs__console_pump(kvs_console *k)
 {
     kvs_event batch[256];
     size_t i, n;
     uint64_t lost = 0;
+    int turns = 0;
     do {
         kvs_reader_read(k->reader, batch, sizeof batch / sizeof batch[0], &n, &lost);
         if (lost) kvs__live_slots_forget(&k->slots); /* a release may be among them: they cannot be told now */
@@ -13607,15 +13612,16 @@ static void kvs__console_pump(kvs_console *k)
         }
         for (i = stbds_arrlenu(k->clients); i-- > 0;)
             if (!kvs__client_flush(&k->clients[i])) kvs__client_drop(k, i);
-    } while (n == sizeof batch / sizeof batch[0]);
+    } while (n == sizeof batch / sizeof batch[0] && ++turns < KVS__PUMP_BATCHES);
+    return n == sizeof batch / sizeof batch[0];
 }
 
-/* Stopping: what is queued still goes out, for up to a second. */
+/* Stopping: what is published and queued still goes out, for up to a second. */
 static void kvs__console_finish(kvs_console *k)
 {
     uint64_t until = kvo__mono_us() + 1000000;
     size_t i;
-    kvs__console_pump(k);
+    while (kvs__console_pump(k) && kvo__mono_us() < until) continue;
     for (;;) {
         size_t waiting = 0;
         for (i = stbds_arrlenu(k->clients); i-- > 0;) {
@@ -13630,6 +13636,7 @@ static void kvs__console_finish(kvs_console *k)
 static void *kvs__console_main(void *arg)
 {
     kvs_console *k = (kvs_console *)arg;
+    int behind = 0; /* the last pump left events in the reader: poll without waiting */
     for (;;) {
         struct pollfd *fds = NULL;
         struct pollfd p;
@@ -13656,7 +13663,7 @@ static void *kvs__console_main(void *arg)
             p.events = (short)(POLLIN | (stbds_arrlen(k->clients[i].out) ? POLLOUT : 0));
             stbds_arrput(fds, p); /* within the room made */
         }
-        poll(fds, (nfds_t)stbds_arrlenu(fds), 50);
+        poll(fds, (nfds_t)stbds_arrlenu(fds), behind ? 0 : 50);
         if (fds[0].revents) stop = 1;
         for (i = stbds_arrlenu(k->clients); i-- > 0;) /* commands and hang-ups (fds[i + 2] is client i) */
             if ((fds[i + 2].revents & (POLLIN | POLLHUP | POLLERR)) && !kvs__client_read(k, &k->clients[i]))
@@ -13681,7 +13688,7 @@ static void *kvs__console_main(void *arg)
             }
         }
         stbds_arrfree(fds);
-        kvs__console_pump(k);
+        behind = kvs__console_pump(k);
         if (stop) {
             kvs__console_finish(k);
             return NULL;

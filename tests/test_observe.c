@@ -16,7 +16,8 @@
  * - kvs_metrics_write is valid Prometheus text exposition (checked line by line here) whose numbers are
  *   the scheduler's and the pool's; the text is whole, of the length said, when counters move meanwhile.
  * - The console drops an overlong command line whole; out of file descriptors it does not spin, keeps
- *   serving its clients, and accepts the waiting one once descriptors are free.
+ *   serving its clients, and accepts the waiting one once descriptors are free; under a flood of events
+ *   it still takes commands and clients, and stops within its second of flushing.
  * - NULL arguments are KVS_EINVAL everywhere. */
 #define KVBLOCK_IMPLEMENTATION
 #define KVOFFLOAD_IMPLEMENTATION
@@ -3109,6 +3110,80 @@ static void console_out_of_descriptors_backs_off(void)
     kvs_bus_destroy(bus);
 }
 
+/* A publisher that never lets up (another thread floods the bus) while clients are attached. */
+typedef struct console_flood {
+    kvs_bus *bus;
+    atomic_int stop;
+} console_flood;
+
+static void *console_flood_main(void *arg)
+{
+    console_flood *f = (console_flood *)arg;
+    kvs_event ev = sample_event(KVS_EV_STEP);
+    uint64_t give_up = of_now_us() + 20000000; /* a hang guard: the test never waits on it when it passes */
+    while (!atomic_load(&f->stop) && of_now_us() < give_up) (void)kvs_bus_publish(f->bus, &ev);
+    return NULL;
+}
+
+#define CONSOLE_FLOOD_CLIENTS 40
+
+/* While another thread publishes faster than the console sends (40 clients that never read), the console
+ * still takes commands and clients, and kvs_console_stop returns within its second of flushing. Before,
+ * the console drained its reader batch after batch for as long as each batch came back full: it never
+ * polled again, so a client's "pause" waited, a new client got no welcome, and kvs_console_stop (the
+ * engine's thread) blocked until the publishing ended (here its 20 s guard). Now the console reads at
+ * most a bounded share of its reader per turn; what the reader cannot keep is lost, as the manual says. */
+static void console_serves_clients_while_the_bus_floods(void)
+{
+    kvs_bus *bus = new_bus();
+    kvs_console *con = NULL;
+    kvs_console_config cc;
+    console_flood flood;
+    pthread_t th;
+    unsigned char head[KVS_LOG_HEADER_BYTES];
+    char path[64];
+    int idle[CONSOLE_FLOOD_CLIENTS], fresh, i, paused = 0;
+    uint64_t t0;
+    snprintf(path, sizeof path, "/tmp/kvs_obs_flood_%d.sock", (int)getpid());
+    memset(&cc, 0, sizeof cc);
+    cc.path = path;
+    KVT_EQ(kvs_console_start(bus, &cc, &con), KVS_OK);
+    if (!con) return;
+    for (i = 0; i < CONSOLE_FLOOD_CLIENTS; i++) { /* attached (welcomed), then never read again */
+        idle[i] = socket(AF_UNIX, SOCK_STREAM, 0);
+        KVT_EQ(connect_console(idle[i], path), 0);
+        KVT_CHECK(recv_within(idle[i], head, sizeof head, 5000));
+    }
+    memset(&flood, 0, sizeof flood);
+    flood.bus = bus;
+    KVT_EQ(pthread_create(&th, NULL, console_flood_main, &flood), 0);
+    of_sleep_us(300000);
+
+    fresh = socket(AF_UNIX, SOCK_STREAM, 0); /* a client attaches and pauses the engine, mid-flood */
+    KVT_EQ(connect_console(fresh, path), 0);
+    KVT_CHECK(recv_within(fresh, head, sizeof head, 3000));
+    KVT_EQ(send(fresh, "pause\n", 6, MSG_NOSIGNAL), 6);
+    for (t0 = of_now_us(); !paused && of_now_us() - t0 < 3000000;) {
+        pthread_mutex_lock(&bus->lock);
+        paused = bus->pause_pending;
+        pthread_mutex_unlock(&bus->lock);
+        if (!paused) of_sleep_us(1000);
+    }
+    KVT_CHECK(paused);
+    KVT_EQ(kvs_bus_resume(bus), KVS_OK);
+
+    t0 = of_now_us(); /* stopped mid-flood: at most its second of flushing, and a turn */
+    kvs_console_stop(con);
+    t0 = of_now_us() - t0;
+    if (t0 >= 3000000) fprintf(stderr, "  kvs_console_stop took %.1f s while the bus was flooded\n", (double)t0 / 1e6);
+    KVT_CHECK(t0 < 3000000);
+    atomic_store(&flood.stop, 1);
+    pthread_join(th, NULL);
+    for (i = 0; i < CONSOLE_FLOOD_CLIENTS; i++) close(idle[i]);
+    close(fresh);
+    kvs_bus_destroy(bus);
+}
+
 /* A reader's lost count is of the events dropped since the last read, whether that read asked for the
  * count or not. Before, a read without out_lost left the old drops to be reported by the next one. */
 static void reader_lost_counts_since_the_last_read(void)
@@ -3391,6 +3466,7 @@ int main(void)
     KVT_RUN(console_drops_an_overlong_line_whole);
     KVT_RUN(console_welcome_gives_the_live_slots);
     KVT_RUN(console_out_of_descriptors_backs_off);
+    KVT_RUN(console_serves_clients_while_the_bus_floods);
     KVT_RUN(console_stop_leaves_a_newer_consoles_socket);
     KVT_RUN(console_failed_start_leaves_the_old_socket);
     KVT_RUN(reader_lost_counts_since_the_last_read);
