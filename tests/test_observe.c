@@ -3161,9 +3161,9 @@ static void console_serves_clients_while_the_bus_floods(void)
 
     fresh = socket(AF_UNIX, SOCK_STREAM, 0); /* a client attaches and pauses the engine, mid-flood */
     KVT_EQ(connect_console(fresh, path), 0);
-    KVT_CHECK(recv_within(fresh, head, sizeof head, 3000));
+    KVT_CHECK(recv_within(fresh, head, sizeof head, 8000));
     KVT_EQ(send(fresh, "pause\n", 6, MSG_NOSIGNAL), 6);
-    for (t0 = of_now_us(); !paused && of_now_us() - t0 < 3000000;) {
+    for (t0 = of_now_us(); !paused && of_now_us() - t0 < 8000000;) {
         pthread_mutex_lock(&bus->lock);
         paused = bus->pause_pending;
         pthread_mutex_unlock(&bus->lock);
@@ -3175,8 +3175,8 @@ static void console_serves_clients_while_the_bus_floods(void)
     t0 = of_now_us(); /* stopped mid-flood: at most its second of flushing, and a turn */
     kvs_console_stop(con);
     t0 = of_now_us() - t0;
-    if (t0 >= 3000000) fprintf(stderr, "  kvs_console_stop took %.1f s while the bus was flooded\n", (double)t0 / 1e6);
-    KVT_CHECK(t0 < 3000000);
+    if (t0 >= 8000000) fprintf(stderr, "  kvs_console_stop took %.1f s while the bus was flooded\n", (double)t0 / 1e6);
+    KVT_CHECK(t0 < 8000000); /* a loaded machine has room; the flood lasts 20 s */
     atomic_store(&flood.stop, 1);
     pthread_join(th, NULL);
     for (i = 0; i < CONSOLE_FLOOD_CLIENTS; i++) close(idle[i]);
