@@ -604,24 +604,41 @@ static void test_branch_lazy(void)
  * (section 4). It is stored there again when it next lands in G2, the tier G3 is fed from: an offer of
  * it while G2 still holds it stops at G2 (no G2 -> G3 hop failed, so nothing is retried), and G3 stays
  * without it; once G2 lost it too, the next offer lands it in G2 and from there in G3. */
+/* G1 (8 blocks) -> G2 (16) -> G3 (16), memory pools, and a poll-mode manager config over them with the
+ * given backends (NULL: none). */
+typedef struct three_tiers { kvb_pool *g1, *g2, *g3; } three_tiers;
+
+static kvo_manager_config three_tier_config(three_tiers *t, kvo_backend *down0, kvo_backend *down1,
+                                            kvo_backend *up1, kvo_backend *up2)
+{
+    kvo_manager_config mc;
+    t->g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    t->g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE);
+    t->g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    mc.pools[0] = t->g1, mc.pools[1] = t->g2, mc.pools[2] = t->g3;
+    mc.down[0] = down0, mc.down[1] = down1;
+    mc.up[1] = up1, mc.up[2] = up2;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    return mc;
+}
+
+static void three_tiers_free(three_tiers *t)
+{
+    kvb_pool_destroy(t->g1);
+    kvb_pool_destroy(t->g2);
+    kvb_pool_destroy(t->g3);
+}
+
 static void test_block_lost_below_is_stored_again_when_it_lands_above(void)
 {
-    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
-             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
     kvo_backend *mem;
     KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
     of_backend *w = of_backend_wrap(mem);
-    kvo_manager_config mc;
-    memset(&mc, 0, sizeof mc);
-    mc.num_tiers = 3;
-    mc.pools[0] = g1;
-    mc.pools[1] = g2;
-    mc.pools[2] = g3;
-    mc.down[0] = mem;
-    mc.down[1] = mem;
-    mc.up[1] = mem;
-    mc.up[2] = of_backend_iface(w);
-    mc.pipeline.mode = KVO_MODE_POLL;
+    three_tiers tt;
+    kvo_manager_config mc = three_tier_config(&tt, mem, mem, mem, of_backend_iface(w));
+    kvb_pool *g1 = tt.g1, *g2 = tt.g2, *g3 = tt.g3;
     kvo_manager *m;
     KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
     kvb_hash h[2];
@@ -660,9 +677,7 @@ static void test_block_lost_below_is_stored_again_when_it_lands_above(void)
     kvo_manager_destroy(m);
     kvo_backend_destroy(of_backend_iface(w));
     kvo_backend_destroy(mem);
-    kvb_pool_destroy(g1);
-    kvb_pool_destroy(g2);
-    kvb_pool_destroy(g3);
+    three_tiers_free(&tt);
 }
 
 /* Two offers wait in one batch for G2, which the test holds full; meanwhile G1 evicts the only block of
@@ -759,19 +774,13 @@ static void *release_after(void *arg)
  * early; up to one per pipeline). The bound, 1.7 timeouts, leaves 0.7 s to a loaded machine. */
 static void test_drain_timeout_is_for_the_whole_call(void)
 {
-    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
-             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
     const uint64_t timeout_us = 1000000;
     kvo_backend *mem;
     KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
     of_backend *down = of_backend_wrap(mem), *up = of_backend_wrap(mem);
-    kvo_manager_config mc;
-    memset(&mc, 0, sizeof mc);
-    mc.num_tiers = 3;
-    mc.pools[0] = g1, mc.pools[1] = g2, mc.pools[2] = g3;
-    mc.down[0] = of_backend_iface(down), mc.down[1] = mem;
-    mc.up[1] = of_backend_iface(up), mc.up[2] = mem;
-    mc.pipeline.mode = KVO_MODE_POLL;
+    three_tiers tt;
+    kvo_manager_config mc = three_tier_config(&tt, of_backend_iface(down), mem, of_backend_iface(up), mem);
+    kvb_pool *g1 = tt.g1, *g3 = tt.g3;
     kvo_manager *m;
     KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
     kvb_hash a[2], b[2];
@@ -809,9 +818,7 @@ static void test_drain_timeout_is_for_the_whole_call(void)
     kvo_backend_destroy(of_backend_iface(down));
     kvo_backend_destroy(of_backend_iface(up));
     kvo_backend_destroy(mem);
-    kvb_pool_destroy(g1);
-    kvb_pool_destroy(g2);
-    kvb_pool_destroy(g3);
+    three_tiers_free(&tt);
 }
 
 /* Hooks that hold their caller until the test lets it go. */
@@ -851,16 +858,11 @@ static void *set_hook(void *arg)
  * while b's call is still in progress. Before, it waited for b too (here until the test gave up). */
 static void test_set_offloaded_waits_for_the_old_hook_only(void)
 {
-    kvb_pool *g1 = of_mem_pool(8, KVB_LAYOUT_BLOCK_CONTIGUOUS), *g2 = of_mem_pool(16, KVB_LAYOUT_LAYER_SEPARATE),
-             *g3 = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
     kvo_backend *mem;
     KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
-    kvo_manager_config mc;
-    memset(&mc, 0, sizeof mc);
-    mc.num_tiers = 3;
-    mc.pools[0] = g1, mc.pools[1] = g2, mc.pools[2] = g3;
-    mc.down[0] = mem, mc.down[1] = mem;
-    mc.pipeline.mode = KVO_MODE_POLL;
+    three_tiers tt;
+    kvo_manager_config mc = three_tier_config(&tt, mem, mem, NULL, NULL);
+    kvb_pool *g1 = tt.g1, *g2 = tt.g2;
     kvo_manager *m;
     KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
     gated_hook a, b;
@@ -900,9 +902,7 @@ static void test_set_offloaded_waits_for_the_old_hook_only(void)
     KVT_EQ(kvb_release(g2, b2, 1, NULL), KVB_OK);
     kvo_manager_destroy(m);
     kvo_backend_destroy(mem);
-    kvb_pool_destroy(g1);
-    kvb_pool_destroy(g2);
-    kvb_pool_destroy(g3);
+    three_tiers_free(&tt);
 }
 
 int main(void)
