@@ -11922,7 +11922,9 @@ typedef struct kvs_reader kvs_reader;
 
 /* config may be NULL. Thread safety: every kvs_bus_ and kvs_reader_ function, any thread. */
 KVS_API kvs_result kvs_bus_create(const kvs_bus_config *config, kvs_bus **out);
-/* After everything publishing to it is destroyed (schedulers, pools, pipelines, recorders, consoles). */
+/* After everything publishing to it is destroyed (schedulers, pools, pipelines, recorders, consoles),
+ * and with no kvs_reader_ call in progress on another thread (readers left open are detached: they give
+ * what they hold, and kvs_reader_close still frees them). */
 KVS_API void kvs_bus_destroy(kvs_bus *bus);
 /* Stamps seq, time_ns and version, then hands the event to every subscriber of its kind. */
 KVS_API kvs_result kvs_bus_publish(kvs_bus *bus, kvs_event *event);
@@ -12038,7 +12040,9 @@ typedef struct kvs_console kvs_console;
 /* Starts a thread serving the socket. KVS_EIO when the socket cannot be created, KVS_ENOMEM out of
  * memory; a start that fails before it binds leaves an old socket at the path as it was. */
 KVS_API kvs_result kvs_console_start(kvs_bus *bus, const kvs_console_config *config, kvs_console **out);
-/* Stops the thread, disconnects clients, removes the socket (unless another console has replaced it). */
+/* Stops the thread, disconnects clients, removes the socket (unless another console has replaced it).
+ * A pause or breakpoints a client set stay on the bus (as they do when a client leaves): the engine's
+ * threads stop there until kvs_bus_resume / kvs_bus_break_remove. */
 KVS_API void kvs_console_stop(kvs_console *console);
 
 /* ---- metrics ---- */
