@@ -2405,7 +2405,8 @@ static uint32_t kvb__tune_victim(const kvb__shadow *sh, uint32_t now)
 /* The ghosts a shadow's next evictions push out are known in advance (the circle's next places), and
  * forgetting one reads its node and then its index slot, two misses in a row: like the live pool's
  * victim window, fetch the node of the ghost 2 x KVB__TUNE_AHEAD places on, and the slot of the one
- * KVB__TUNE_AHEAD on, whose node came in meanwhile. */
+ * KVB__TUNE_AHEAD on, whose node came in meanwhile, with the slot after it (the deletion's shift reads
+ * on, and the shadows' indexes are interleaved: each slot of one is a line of its own). */
 #define KVB__TUNE_AHEAD 2
 static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
 {
@@ -2414,8 +2415,11 @@ static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
     near = near < t->gcap ? near : near - t->gcap;
     far = far < t->gcap ? far : far - t->gcap;
     if ((x = sh->ghost[far]) != KVB__NIL) KVB__PREFETCH(&sh->node[x]);
-    if ((x = sh->ghost[near]) != KVB__NIL && sh->node[x].where == 2 && sh->node[x].gpos == near)
-        KVB__PREFETCH(kvb__tune_at(sh, sh->node[x].key & t->imask));
+    if ((x = sh->ghost[near]) != KVB__NIL && sh->node[x].where == 2 && sh->node[x].gpos == near) {
+        uint64_t s = sh->node[x].key & t->imask;
+        KVB__PREFETCH(kvb__tune_at(sh, s));
+        KVB__PREFETCH(kvb__tune_at(sh, (s + 1) & t->imask)); /* a deletion reads on; a row is 88 bytes */
+    }
 }
 
 /* Evict the shadow's victim into its ghost circle (the oldest ghost goes). Returns whether a node was
@@ -2423,10 +2427,13 @@ static void kvb__tune_ghost_ahead(const kvb__tuner *t, const kvb__shadow *sh)
  * tuner, its victim search ran short of registers. */
 static KVB__NOINLINE int kvb__tune_evict(const kvb__tuner *t, kvb__shadow *sh, uint32_t now)
 {
-    uint32_t v = kvb__tune_victim(sh, now), old;
+    uint32_t v = kvb__tune_victim(sh, now), old, head;
     int forgot = 0;
     if (v == KVB__NIL) return 0;
     kvb__tune_unlink(sh, v);
+    /* the class's next victim but one: its node is written when the new head goes (its prev) */
+    if ((head = sh->head[sh->node[v].cls]) != KVB__NIL && sh->node[head].next != KVB__NIL)
+        KVB__PREFETCH(&sh->node[sh->node[head].next]);
     sh->resident--;
     if (!t->gcap) {
         kvb__tune_forget(t, sh, sh->node[v].key);
