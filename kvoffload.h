@@ -450,7 +450,8 @@ KVO_API kvo_result kvo_onboard(kvo_pipeline *pipeline, const kvb_hash *hashes, s
 /* Run every stage once (KVO_MODE_POLL; in thread mode it only wakes the coordinator). */
 KVO_API kvo_result kvo_pipeline_poll(kvo_pipeline *pipeline);
 /* Push everything pending through regardless of min batch and flush interval, and wait (poll mode:
- * pump) until nothing is left in any stage or timeout_us passes (negative = forever): KVO_ETIMEDOUT.
+ * pump, at least one pass) until nothing is left in any stage or timeout_us passes (negative = forever):
+ * KVO_ETIMEDOUT.
  * timeout_us is real time; the policy and precondition timeouts follow the config's clock: with a manual
  * clock that does not move, a "later" answer or an unsignalled precondition never ends (section 3).
  * From on_done (of this or any other pipeline) it waits for everything but the callbacks its own thread
@@ -464,7 +465,8 @@ KVO_API kvo_result kvo_pipeline_get_config(const kvo_pipeline *pipeline, kvo_pip
 
 /* Status and counts. KVO_ESTALE for a released handle. */
 KVO_API kvo_result kvo_transfer_get_info(kvo_pipeline *pipeline, kvo_transfer transfer, kvo_transfer_info *out);
-/* Wait for a final state up to timeout_us (negative = forever; poll mode pumps the pipeline meanwhile):
+/* Wait for a final state up to timeout_us (negative = forever; poll mode pumps the pipeline meanwhile,
+ * at least one pass, so timeout 0 polls):
  * KVO_OK, KVO_ETIMEDOUT, KVO_ESTALE (also when the handle is released while this waits, e.g. by an
  * on_done callback, as the tier manager's are). *out_status may be NULL. */
 KVO_API kvo_result kvo_transfer_wait(kvo_pipeline *pipeline, kvo_transfer transfer, int64_t timeout_us,
@@ -2992,17 +2994,22 @@ static void *kvo__coordinator(void *arg)
 
 /* Let the pipeline move on while the caller waits for `done(pl, arg)`: poll mode pumps the stages,
  * thread mode sleeps on the condition, except on the coordinator thread itself (an on_done it delivers
- * waiting on another transfer), which pumps as poll mode does. Locked on entry and exit. 0 on timeout. */
+ * waiting on another transfer), which pumps as poll mode does, at least one pass however short the timeout
+ * (0 included). Locked on entry and exit. 0 on timeout. */
 static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg, int64_t timeout_us)
 {
     uint64_t start = kvo__mono_us();
+    int pumped = 0;
     while (!done(pl, arg)) {
         int64_t left = timeout_us < 0 ? 1000 : timeout_us - (int64_t)(kvo__mono_us() - start);
+        int pumps = pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread || pthread_equal(pthread_self(), pl->thread);
         struct timespec dl;
-        if (left <= 0) return 0;
-        if (pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread || pthread_equal(pthread_self(), pl->thread)) {
+        if (left <= 0 && (pumped || !pumps)) return 0; /* a pump makes one pass even with no time: timeout 0 polls */
+        if (pumps) {
             int moved = kvo__step(pl);
+            pumped = 1;
             if (done(pl, arg)) break;
+            if (left <= 0) return 0;
             if (moved) continue; /* keep pumping while something moves */
         } else {
             pthread_cond_broadcast(&pl->cond); /* wake the coordinator */

@@ -303,10 +303,52 @@ static void test_poll_is_repeatable(void)
     free(b);
 }
 
+/* In poll mode a wait or drain with timeout 0 pumps the pipeline once before it says KVO_ETIMEDOUT, so a
+ * caller that polls with 0 (check, never block) moves the transfer on and sees it end. */
+static void test_poll_mode_timeout_zero_pumps(void)
+{
+    kvb_hash h[8];
+    kvb_weak weak[8];
+    kvo_backend *mem = NULL;
+    kvo_status st = KVO_STATUS_QUEUED;
+    kvo_result r = KVO_ETIMEDOUT;
+    kvb_pool *src = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_chain(7, 8, h);
+    of_register(src, h, 8, NULL, weak);
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvo_pipeline_config pc = of_config(src, dst, mem, KVO_MODE_POLL, NULL);
+    pc.min_batch = 1;
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return;
+    kvo_transfer t = of_enqueue(p, weak, 8, NULL);
+    int waits = 0;
+    for (; waits < 100 && (r = kvo_transfer_wait(p, t, 0, &st)) == KVO_ETIMEDOUT; waits++) {}
+    KVT_EQ(r, KVO_OK);
+    KVT_EQ(st, KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    t = of_enqueue(p, weak, 8, NULL); /* all present now: nothing to copy, final at once */
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvb_hash h2[8];
+    kvb_weak weak2[8];
+    of_chain(8, 8, h2);
+    of_register(src, h2, 8, NULL, weak2);
+    t = of_enqueue(p, weak2, 8, NULL);
+    int drains = 0;
+    for (; drains < 100 && (r = kvo_pipeline_drain(p, 0)) == KVO_ETIMEDOUT; drains++) {}
+    KVT_EQ(r, KVO_OK);
+    KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(dst);
+}
+
 int main(void)
 {
     of_watchdog(120);
     KVT_RUN(test_threads_and_poll_agree);
     KVT_RUN(test_poll_is_repeatable);
+    KVT_RUN(test_poll_mode_timeout_zero_pumps);
     return kvt_summary();
 }
