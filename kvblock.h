@@ -1470,10 +1470,9 @@ static inline int kvb__events_room(kvb_pool *p, size_t n)
            kvb__events_grow(p, n);
 }
 
-static void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
+static KVB__NOINLINE void kvb__emit_event(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
 {
     kvb_event e;
-    if (!p->cfg.on_events) return;
     memset(&e, 0, sizeof e);
     e.kind = kind;
     e.tier = p->cfg.tier;
@@ -1490,6 +1489,13 @@ static void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
         }
     }
     stbds_arrput(p->events, e);
+}
+
+/* An event for the pool's listener: without one, the usual case, only the test, inline where blocks are
+ * stored and removed. */
+static inline void kvb__emit(kvb_pool *p, kvb_event_kind kind, const kvb__meta *m)
+{
+    if (p->cfg.on_events) kvb__emit_event(p, kind, m);
 }
 
 static void kvb__unlock(kvb_pool *p)
