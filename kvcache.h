@@ -5661,8 +5661,10 @@ typedef struct kvo_stage_note {
 } kvo_stage_note;
 typedef void (*kvo_stage_fn)(void *user, const kvo_stage_note *note);
 
-/* Called once per transfer when it reaches a final state; dst holds a weak handle per block of the
- * container that is now in the destination (0 where none), in container order. */
+/* Called exactly once per transfer when it reaches a final state (memory for the call is reserved when
+ * the transfer is accepted: out of memory then, kvo_enqueue / kvo_onboard fail with KVO_ENOMEM); dst holds
+ * a weak handle per block of the container that is now in the destination (0 where none), in container
+ * order. */
 typedef void (*kvo_done_fn)(void *user, kvo_transfer transfer, const kvo_transfer_info *info,
                             const kvb_weak *dst, size_t n);
 
@@ -5684,7 +5686,7 @@ typedef struct kvo_pipeline_config {
     void *policy_user;
     kvo_clock_fn clock;           /* optional, for deterministic runs */
     void *clock_user;
-    kvo_done_fn on_done;          /* optional; once per transfer (but for want of memory: stats.notes_lost) */
+    kvo_done_fn on_done;          /* optional; exactly once per transfer */
     void *done_user;
     kvo_stage_fn on_stage;        /* optional: every status change */
     void *stage_user;
@@ -5704,8 +5706,8 @@ typedef struct kvo_pipeline_stats {
     uint64_t dest_full;           /* transfers that found the destination full (failed with KVO_EFULL) */
     uint64_t batches, bytes;
     uint32_t in_flight_blocks;    /* now: blocks upgraded and not landed yet (on deck or in the backend) */
-    uint64_t notes_lost;          /* transfers that ended with no memory for their on_done note: not called
-                                     for them (their final status stands) */
+    uint64_t notes_lost;          /* always 0, kept for the ABI: each transfer's on_done note is reserved
+                                     when it is accepted, so none is lost */
 } kvo_pipeline_stats;
 
 typedef struct kvo_pipeline kvo_pipeline;
@@ -5721,8 +5723,8 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline);
 /* Offload: enqueue n weak handles of source blocks (Registered). Stale handles are counted as dropped
  * when the batch is upgraded. KVO_EINVAL for n above UINT32_MAX (a transfer counts its blocks in 32
  * bits), KVO_ECANCELLED when the token is already cancelled, KVO_ENOMEM when out of memory (nothing
- * enqueued). opts may be NULL. Out of memory later, in a stage, a transfer fails with
- * KVO_ENOMEM. Thread safety: any thread. */
+ * enqueued; the memory on_done will need is taken here, so it is always called). opts may be NULL. Out
+ * of memory later, in a stage, a transfer fails with KVO_ENOMEM. Thread safety: any thread. */
 KVO_API kvo_result kvo_enqueue(kvo_pipeline *pipeline, const kvb_weak *blocks, size_t n,
                                const kvo_enqueue_opts *opts, kvo_transfer *out);
 
@@ -6986,16 +6988,20 @@ typedef struct kvo__container {
     uint8_t *state;
     kvb_weak *dst_weak;
     kvb_block *dst_keep;    /* onboarding: the caller's references */
+    struct kvo__note *note; /* on_done's, reserved while it is not final (pipelines with on_done) */
     kvo_transfer_info info;
 } kvo__container;
 
 typedef struct kvo__hslot { uint32_t gen; kvo__container *c; } kvo__hslot;
 
+/* A transfer's on_done note, reserved when the transfer is accepted (kvo__note_reserve) so that its
+ * end is told without allocating; once final, in the pipeline's list of notes to deliver (FIFO). */
 typedef struct kvo__note {
+    struct kvo__note *next;
     kvo_transfer t;
     kvo_transfer_info info;
-    kvb_weak *dst;
-    size_t n;
+    kvb_weak *dst;          /* room for cap handles, n of them used: in the same allocation, after it */
+    size_t n, cap;
 } kvo__note;
 
 /* A thread delivering on_done callbacks (on its stack, in kvo_pipeline.delivering while it does). */
@@ -7057,7 +7063,7 @@ struct kvo_pipeline {
     kvo__delivery *delivering; /* deliveries of on_done callbacks in progress, one per thread and nesting */
     pthread_t thread;
     kvo_pipeline_stats stats;
-    kvo__note *notes;
+    kvo__note *notes, *notes_last; /* final, to deliver (kvo__unlock), oldest first */
     uint32_t src_tier, dst_tier;
     uint32_t first_gen;       /* generation of a new handle slot: from the pools, so pipelines differ */
     /* kept for reuse, so that a steady stream of transfers allocates nothing (lock held) */
@@ -7069,8 +7075,8 @@ struct kvo_pipeline {
     kvb_hash *bad;            /* scratch of kvo__batch_finish: sources whose entry is damaged or gone */
     uint32_t keep_failed;     /* tier manager (eager): keep up to this many failed sources for its next send */
     kvb_weak *failed_src;     /* ... here: weak handles of sources whose copy failed (kvo__take_failed) */
-    kvo__note *spare_notes;
-    kvb_weak **spare_dst;     /* stb_ds arrays for kvo__note.dst */
+    kvo__note *spare_notes;   /* a list, spare_notes_n long */
+    uint32_t spare_notes_n;
 };
 
 #define KVO__SPARES 16 /* of each kind; beyond that they are freed */
@@ -7147,9 +7153,52 @@ static kvo__container *kvo__container_new(kvo_pipeline *pl, size_t n)
     return c;
 }
 
+/* A note delivered, or never used, to the spares (beyond KVO__SPARES freed). Locked. */
+static void kvo__note_recycle(kvo_pipeline *pl, kvo__note *note)
+{
+    if (pl->spare_notes_n < KVO__SPARES) {
+        note->next = pl->spare_notes;
+        pl->spare_notes = note;
+        pl->spare_notes_n++;
+        return;
+    }
+    KVB_FREE(note);
+}
+
+/* c's on_done note, for up to n blocks: a spare with room, or a new one with room to be reused (as
+ * kvo__container_new sizes containers). Taken when c is accepted, so that kvo__finalize never needs
+ * memory to tell c's end. 0 when out of memory (nothing changed). Locked. */
+static int kvo__note_reserve(kvo_pipeline *pl, kvo__container *c, size_t n)
+{
+    kvo__note **at, *note = NULL;
+    size_t cap = 64;
+    if (!pl->cfg.on_done) return 1;
+    for (at = &pl->spare_notes; *at; at = &(*at)->next)
+        if ((*at)->cap >= n) {
+            note = *at;
+            *at = note->next;
+            pl->spare_notes_n--;
+            break;
+        }
+    if (!note) {
+        while (cap < n) cap *= 2; /* n <= SIZE_MAX / 2: no wrap */
+        if (cap > (SIZE_MAX - sizeof *note) / sizeof *note->dst) return 0;
+        if (!(note = (kvo__note *)KVB_MALLOC(sizeof *note + cap * sizeof *note->dst))) return 0;
+        note->dst = (kvb_weak *)(void *)(note + 1);
+        note->cap = cap;
+    }
+    note->next = NULL;
+    c->note = note;
+    return 1;
+}
+
 /* A released container goes to the spares; its own token stays with it when nothing else holds it. */
 static void kvo__container_recycle(kvo_pipeline *pl, kvo__container *c)
 {
+    if (c->note) { /* never final (a call that failed): its note was not used */
+        kvo__note_recycle(pl, c->note);
+        c->note = NULL;
+    }
     if (c->token && KVO__LOAD(&c->token->refs) == 1) {
         kvo_token_release(c->token->parent);
         c->token->parent = NULL;
@@ -7331,6 +7380,22 @@ static void kvo__keep_failed(kvo_pipeline *pl, const kvo__container *c)
         }
 }
 
+/* c's reserved note, filled in, joins the notes to deliver: nothing allocated, so on_done is never
+ * lost (c->n <= the n it was reserved for: an onboard only shortens it). Locked. */
+static void kvo__note_queue(kvo_pipeline *pl, kvo__container *c)
+{
+    kvo__note *note = c->note;
+    c->note = NULL;
+    note->t = kvo__handle_of(pl, c);
+    note->info = c->info;
+    note->n = c->n;
+    if (c->n) memcpy(note->dst, c->dst_weak, c->n * sizeof *note->dst);
+    note->next = NULL;
+    if (pl->notes) pl->notes_last->next = note;
+    else pl->notes = note;
+    pl->notes_last = note;
+}
+
 /* A container reaches its final state: give back what it holds, count it, queue its on_done. */
 static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, int err)
 {
@@ -7356,25 +7421,7 @@ static void kvo__finalize(kvo_pipeline *pl, kvo__container *c, kvo_status st, in
     s->dropped += c->info.dropped;
     s->failed += c->info.failed;
     s->cancelled += st == KVO_STATUS_CANCELLED;
-    if (pl->cfg.on_done) { /* arrays from the spares: a steady stream of transfers allocates nothing */
-        kvo__note note;
-        note.t = kvo__handle_of(pl, c);
-        note.info = c->info;
-        note.n = c->n;
-        note.dst = stbds_arrlen(pl->spare_dst) ? stbds_arrpop(pl->spare_dst) : NULL;
-        KVB__ARR_SHRINK(note.dst, 0);
-        if (!pl->notes) {
-            pl->notes = pl->spare_notes;
-            pl->spare_notes = NULL;
-        }
-        if ((!c->n || kvo__fit(&note.dst, c->n)) && kvo__fit(&pl->notes, stbds_arrlenu(pl->notes) + 1)) {
-            if (c->n) memcpy(stbds_arraddnptr(note.dst, c->n), c->dst_weak, c->n * sizeof *note.dst);
-            stbds_arrput(pl->notes, note);
-        } else { /* out of memory: no on_done for this one (its final status stands) */
-            s->notes_lost++;
-            stbds_arrfree(note.dst);
-        }
-    }
+    if (c->note) kvo__note_queue(pl, c);
     pthread_cond_broadcast(&pl->cond);
 }
 
@@ -7392,26 +7439,21 @@ static void kvo__push_or_end(kvo_pipeline *pl, kvo_queue *q, kvo__container *c)
     else if (r != KVO_OK) kvo__on_drop(c, pl);
 }
 
-/* Delivered notes: their arrays go back to the spares (lock held). */
+/* Delivered notes go back to the spares (lock held). */
 static void kvo__notes_done(kvo_pipeline *pl, kvo__note *notes)
 {
-    size_t i;
-    for (i = 0; i < stbds_arrlenu(notes); i++) {
-        if (stbds_arrlenu(pl->spare_dst) < KVO__SPARES && kvo__fit(&pl->spare_dst, stbds_arrlenu(pl->spare_dst) + 1))
-            stbds_arrput(pl->spare_dst, notes[i].dst);
-        else stbds_arrfree(notes[i].dst);
+    while (notes) {
+        kvo__note *next = notes->next;
+        kvo__note_recycle(pl, notes);
+        notes = next;
     }
-    KVB__ARR_SHRINK(notes, 0);
-    if (!pl->spare_notes) pl->spare_notes = notes;
-    else stbds_arrfree(notes);
 }
 
 /* Unlock, then deliver the completion callbacks gathered meanwhile. */
 static void kvo__unlock(kvo_pipeline *pl)
 {
-    kvo__note *notes = pl->notes;
+    kvo__note *notes = pl->notes, *note;
     kvo__delivery me, **at;
-    size_t i;
     if (!notes) {
         pthread_mutex_unlock(&pl->lock);
         return;
@@ -7425,8 +7467,8 @@ static void kvo__unlock(kvo_pipeline *pl)
     pl->delivering = &me;
     kvo__current = &me;
     pthread_mutex_unlock(&pl->lock);
-    for (i = 0; i < stbds_arrlenu(notes); i++)
-        pl->cfg.on_done(pl->cfg.done_user, notes[i].t, &notes[i].info, notes[i].dst, notes[i].n);
+    for (note = notes; note; note = note->next)
+        pl->cfg.on_done(pl->cfg.done_user, note->t, &note->info, note->dst, note->n);
     kvo__current = me.outer;
     pthread_mutex_lock(&pl->lock);
     kvo__notes_done(pl, notes);
@@ -7475,6 +7517,15 @@ static kvo__batch *kvo__batch_new(kvo_pipeline *pl, uint32_t priority)
     return b;
 }
 
+static void kvo__notes_free(kvo__note *notes)
+{
+    while (notes) {
+        kvo__note *next = notes->next;
+        KVB_FREE(notes);
+        notes = next;
+    }
+}
+
 /* Everything the pipeline keeps for reuse (destroy). */
 static void kvo__free_spares(kvo_pipeline *pl)
 {
@@ -7488,11 +7539,11 @@ static void kvo__free_spares(kvo_pipeline *pl)
         KVB_FREE(pl->spare_bs[i]->mem);
         KVB_FREE(pl->spare_bs[i]);
     }
-    for (i = 0; i < stbds_arrlenu(pl->spare_dst); i++) stbds_arrfree(pl->spare_dst[i]);
+    kvo__notes_free(pl->spare_notes);
+    pl->spare_notes = NULL;
+    pl->spare_notes_n = 0;
     stbds_arrfree(pl->spare_cs);
     stbds_arrfree(pl->spare_bs);
-    stbds_arrfree(pl->spare_dst);
-    stbds_arrfree(pl->spare_notes);
     stbds_arrfree(pl->batcher_cs);
     stbds_arrfree(pl->stage_cs);
     stbds_arrfree(pl->present);
@@ -8244,7 +8295,7 @@ static void kvo__mark_draining(int delta)
 static int kvo__idle(kvo_pipeline *pl, int all)
 {
     return !kvo_queue_len(pl->q_eval) && !kvo_queue_len(pl->q_pre) && !kvo_queue_len(pl->q_batch) &&
-           !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing && !stbds_arrlen(pl->notes) &&
+           !stbds_arrlen(pl->in_queue) && !stbds_arrlen(pl->on_deck) && !pl->executing && !pl->notes &&
            !kvo__others_delivering(pl, all);
 }
 
@@ -8264,7 +8315,7 @@ static void *kvo__coordinator(void *arg)
     while (!pl->stopping) {
         int64_t wait_us;
         int moved = kvo__step(pl);
-        if (moved || stbds_arrlen(pl->notes)) { /* deliver callbacks, then look again */
+        if (moved || pl->notes) { /* deliver callbacks, then look again */
             kvo__unlock(pl);
             pthread_mutex_lock(&pl->lock);
             continue;
@@ -8304,7 +8355,7 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
         } else {
             pthread_cond_broadcast(&pl->cond); /* wake the coordinator */
         }
-        if (stbds_arrlen(pl->notes)) {
+        if (pl->notes) {
             kvo__unlock(pl);
             pthread_mutex_lock(&pl->lock);
             continue;
@@ -8431,6 +8482,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
         if (!c) continue;
         kvo__release_dst(pipeline, c);
         kvo_token_release(c->token);
+        KVB_FREE(c->note); /* NULL once final */
         KVB_FREE(c);
     }
     kvo__free_spares(pipeline);
@@ -8447,8 +8499,7 @@ KVO_API void kvo_pipeline_destroy(kvo_pipeline *pipeline)
     stbds_arrfree(pipeline->join_pairs);
     stbds_arrfree(pipeline->join_blocked);
     stbds_arrfree(pipeline->join_work);
-    for (i = 0; i < stbds_arrlenu(pipeline->notes); i++) stbds_arrfree(pipeline->notes[i].dst);
-    stbds_arrfree(pipeline->notes);
+    kvo__notes_free(pipeline->notes);
     pthread_mutex_destroy(&pipeline->lock);
     pthread_cond_destroy(&pipeline->cond);
     KVB_FREE(pipeline);
@@ -8470,7 +8521,7 @@ static kvo_result kvo__container_open(kvo_pipeline *pl, size_t n, const kvo_enqu
         KVB_FREE(c);
         return KVO_ENOMEM;
     }
-    if (!kvo__slot_alloc(pl, c)) {
+    if (!kvo__note_reserve(pl, c, n) || !kvo__slot_alloc(pl, c)) {
         kvo__container_recycle(pl, c);
         return KVO_ENOMEM;
     }
