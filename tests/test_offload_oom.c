@@ -226,46 +226,65 @@ static void test_onboard_out_of_memory(void)
         }
 }
 
+/* A tier manager G1 -> G2 -> G3 (eager, poll mode, memcpy copies) over three small pools, with six
+ * chained blocks registered in G1 and held (strong). */
+typedef struct chain3 {
+    kvb_pool *pools[3];
+    kvo_backend *mem;
+    kvo_manager *m;
+    kvb_block strong[6];
+} chain3;
+
+static void chain3_open(chain3 *c, uint64_t prompt, uint32_t max_batch, kvo_offloaded_fn on_offloaded)
+{
+    kvb_hash h[6];
+    kvo_manager_config mc;
+    for (int i = 0; i < 3; i++) c->pools[i] = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    KVT_EQ(kvo_memcpy_backend_create(0, &c->mem), KVO_OK);
+    of_chain(prompt, 6, h);
+    of_register(c->pools[0], h, 6, c->strong, NULL);
+    memset(&mc, 0, sizeof mc);
+    mc.num_tiers = 3;
+    for (int i = 0; i < 3; i++) mc.pools[i] = c->pools[i];
+    mc.down[0] = mc.down[1] = c->mem;
+    mc.pipeline.mode = KVO_MODE_POLL;
+    mc.pipeline.min_batch = 1;
+    mc.pipeline.max_batch = max_batch;
+    mc.on_offloaded = on_offloaded;
+    KVT_EQ(kvo_manager_create(&mc, &c->m), KVO_OK);
+}
+
+/* The manager goes; every pool then holds nothing referenced and passes its check. */
+static void chain3_close(chain3 *c)
+{
+    kvo_manager_destroy(c->m);
+    KVT_EQ(kvb_release(c->pools[0], c->strong, 6, NULL), KVB_OK);
+    for (int i = 0; i < 3; i++) {
+        char why[256] = "";
+        KVT_EQ(of_active(c->pools[i]), 0);
+        KVT_EQ(kvb_pool_check(c->pools[i], why, sizeof why), KVB_OK);
+        kvb_pool_destroy(c->pools[i]);
+    }
+    kvo_backend_destroy(c->mem);
+}
+
 /* The tier manager's offer (eager, G1 -> G2 -> G3): KVO_ENOMEM, or it sends; either way every pool
  * ends with nothing referenced once the manager is gone. */
 static void test_manager_offer_out_of_memory(void)
 {
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0; at < MAX_N; at++) {
-            kvb_pool *pools[3];
-            kvo_backend *mem;
-            kvo_manager *m;
-            kvb_hash h[6];
-            kvb_block strong[6];
-            for (int i = 0; i < 3; i++) pools[i] = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-            KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
-            of_chain(9, 6, h);
-            of_register(pools[0], h, 6, strong, NULL);
-            kvo_manager_config mc;
-            memset(&mc, 0, sizeof mc);
-            mc.num_tiers = 3;
-            for (int i = 0; i < 3; i++) mc.pools[i] = pools[i];
-            mc.down[0] = mc.down[1] = mem;
-            mc.pipeline.mode = KVO_MODE_POLL;
-            mc.pipeline.min_batch = 1;
-            KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
+            chain3 c;
+            chain3_open(&c, 9, 0, NULL);
             oom_arm(at, sticky);
             oom_iters++;
-            kvo_result r = kvo_manager_offer(m, 0, strong, 6, NULL);
-            for (int i = 0; i < 8; i++) kvo_manager_poll(m);
+            kvo_result r = kvo_manager_offer(c.m, 0, c.strong, 6, NULL);
+            for (int i = 0; i < 8; i++) kvo_manager_poll(c.m);
             int fired = oom_fired;
             oom_disarm();
             KVT_CHECK(r == KVO_OK || r == KVO_ENOMEM);
-            KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
-            kvo_manager_destroy(m);
-            KVT_EQ(kvb_release(pools[0], strong, 6, NULL), KVB_OK);
-            for (int i = 0; i < 3; i++) {
-                char why[256] = "";
-                KVT_EQ(of_active(pools[i]), 0);
-                KVT_EQ(kvb_pool_check(pools[i], why, sizeof why), KVB_OK);
-                kvb_pool_destroy(pools[i]);
-            }
-            kvo_backend_destroy(mem);
+            KVT_EQ(kvo_manager_drain(c.m, 5000000), KVO_OK);
+            chain3_close(&c);
             if (!fired) break;
         }
 }
@@ -288,51 +307,26 @@ static void test_manager_done_out_of_memory(void)
 {
     for (int sticky = 0; sticky < 2; sticky++)
         for (long at = 0; at < MAX_N; at++) {
-            kvb_pool *pools[3];
-            kvo_backend *mem;
-            kvo_manager *m;
+            chain3 c;
             kvo_manager_stats ms;
-            kvb_hash h[6];
-            kvb_block strong[6];
-            for (int i = 0; i < 3; i++) pools[i] = of_mem_pool(32, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-            KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
-            of_chain(11, 6, h);
-            of_register(pools[0], h, 6, strong, NULL);
-            kvo_manager_config mc;
-            memset(&mc, 0, sizeof mc);
-            mc.num_tiers = 3;
-            for (int i = 0; i < 3; i++) mc.pools[i] = pools[i];
-            mc.down[0] = mc.down[1] = mem;
-            mc.pipeline.mode = KVO_MODE_POLL;
-            mc.pipeline.min_batch = 1;
-            mc.pipeline.max_batch = 2; /* several batches, so several transfers end in one poll */
-            mc.on_offloaded = count_offloaded;
             memset(offloaded, 0, sizeof offloaded);
-            KVT_EQ(kvo_manager_create(&mc, &m), KVO_OK);
-            KVT_EQ(kvo_manager_offer(m, 0, strong, 2, NULL), KVO_OK);
-            KVT_EQ(kvo_manager_offer(m, 0, &strong[2], 2, NULL), KVO_OK);
-            KVT_EQ(kvo_manager_offer(m, 0, &strong[4], 2, NULL), KVO_OK);
+            chain3_open(&c, 11, 2, count_offloaded); /* batches of 2: several transfers end in one poll */
+            KVT_EQ(kvo_manager_offer(c.m, 0, c.strong, 2, NULL), KVO_OK);
+            KVT_EQ(kvo_manager_offer(c.m, 0, &c.strong[2], 2, NULL), KVO_OK);
+            KVT_EQ(kvo_manager_offer(c.m, 0, &c.strong[4], 2, NULL), KVO_OK);
             oom_arm(at, sticky);
             oom_iters++;
-            for (int i = 0; i < 8; i++) kvo_manager_poll(m);
+            for (int i = 0; i < 8; i++) kvo_manager_poll(c.m);
             int fired = oom_fired;
             oom_disarm();
-            KVT_EQ(kvo_manager_drain(m, 5000000), KVO_OK);
-            KVT_EQ(kvo_manager_get_stats(m, &ms), KVO_OK);
+            KVT_EQ(kvo_manager_drain(c.m, 5000000), KVO_OK);
+            KVT_EQ(kvo_manager_get_stats(c.m, &ms), KVO_OK);
             for (int i = 0; i < 2; i++) {
                 KVT_EQ(ms.down[i].notes_lost, 0);
                 KVT_EQ((uint64_t)offloaded[i], ms.down[i].enqueued); /* each handle released by on_done */
             }
             KVT_EQ(ms.down[0].enqueued, 3);
-            kvo_manager_destroy(m);
-            KVT_EQ(kvb_release(pools[0], strong, 6, NULL), KVB_OK);
-            for (int i = 0; i < 3; i++) {
-                char why[256] = "";
-                KVT_EQ(of_active(pools[i]), 0);
-                KVT_EQ(kvb_pool_check(pools[i], why, sizeof why), KVB_OK);
-                kvb_pool_destroy(pools[i]);
-            }
-            kvo_backend_destroy(mem);
+            chain3_close(&c);
             if (!fired) break;
         }
 }
