@@ -344,11 +344,62 @@ static void test_poll_mode_timeout_zero_pumps(void)
     kvb_pool_destroy(dst);
 }
 
+static int zero_done_calls;
+static void count_done(void *user, kvo_transfer t, const kvo_transfer_info *info, const kvb_weak *dst, size_t n)
+{
+    (void)user;
+    (void)t;
+    (void)info;
+    (void)dst;
+    (void)n;
+    zero_done_calls++;
+}
+
+/* With on_done, a drain with timeout 0 whose one pass ends every transfer is drained: the callbacks that
+ * pass queued are delivered before the drain returns, so it says KVO_OK and not KVO_ETIMEDOUT (a
+ * transfer whose blocks are all in the destination already ends in the policy stage, and its note waits
+ * for delivery: the drain looked at the pipeline before delivering it). */
+static void test_poll_mode_drain_zero_delivers_before_it_answers(void)
+{
+    kvb_hash h[8];
+    kvb_weak weak[8];
+    kvo_backend *mem = NULL;
+    kvb_pool *src = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    of_chain(9, 8, h);
+    of_register(src, h, 8, NULL, weak);
+    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
+    kvo_pipeline_config pc = of_config(src, dst, mem, KVO_MODE_POLL, NULL);
+    pc.min_batch = 1;
+    pc.on_done = count_done;
+    zero_done_calls = 0;
+    kvo_pipeline *p = of_pipeline(&pc);
+    if (!p) return;
+    kvo_transfer t = of_enqueue(p, weak, 8, NULL);
+    KVT_EQ(kvo_pipeline_drain(p, -1), KVO_OK);
+    KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(zero_done_calls, 1);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    t = of_enqueue(p, weak, 8, NULL); /* all present now: nothing to copy */
+    KVT_EQ(kvo_pipeline_drain(p, 0), KVO_OK);
+    KVT_EQ(zero_done_calls, 2);
+    KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    t = of_enqueue(p, weak, 0, NULL); /* no blocks */
+    KVT_EQ(kvo_pipeline_drain(p, 0), KVO_OK);
+    KVT_EQ(zero_done_calls, 3);
+    KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
+    kvo_pipeline_destroy(p);
+    kvo_backend_destroy(mem);
+    kvb_pool_destroy(src);
+    kvb_pool_destroy(dst);
+}
+
 int main(void)
 {
     of_watchdog(120);
     KVT_RUN(test_threads_and_poll_agree);
     KVT_RUN(test_poll_is_repeatable);
     KVT_RUN(test_poll_mode_timeout_zero_pumps);
+    KVT_RUN(test_poll_mode_drain_zero_delivers_before_it_answers);
     return kvt_summary();
 }
