@@ -3047,6 +3047,17 @@ static void *kvo__coordinator(void *arg)
  * thread mode sleeps on the condition, except on the coordinator thread itself (an on_done it delivers
  * waiting on another transfer), which pumps as poll mode does, at least one pass however short the timeout
  * (0 included). Locked on entry and exit. 0 on timeout. */
+/* Out of time: the callbacks already queued are delivered first (the caller's unlock would deliver them
+ * before it returns anyway), then done is asked once more, so that a pass which ended everything (its
+ * notes not yet told) is not answered with a timeout. Locked on entry and exit. */
+static int kvo__last_look(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg)
+{
+    if (!pl->notes) return 0;
+    kvo__unlock(pl);
+    pthread_mutex_lock(&pl->lock);
+    return done(pl, arg);
+}
+
 static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg, int64_t timeout_us)
 {
     uint64_t start = kvo__mono_us();
@@ -3055,12 +3066,13 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
         int64_t left = timeout_us < 0 ? 1000 : timeout_us - (int64_t)(kvo__mono_us() - start);
         int pumps = pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread || pthread_equal(pthread_self(), pl->thread);
         struct timespec dl;
-        if (left <= 0 && (pumped || !pumps)) return 0; /* a pump makes one pass even with no time: timeout 0 polls */
+        if (left <= 0 && (pumped || !pumps)) return kvo__last_look(pl, done, arg); /* a pump makes one pass
+                                                                                even with no time: timeout 0 polls */
         if (pumps) {
             int moved = kvo__step(pl);
             pumped = 1;
             if (done(pl, arg)) break;
-            if (left <= 0) return 0;
+            if (left <= 0) return kvo__last_look(pl, done, arg);
             if (moved) continue; /* keep pumping while something moves */
         } else {
             pthread_cond_broadcast(&pl->cond); /* wake the coordinator */
