@@ -8333,10 +8333,6 @@ static void *kvo__coordinator(void *arg)
     return NULL;
 }
 
-/* Let the pipeline move on while the caller waits for `done(pl, arg)`: poll mode pumps the stages,
- * thread mode sleeps on the condition, except on the coordinator thread itself (an on_done it delivers
- * waiting on another transfer), which pumps as poll mode does, at least one pass however short the timeout
- * (0 included). Locked on entry and exit. 0 on timeout. */
 /* Out of time: the callbacks already queued are delivered first (the caller's unlock would deliver them
  * before it returns anyway), then done is asked once more, so that a pass which ended everything (its
  * notes not yet told) is not answered with a timeout. Locked on entry and exit. */
@@ -8348,6 +8344,10 @@ static int kvo__last_look(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *),
     return done(pl, arg);
 }
 
+/* Let the pipeline move on while the caller waits for `done(pl, arg)`: poll mode pumps the stages,
+ * thread mode sleeps on the condition, except on the coordinator thread itself (an on_done it delivers
+ * waiting on another transfer), which pumps as poll mode does, at least one pass however short the timeout
+ * (0 included). Locked on entry and exit. 0 on timeout. */
 static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *), void *arg, int64_t timeout_us)
 {
     uint64_t start = kvo__mono_us();
@@ -8356,8 +8356,8 @@ static int kvo__wait_until(kvo_pipeline *pl, int (*done)(kvo_pipeline *, void *)
         int64_t left = timeout_us < 0 ? 1000 : timeout_us - (int64_t)(kvo__mono_us() - start);
         int pumps = pl->cfg.mode == KVO_MODE_POLL || !pl->has_thread || pthread_equal(pthread_self(), pl->thread);
         struct timespec dl;
-        if (left <= 0 && (pumped || !pumps)) return kvo__last_look(pl, done, arg); /* a pump makes one pass
-                                                                                even with no time: timeout 0 polls */
+        if (left <= 0 && (pumped || !pumps)) /* a pump makes one pass even with no time: timeout 0 polls */
+            return kvo__last_look(pl, done, arg);
         if (pumps) {
             int moved = kvo__step(pl);
             pumped = 1;
