@@ -115,6 +115,22 @@ static void fill_block(sf_env *e, kvb_pool *pool, kvb_block b, const uint32_t *t
 }
 
 /* Puts blocks 0 .. n-1 of `tokens` into the host, registered under their hashes with their bytes. */
+/* Two computed device blocks of a 32-token prompt (tokens of seed 4 in u, chained hashes in hu),
+ * registered and held: what a request leaves for the connector to store. */
+static void register_computed_pair(sf_env *e, uint32_t u[32], kvb_hash hu[2], kvb_block held[2])
+{
+    kvb_hash parents[2];
+    kvb_block b[2];
+    size_t n = 0;
+    sf_tokens(4, u, 32);
+    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
+    KVT_EQ(kvb_alloc(e->dev, 2, b), KVB_OK);
+    memset(&parents[0], 0, sizeof parents[0]);
+    parents[1] = hu[0];
+    for (size_t k = 0; k < 2; k++) fill_block(e, e->dev, b[k], u, k);
+    KVT_EQ(kvb_register_hashed(e->dev, b, 2, hu, parents, held), KVB_OK);
+}
+
 static void seed_host(sf_env *e, const uint32_t *tokens, const kvb_hash *h, size_t n)
 {
     kvb_block *b = calloc(n, sizeof *b), *out = calloc(n, sizeof *out);
@@ -621,22 +637,16 @@ static void test_meta_not_bound_then_bound_twice(void)
 {
     rig r;
     uint32_t t[64], u[32];
-    kvb_hash h[4], hu[2], parents[2];
-    kvb_block b[2], held[2];
+    kvb_hash h[4], hu[2];
+    kvb_block held[2];
     size_t n = 0;
     kvs_connector_meta meta;
     kvo_manager_stats ms;
     rig_open(&r, KVS_OFFLOAD_EAGER);
     sf_tokens(3, t, 64);
-    sf_tokens(4, u, 32);
     KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
-    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
     seed_host(&r.e, t, h, 4);
-    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK); /* two computed device blocks of another request, to store */
-    memset(&parents[0], 0, sizeof parents[0]);
-    parents[1] = hu[0];
-    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
-    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    register_computed_pair(&r.e, u, hu, held); /* of another request, to store */
     KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
     ask_take(&r, 5, h, 4, 0, 64);
 
@@ -702,18 +712,11 @@ static void test_destroy_with_stores_in_flight(void)
     rig r;
     stall st = {1, 0};
     uint32_t u[32];
-    kvb_hash hu[2], parents[2];
-    kvb_block b[2], held[2];
-    size_t n = 0;
+    kvb_hash hu[2];
+    kvb_block held[2];
     kvs_connector_meta meta;
     rig_open_ex(&r, KVS_OFFLOAD_EAGER, &(rig_opts){.pipeline_mode = KVO_MODE_THREADS, .on_stage = stall_finished_store, .stage_user = &st});
-    sf_tokens(4, u, 32);
-    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
-    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
-    memset(&parents[0], 0, sizeof parents[0]);
-    parents[1] = hu[0];
-    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
-    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    register_computed_pair(&r.e, u, hu, held);
     KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
     start_step(&r, &meta);
     KVT_EQ(meta.num_stores, 2);
@@ -766,8 +769,8 @@ static void test_request_finished_while_the_backend_finishes_a_store(void)
     finish_call f = {NULL, 0, 0};
     store_gate g = {1, 0, &f};
     uint32_t t[64], u[32];
-    kvb_hash h[4], hu[2], parents[2];
-    kvb_block b[2], held[2];
+    kvb_hash h[4], hu[2];
+    kvb_block held[2];
     size_t n = 0, tokens = 0;
     int async = 0;
     pthread_t th;
@@ -779,13 +782,7 @@ static void test_request_finished_while_the_backend_finishes_a_store(void)
     sf_tokens(3, t, 64);
     KVT_EQ(kvb_hash_prompt(t, 64, 16, NULL, 0, 0, h, 4, &n), KVB_OK);
     seed_host(&r.e, t, h, 4);
-    sf_tokens(4, u, 32);
-    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
-    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
-    memset(&parents[0], 0, sizeof parents[0]);
-    parents[1] = hu[0];
-    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
-    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    register_computed_pair(&r.e, u, hu, held);
 
     KVT_EQ(kvs_connector_get_num_new_matched_tokens(r.c, 7, h, 4, 0, &tokens, &async), KVS_OK);
     KVT_EQ(tokens, 64);
@@ -941,19 +938,12 @@ static int store_with_lost_hook_call(long at, int sticky)
 {
     rig r;
     uint32_t u[32];
-    kvb_hash hu[2], parents[2];
-    kvb_block b[2], held[2];
-    size_t n = 0;
+    kvb_hash hu[2];
+    kvb_block held[2];
     int fired;
     kvs_connector_meta meta;
     rig_open(&r, KVS_OFFLOAD_EAGER);
-    sf_tokens(4, u, 32);
-    KVT_EQ(kvb_hash_prompt(u, 32, 16, NULL, 0, 0, hu, 2, &n), KVB_OK);
-    KVT_EQ(kvb_alloc(r.e.dev, 2, b), KVB_OK);
-    memset(&parents[0], 0, sizeof parents[0]);
-    parents[1] = hu[0];
-    for (size_t k = 0; k < 2; k++) fill_block(&r.e, r.e.dev, b[k], u, k);
-    KVT_EQ(kvb_register_hashed(r.e.dev, b, 2, hu, parents, held), KVB_OK);
+    register_computed_pair(&r.e, u, hu, held);
     KVT_EQ(kvs_connector_note_registered(r.c, 9, held, 2), KVS_OK);
     start_step(&r, &meta);
     KVT_EQ(meta.num_stores, 2);

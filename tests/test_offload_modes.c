@@ -303,45 +303,67 @@ static void test_poll_is_repeatable(void)
     free(b);
 }
 
+/* A poll-mode pipeline between two 16-block pools (memcpy, batches from 1 block), the source holding 8
+ * chained blocks of `prompt` (weak handles in weak). */
+typedef struct poll_rig {
+    kvb_pool *src, *dst;
+    kvo_backend *mem;
+    kvo_pipeline *p;
+    kvb_weak weak[8];
+} poll_rig;
+
+static int poll_rig_open(poll_rig *r, uint64_t prompt, kvo_done_fn on_done)
+{
+    kvb_hash h[8];
+    r->src = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    r->dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
+    r->mem = NULL;
+    of_chain(prompt, 8, h);
+    of_register(r->src, h, 8, NULL, r->weak);
+    KVT_EQ(kvo_memcpy_backend_create(0, &r->mem), KVO_OK);
+    kvo_pipeline_config pc = of_config(r->src, r->dst, r->mem, KVO_MODE_POLL, NULL);
+    pc.min_batch = 1;
+    pc.on_done = on_done;
+    r->p = of_pipeline(&pc);
+    return r->p != NULL;
+}
+
+static void poll_rig_close(poll_rig *r)
+{
+    kvo_pipeline_destroy(r->p);
+    kvo_backend_destroy(r->mem);
+    kvb_pool_destroy(r->src);
+    kvb_pool_destroy(r->dst);
+}
+
 /* In poll mode a wait or drain with timeout 0 pumps the pipeline once before it says KVO_ETIMEDOUT, so a
  * caller that polls with 0 (check, never block) moves the transfer on and sees it end. */
 static void test_poll_mode_timeout_zero_pumps(void)
 {
-    kvb_hash h[8];
-    kvb_weak weak[8];
-    kvo_backend *mem = NULL;
+    poll_rig rig;
     kvo_status st = KVO_STATUS_QUEUED;
     kvo_result r = KVO_ETIMEDOUT;
-    kvb_pool *src = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    of_chain(7, 8, h);
-    of_register(src, h, 8, NULL, weak);
-    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
-    kvo_pipeline_config pc = of_config(src, dst, mem, KVO_MODE_POLL, NULL);
-    pc.min_batch = 1;
-    kvo_pipeline *p = of_pipeline(&pc);
-    if (!p) return;
-    kvo_transfer t = of_enqueue(p, weak, 8, NULL);
+    if (!poll_rig_open(&rig, 7, NULL)) return;
+    kvo_pipeline *p = rig.p;
+    kvo_transfer t = of_enqueue(p, rig.weak, 8, NULL);
     int waits = 0;
     for (; waits < 100 && (r = kvo_transfer_wait(p, t, 0, &st)) == KVO_ETIMEDOUT; waits++) {}
     KVT_EQ(r, KVO_OK);
     KVT_EQ(st, KVO_STATUS_COMPLETE);
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
-    t = of_enqueue(p, weak, 8, NULL); /* all present now: nothing to copy, final at once */
+    t = of_enqueue(p, rig.weak, 8, NULL); /* all present now: nothing to copy, final at once */
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
     kvb_hash h2[8];
     kvb_weak weak2[8];
     of_chain(8, 8, h2);
-    of_register(src, h2, 8, NULL, weak2);
+    of_register(rig.src, h2, 8, NULL, weak2);
     t = of_enqueue(p, weak2, 8, NULL);
     int drains = 0;
     for (; drains < 100 && (r = kvo_pipeline_drain(p, 0)) == KVO_ETIMEDOUT; drains++) {}
     KVT_EQ(r, KVO_OK);
     KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
-    kvo_pipeline_destroy(p);
-    kvo_backend_destroy(mem);
-    kvb_pool_destroy(src);
-    kvb_pool_destroy(dst);
+    poll_rig_close(&rig);
 }
 
 static int zero_done_calls;
@@ -361,37 +383,25 @@ static void count_done(void *user, kvo_transfer t, const kvo_transfer_info *info
  * for delivery: the drain looked at the pipeline before delivering it). */
 static void test_poll_mode_drain_zero_delivers_before_it_answers(void)
 {
-    kvb_hash h[8];
-    kvb_weak weak[8];
-    kvo_backend *mem = NULL;
-    kvb_pool *src = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS), *dst = of_mem_pool(16, KVB_LAYOUT_BLOCK_CONTIGUOUS);
-    of_chain(9, 8, h);
-    of_register(src, h, 8, NULL, weak);
-    KVT_EQ(kvo_memcpy_backend_create(0, &mem), KVO_OK);
-    kvo_pipeline_config pc = of_config(src, dst, mem, KVO_MODE_POLL, NULL);
-    pc.min_batch = 1;
-    pc.on_done = count_done;
+    poll_rig rig;
     zero_done_calls = 0;
-    kvo_pipeline *p = of_pipeline(&pc);
-    if (!p) return;
-    kvo_transfer t = of_enqueue(p, weak, 8, NULL);
+    if (!poll_rig_open(&rig, 9, count_done)) return;
+    kvo_pipeline *p = rig.p;
+    kvo_transfer t = of_enqueue(p, rig.weak, 8, NULL);
     KVT_EQ(kvo_pipeline_drain(p, -1), KVO_OK);
     KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
     KVT_EQ(zero_done_calls, 1);
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
-    t = of_enqueue(p, weak, 8, NULL); /* all present now: nothing to copy */
+    t = of_enqueue(p, rig.weak, 8, NULL); /* all present now: nothing to copy */
     KVT_EQ(kvo_pipeline_drain(p, 0), KVO_OK);
     KVT_EQ(zero_done_calls, 2);
     KVT_EQ(of_status(p, t), KVO_STATUS_COMPLETE);
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
-    t = of_enqueue(p, weak, 0, NULL); /* no blocks */
+    t = of_enqueue(p, rig.weak, 0, NULL); /* no blocks */
     KVT_EQ(kvo_pipeline_drain(p, 0), KVO_OK);
     KVT_EQ(zero_done_calls, 3);
     KVT_EQ(kvo_transfer_release(p, t), KVO_OK);
-    kvo_pipeline_destroy(p);
-    kvo_backend_destroy(mem);
-    kvb_pool_destroy(src);
-    kvb_pool_destroy(dst);
+    poll_rig_close(&rig);
 }
 
 int main(void)
